@@ -1,0 +1,45 @@
+"""hetcc's knobs in one typed module.
+
+Each knob has a type, a one-line comment and an environment override read at import time; tests and
+users change one for a block with ``with config.patch(debug=2): ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.strip().lstrip("-").isdigit() else default
+
+
+# 0 silent; 1 print the plan/analysis summary; 2 also the IR after every pass; 3 also generated Triton.
+debug: int = _env_int("HETCC_DEBUG", 0)
+# Folder for numbered IR dumps after every pass (None: no dumps).
+dump_dir: str | None = os.environ.get("HETCC_DUMP_DIR") or None
+# Run hetcc.verify's invariant checks after each pass (always on in tests).
+check: bool = bool(_env_int("HETCC_CHECK", 0))
+# A block whose nodes' saved activations + parameter bytes exceed this is split into finer blocks.
+max_block_bytes: float = float(os.environ.get("HETCC_MAX_BLOCK_BYTES", "inf"))
+# Seconds a rank waits on any send/recv/collective before raising RuntimeFailure.
+comm_timeout_s: float = float(os.environ.get("HETCC_COMM_TIMEOUT_S", "120"))
+# Device orders searched exactly up to this many distinct orders; beyond it, heuristic + local search.
+exact_order_limit: int = _env_int("HETCC_EXACT_ORDER_LIMIT", 5000)
+
+
+@contextlib.contextmanager
+def patch(**changes: object) -> Iterator[None]:
+    """Set knobs for the duration of a ``with`` block, then restore them."""
+    module = globals()
+    unknown = [k for k in changes if k not in module or k.startswith("_") or callable(module[k])]
+    if unknown:
+        raise AttributeError(f"hetcc.config has no knob(s) {unknown}")
+    saved = {k: module[k] for k in changes}
+    module.update(changes)
+    try:
+        yield
+    finally:
+        module.update(saved)

@@ -1,0 +1,35 @@
+"""Every user-facing failure is a HetccError: it names what is at fault and what to do next."""
+
+from __future__ import annotations
+
+
+class HetccError(Exception):
+    """Base class of hetcc's errors. ``hint`` is the next step a user can take."""
+
+    def __init__(self, message: str, *, hint: str | None = None):
+        self.hint = hint
+        super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
+
+
+class ClusterError(HetccError):
+    """A cluster file or spec is invalid (names the file, the device or field, and why)."""
+
+
+class TraceError(HetccError):
+    """The model could not be captured as a graph by any front end."""
+
+
+class AnalysisError(HetccError):
+    """A pass could not annotate a node (names the node and the op)."""
+
+
+class InfeasiblePlanError(HetccError):
+    """No partition fits the devices' memory (names the tightest stage and what is missing)."""
+
+
+class RuntimeFailure(HetccError):
+    """A rank failed, timed out or lost its peer while running a compiled pipeline."""
+
+
+class PlanFormatError(HetccError):
+    """A saved plan or problem file is malformed or from an incompatible version."""
