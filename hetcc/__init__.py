@@ -1,6 +1,8 @@
 """hetcc: compile one PyTorch model into unequal pipeline stages for a cluster of unequal devices."""
 
-from hetcc import config
+from hetcc import config, ir
+from hetcc.analysis import Analysis, analyze
+from hetcc.cluster import Cluster, Device, Link
 from hetcc.errors import (
     AnalysisError,
     ClusterError,
@@ -10,8 +12,19 @@ from hetcc.errors import (
     RuntimeFailure,
     TraceError,
 )
+from hetcc.presets import DeviceType, get_preset
+from hetcc.trace import trace
 
 __all__ = [
+    "Analysis",
+    "Cluster",
+    "Device",
+    "DeviceType",
+    "Link",
+    "get_preset",
+    "analyze",
+    "ir",
+    "trace",
     "AnalysisError",
     "ClusterError",
     "HetccError",

@@ -1,0 +1,150 @@
+"""Front end: capture a model as an fx.GraphModule.
+
+torch.export (non-strict) first; ``torch.fx.symbolic_trace`` plus fake shape propagation for modules that
+export rejects. Either way the result is an *unlifted* GraphModule: parameters and buffers are
+``get_attr`` nodes, every tensor node carries ``meta["val"]`` (a FakeTensor) and, from export,
+``meta["nn_module_stack"]``. Meta-device models and FakeTensor inputs trace without real memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from hetcc.errors import TraceError
+
+log = logging.getLogger(__name__)
+
+_FIXES = (
+    "Hugging Face models: pass use_cache=False in example_kwargs (a DynamicCache output cannot be "
+    "traced) and build with attn_implementation='eager' or 'sdpa'",
+    "data-dependent Python control flow (if tensor.sum() > 0): use torch.cond or make it static",
+    "inputs the model does not accept: check example_inputs / example_kwargs against forward()",
+)
+
+
+@dataclass
+class Traced:
+    """A captured model: the graph plus how it was captured and the symbols of its dynamic dims."""
+
+    gm: torch.fx.GraphModule
+    frontend: str  # "export" | "symbolic_trace"
+    dim_symbols: dict[str, Any] = field(default_factory=dict)  # Dim name -> sympy symbol
+    exported: torch.export.ExportedProgram | None = None
+
+
+def trace(
+    model: torch.nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+) -> Traced:
+    """Capture ``model`` called as ``model(*example_inputs, **example_kwargs)``."""
+    if not isinstance(model, torch.nn.Module):
+        raise TraceError(f"hetcc.trace expects a torch.nn.Module, got {type(model).__name__}")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = dict(example_kwargs or {})
+    try:
+        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as export_error:  # noqa: BLE001 - reported with the fallback's error below
+        log.info("torch.export failed (%s); trying torch.fx.symbolic_trace", export_error)
+        return _symbolic_trace_or_raise(model, args, kwargs, dynamic_shapes, export_error)
+    gm = exported.module()
+    _drop_guard_calls(gm)
+    return Traced(gm, "export", _dim_symbols(gm, args, kwargs, dynamic_shapes, model), exported)
+
+
+def _drop_guard_calls(gm: torch.fx.GraphModule) -> None:
+    """Remove export's input-guard call (``_guards_fn``, hetcc re-runs graphs on fake and split inputs)
+    and unused parameter reads (export leaves one per tied alias)."""
+    for node in list(gm.graph.nodes):
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        if (guard or node.op == "get_attr") and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _symbolic_trace_or_raise(model, args, kwargs, dynamic_shapes, export_error) -> Traced:
+    if dynamic_shapes is not None:
+        raise _trace_error(model, export_error, None, "dynamic_shapes need torch.export")
+    try:
+        gm = torch.fx.symbolic_trace(model)
+        _propagate_fake(gm, model, args, kwargs)
+    except Exception as fx_error:  # noqa: BLE001
+        raise _trace_error(model, export_error, fx_error) from fx_error
+    return Traced(gm, "symbolic_trace")
+
+
+def _propagate_fake(gm: torch.fx.GraphModule, model, args, kwargs) -> None:
+    """Fill ``meta["val"]`` by running the graph on FakeTensors (no real memory is touched)."""
+    flat_inputs = _bind_placeholders(gm, model, args, kwargs)
+    mode = detect_fake_mode(flat_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = [
+        mode.from_tensor(x, static_shapes=True) if isinstance(x, torch.Tensor) else x for x in flat_inputs
+    ]
+    FakeTensorProp(gm, mode).propagate(*fake_inputs)
+
+
+def _bind_placeholders(gm, model, args, kwargs) -> list:
+    signature = inspect.signature(model.forward)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    return [bound.arguments.get(name) for name in names]
+
+
+def _dim_symbols(gm, args, kwargs, dynamic_shapes, model) -> dict[str, Any]:
+    """Map each ``torch.export.Dim`` name to the sympy symbol export gave it."""
+    if dynamic_shapes is None:
+        return {}
+    bound = inspect.signature(model.forward).bind(*args, **kwargs).arguments
+    specs = dynamic_shapes if isinstance(dynamic_shapes, dict) else dict(zip(bound, dynamic_shapes))
+    placeholders = {n.target: n for n in gm.graph.nodes if n.op == "placeholder"}
+    symbols: dict[str, Any] = {}
+    for input_name, dims in specs.items():
+        node = placeholders.get(input_name)
+        if node is None or not dims:
+            continue
+        shape = node.meta["val"].shape
+        for axis, dim in dims.items() if isinstance(dims, dict) else enumerate(dims):
+            size = shape[axis]
+            if dim is not None and isinstance(size, torch.SymInt):
+                symbols[getattr(dim, "__name__", str(dim))] = size.node.expr
+    return symbols
+
+
+def _trace_error(model, export_error, fx_error, extra: str | None = None) -> TraceError:
+    name = type(model).__name__
+    lines = [f"hetcc could not capture {name} as a graph."]
+    lines.append(f"  torch.export: {_first_line(export_error)}{_user_frame(export_error)}")
+    if fx_error is not None:
+        lines.append(f"  torch.fx.symbolic_trace: {_first_line(fx_error)}{_user_frame(fx_error)}")
+    if extra:
+        lines.append(f"  {extra}")
+    lines.append("  usual fixes:")
+    lines.extend(f"    - {fix}" for fix in _FIXES)
+    return TraceError("\n".join(lines), hint="fix the first cause above, or pass a submodule that traces")
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _user_frame(error: BaseException) -> str:
+    """The innermost traceback frame outside torch/hetcc/site-packages: the user's source line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        path = frame.filename.replace("\\", "/")
+        if not any(part in path for part in ("/torch/", "/hetcc/", "site-packages", "<")):
+            return f" (at {frame.filename}:{frame.lineno}: {frame.line})"
+    return ""

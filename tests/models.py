@@ -1,0 +1,62 @@
+"""Small real models for tests: Hugging Face architectures built from configs, random weights."""
+
+from __future__ import annotations
+
+import torch
+from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def gpt2(n_layer: int = 2, n_embd: int = 64, n_head: int = 2, vocab: int = 128, **kw) -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        vocab_size=vocab,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        **kw,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def llama(
+    layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128
+) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return LlamaForCausalLM(config)
+
+
+def bert(layers: int = 2, hidden: int = 64, heads: int = 2, vocab: int = 128) -> BertModel:
+    torch.manual_seed(0)
+    config = BertConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * hidden,
+        vocab_size=vocab,
+        max_position_embeddings=128,
+    )
+    return BertModel(config)
+
+
+def token_ids(batch: int, seq: int, vocab: int = 128, device: str | None = None) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, seq), generator=generator)
+    return ids.to(device) if device else ids
+
+
+def lm_kwargs(ids: torch.Tensor) -> dict:
+    return {"input_ids": ids, "use_cache": False}

@@ -1,0 +1,100 @@
+import pytest
+import torch
+from models import bert, gpt2, llama, lm_kwargs, token_ids
+
+import hetcc
+from hetcc.ir import info
+
+
+@pytest.fixture(scope="module")
+def gpt2_12(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("dump")
+    with torch.device("meta"):
+        model = gpt2(n_layer=12, n_embd=768, n_head=12, vocab=50257)
+    ids = token_ids(2, 64, vocab=50257, device="meta")
+    return hetcc.analyze(model, example_kwargs=lm_kwargs(ids), dump_dir=folder), folder
+
+
+def test_gpt2_12_has_embed_twelve_layers_and_head(gpt2_12):
+    analysis, _ = gpt2_12
+    assert [b.name for b in analysis.blocks] == ["embed"] + [f"transformer.h.{i}" for i in range(12)] + [
+        "head"
+    ]
+
+
+def test_cut_between_layers_is_the_residual_stream_plus_the_shared_mask(gpt2_12):
+    analysis, folder = gpt2_12
+    residual = 2 * 64 * 768 * 4
+    layer3 = analysis.blocks[4]
+    sizes = sorted(c.bytes for c in layer3.cut_tensors)
+    assert residual in sizes and len(sizes) == 2  # the residual stream and the causal mask
+    mask = next(c for c in layer3.cut_tensors if c.bytes != residual)
+    assert mask.last_block == "transformer.h.11"  # every layer reads it
+    assert layer3.cut_bytes == residual + mask.bytes
+    text = (folder / "04_blocks.txt").read_text()
+    for cut in layer3.cut_tensors:
+        assert f"%{cut.node} " in text
+    assert "lm_head.weight" in text  # the tied weight is reported
+
+
+def _assert_chain_is_contiguous_and_forward_only(gm):
+    order, seen = [], set()
+    for node in gm.graph.nodes:
+        block = info(node).block
+        if node.op in ("call_function", "call_module", "call_method"):
+            if block != (order[-1] if order else None):
+                assert block not in seen, f"block {block} is not contiguous"
+                order.append(block)
+                seen.add(block)
+    position = {name: i for i, name in enumerate(order)}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_module", "call_method"):
+            for arg in node.all_input_nodes:
+                if arg.op not in ("get_attr", "placeholder"):
+                    assert position[info(arg).block] <= position[info(node).block]
+
+
+@pytest.mark.parametrize("build", [gpt2, llama, bert], ids=["gpt2", "llama", "bert"])
+def test_blocks_are_contiguous_and_dependencies_only_go_forward(build):
+    kwargs = {"input_ids": token_ids(2, 16)}
+    if build is not bert:
+        kwargs["use_cache"] = False
+    analysis = hetcc.analyze(build(), example_kwargs=kwargs)
+    _assert_chain_is_contiguous_and_forward_only(analysis.graph)
+    assert len(analysis.blocks) == 4  # embed, 2 layers, head
+
+
+def test_llama_cut_carries_rotary_cos_sin_and_mask_to_every_layer():
+    analysis = hetcc.analyze(llama(layers=3), example_kwargs=lm_kwargs(token_ids(2, 16)))
+    first_layer = analysis.blocks[1]
+    shared = [c for c in first_layer.cut_tensors if c.last_block == "model.layers.2"]
+    head_dim = 64 // 4
+    rotary = [c for c in shared if c.bytes == 16 * head_dim * 4]  # cos and sin: [1, seq, head_dim] f32
+    assert len(rotary) == 2 and len(shared) == 3  # cos, sin and the mask
+
+
+def test_a_block_over_the_size_limit_is_split_by_its_children():
+    analysis = hetcc.analyze(gpt2(), example_kwargs=lm_kwargs(token_ids(2, 16)), max_block_bytes=100_000)
+    names = [b.name for b in analysis.blocks]
+    assert "transformer.h.0/attn" in names and "transformer.h.0/mlp" in names
+    _assert_chain_is_contiguous_and_forward_only(analysis.graph)
+    whole = hetcc.analyze(gpt2(), example_kwargs=lm_kwargs(token_ids(2, 16)))
+    assert analysis.total_flops() == whole.total_flops()
+
+
+class Residual(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(self.mid(h)) + h  # the skip lands after `out`
+
+
+def test_model_without_layers_is_split_by_top_level_children_and_skips_cross_cuts():
+    analysis = hetcc.analyze(Residual(), (torch.randn(4, 8),))
+    assert [b.name for b in analysis.blocks][:2] == ["inp", "mid"]
+    inp, mid = analysis.blocks[0], analysis.blocks[1]
+    assert inp.cut_bytes == 4 * 8 * 4 and inp.cut_tensors[0].last_block == "out"  # h skips over mid
+    assert {c.node for c in mid.cut_tensors} == {"linear", "linear_1"} and mid.cut_bytes == 2 * 4 * 8 * 4

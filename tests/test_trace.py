@@ -1,0 +1,91 @@
+import pytest
+import torch
+from models import gpt2, lm_kwargs, token_ids
+
+import hetcc
+from hetcc.errors import TraceError
+
+
+def test_export_is_the_front_end_and_every_tensor_node_has_a_fake_value():
+    traced = hetcc.trace(gpt2(), example_kwargs=lm_kwargs(token_ids(2, 8)))
+    assert traced.frontend == "export"
+    compute = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert compute and all("val" in n.meta for n in compute)
+    assert all(
+        n.meta.get("nn_module_stack")
+        for n in compute
+        if n.target is not torch.ops.aten._assert_tensor_metadata.default
+    )
+
+
+def test_traced_graph_runs_equal_to_eager():
+    model = gpt2().eval()
+    kwargs = lm_kwargs(token_ids(2, 8))
+    traced = hetcc.trace(model, example_kwargs=kwargs)
+    torch.testing.assert_close(traced.gm(**kwargs)[0], model(**kwargs).logits)
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_falls_back_to_symbolic_trace_when_export_rejects_the_model(monkeypatch):
+    def reject(*args, **kwargs):
+        raise RuntimeError("export says no")
+
+    monkeypatch.setattr(torch.export, "export", reject)
+    traced = hetcc.trace(TwoLayer(), (torch.randn(3, 8),))
+    assert traced.frontend == "symbolic_trace"
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes if n.op != "output"}
+    assert shapes["fc2"] == (3, 4)
+    analysis = hetcc.analyze(TwoLayer(), (torch.randn(3, 8),))
+    assert analysis.total_flops() == 2 * 3 * 8 * 16 + 2 * 3 * 16 * 4
+
+
+class DataDependent(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # the line the error must point at
+            return x * 2
+        return x
+
+
+def test_trace_error_gives_both_causes_the_user_line_and_fixes():
+    with pytest.raises(TraceError) as caught:
+        hetcc.trace(DataDependent(), (torch.randn(4),))
+    message = str(caught.value)
+    assert "torch.export:" in message and "torch.fx.symbolic_trace:" in message
+    assert "test_trace.py" in message and "if x.sum() > 0" in message
+    assert "use_cache=False" in message
+
+
+def test_meta_device_model_traces_without_real_weights():
+    with torch.device("meta"):
+        model = gpt2()
+        ids = token_ids(2, 8, device="meta")
+    analysis = hetcc.analyze(model, example_kwargs=lm_kwargs(ids))
+    reference = hetcc.analyze(gpt2(), example_kwargs=lm_kwargs(token_ids(2, 8)))
+    assert analysis.total_flops() == reference.total_flops()
+    assert [b.act_bytes for b in analysis.blocks] == [b.act_bytes for b in reference.blocks]
+
+
+def test_fake_tensor_mode_model_traces():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = gpt2()
+        ids = torch.randint(0, 128, (2, 8))
+    analysis = hetcc.analyze(model, example_kwargs=lm_kwargs(ids))
+    assert (
+        analysis.total_flops()
+        == hetcc.analyze(gpt2(), example_kwargs=lm_kwargs(token_ids(2, 8))).total_flops()
+    )
+
+
+def test_non_module_is_a_trace_error():
+    with pytest.raises(TraceError, match="expects a torch.nn.Module"):
+        hetcc.trace(lambda x: x, (torch.randn(2),))
