@@ -71,9 +71,13 @@ def analyze(
     *,
     training: bool = True,
     max_block_bytes: float | None = None,
+    dumper: Dumper | None = None,
 ) -> Analysis:
-    """Trace ``model`` and annotate every node with shape, FLOPs, bytes, parameters and activations."""
-    dumper = Dumper(dump_dir)
+    """Trace ``model`` and annotate every node with shape, FLOPs, bytes, parameters and activations.
+
+    ``dumper`` continues a dump folder's numbering (``hetcc.compile`` passes its own).
+    """
+    dumper = dumper or Dumper(dump_dir)
     with dumper.step("trace", "traced.py", lambda: traced.gm.code):
         traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
     gm = traced.gm

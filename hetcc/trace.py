@@ -12,6 +12,7 @@ import inspect
 import logging
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+import hetcc as hetcc_package
 from hetcc.errors import TraceError
 
 log = logging.getLogger(__name__)
@@ -141,10 +143,15 @@ def _first_line(error: BaseException) -> str:
 
 
 def _user_frame(error: BaseException) -> str:
-    """The innermost traceback frame outside torch/hetcc/site-packages: the user's source line."""
-    frames = traceback.extract_tb(error.__traceback__)
-    for frame in reversed(frames):
-        path = frame.filename.replace("\\", "/")
-        if not any(part in path for part in ("/torch/", "/hetcc/", "site-packages", "<")):
-            return f" (at {frame.filename}:{frame.lineno}: {frame.line})"
+    """The innermost traceback frame outside torch, hetcc and installed packages: the user's line.
+    Chained causes are searched too (export re-raises some errors from inside its own handlers)."""
+    library_dirs = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, hetcc_package))
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for frame in reversed(traceback.extract_tb(error.__traceback__)):
+            path = str(Path(frame.filename).resolve()) if not frame.filename.startswith("<") else ""
+            if path and not path.startswith(library_dirs) and "site-packages" not in path:
+                return f" (at {frame.filename}:{frame.lineno}: {frame.line})"
+        error = error.__cause__ or error.__context__
     return ""

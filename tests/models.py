@@ -39,7 +39,7 @@ def llama(
     return LlamaForCausalLM(config)
 
 
-def bert(layers: int = 2, hidden: int = 64, heads: int = 2, vocab: int = 128) -> BertModel:
+def bert(layers: int = 2, hidden: int = 64, heads: int = 2, vocab: int = 128, **kw) -> BertModel:
     torch.manual_seed(0)
     config = BertConfig(
         hidden_size=hidden,
@@ -48,8 +48,20 @@ def bert(layers: int = 2, hidden: int = 64, heads: int = 2, vocab: int = 128) ->
         intermediate_size=2 * hidden,
         vocab_size=vocab,
         max_position_embeddings=128,
+        **kw,
     )
     return BertModel(config)
+
+
+class MLP(torch.nn.Module):
+    """Linear(8, 16) -> relu -> Linear(16, 4): small enough to check every number by hand."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def token_ids(batch: int, seq: int, vocab: int = 128, device: str | None = None) -> torch.Tensor:
@@ -60,3 +72,11 @@ def token_ids(batch: int, seq: int, vocab: int = 128, device: str | None = None)
 
 def lm_kwargs(ids: torch.Tensor) -> dict:
     return {"input_ids": ids, "use_cache": False}
+
+
+def tiny_gpt2_factory():
+    """``pkg.module:factory`` form for CLI tests: (model, example kwargs) for one step's batch."""
+    with torch.device("meta"):
+        model = gpt2(n_layer=4, n_embd=128, n_head=4, vocab=512)
+        ids = token_ids(8, 32, vocab=512, device="meta")
+    return model, lm_kwargs(ids)

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from models import gpt2, lm_kwargs, token_ids
+from models import MLP, gpt2, lm_kwargs, token_ids
 from torch.export import Dim
 
 import hetcc
@@ -31,15 +31,6 @@ def test_symbolic_analysis_evaluates_to_the_concrete_one(symbolic, batch, seq):
 def test_evaluate_rejects_unknown_dims(symbolic):
     with pytest.raises(AnalysisError, match=r"unknown dynamic dim\(s\) \['tokens'\]"):
         symbolic.evaluate(tokens=3)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def test_dump_dir_gets_numbered_files_each_headed_by_its_pass(tmp_path):

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from models import gpt2, lm_kwargs, token_ids
+from models import MLP, gpt2, lm_kwargs, token_ids
 
 import hetcc
 from hetcc.errors import TraceError
@@ -25,25 +25,16 @@ def test_traced_graph_runs_equal_to_eager():
     torch.testing.assert_close(traced.gm(**kwargs)[0], model(**kwargs).logits)
 
 
-class TwoLayer(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
-
-
 def test_falls_back_to_symbolic_trace_when_export_rejects_the_model(monkeypatch):
     def reject(*args, **kwargs):
         raise RuntimeError("export says no")
 
     monkeypatch.setattr(torch.export, "export", reject)
-    traced = hetcc.trace(TwoLayer(), (torch.randn(3, 8),))
+    traced = hetcc.trace(MLP(), (torch.randn(3, 8),))
     assert traced.frontend == "symbolic_trace"
     shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.gm.graph.nodes if n.op != "output"}
     assert shapes["fc2"] == (3, 4)
-    analysis = hetcc.analyze(TwoLayer(), (torch.randn(3, 8),))
+    analysis = hetcc.analyze(MLP(), (torch.randn(3, 8),))
     assert analysis.total_flops() == 2 * 3 * 8 * 16 + 2 * 3 * 16 * 4
 
 

@@ -1,0 +1,23 @@
+"""Triton code generation for fusion groups: lowering table, group IR, codegen, cache, custom op.
+
+Nothing here imports Triton until a kernel is first compiled (``hetcc.kernels.cache``).
+"""
+
+from hetcc.kernels.cache import choose_backend, describe_backend
+from hetcc.kernels.codegen import kernel_source, write_kernel
+from hetcc.kernels.group import FusionGroup, group_from_json, group_to_json
+from hetcc.kernels.op import FUSION_META_KEY, load_groups, register_group, register_groups_in
+
+__all__ = [
+    "FUSION_META_KEY",
+    "FusionGroup",
+    "choose_backend",
+    "describe_backend",
+    "group_from_json",
+    "group_to_json",
+    "kernel_source",
+    "load_groups",
+    "register_group",
+    "register_groups_in",
+    "write_kernel",
+]

@@ -1,17 +1,8 @@
 import torch
-from models import gpt2, lm_kwargs, token_ids
+from models import MLP, gpt2, lm_kwargs, token_ids
 
 import hetcc
 from hetcc.ir import info
-
-
-class MLP(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def _by_name(gm):

@@ -1,0 +1,141 @@
+"""Step time of hetcc's runtime vs torch.distributed.pipelining on the same split.
+
+Two ranks on gloo (CPU), same MLP, same schedule and microbatch count; each rank runs both runtimes in
+one process group, so startup costs are excluded. Prints per-step times and the ratio (aim: <= 1.10x).
+
+    python benchmarks/runtime_overhead.py --schedule 1f1b --microbatches 4 --steps 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import socket
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from hetcc.passes.comm import split_stages
+from hetcc.runtime.executor import StageExecutor
+from hetcc.runtime.groups import Links
+from hetcc.runtime.interop import pipelining_schedule
+from hetcc.runtime.local import split_microbatches
+from hetcc.runtime.store import load_stages, save_stages
+from hetcc.schedules import stage_actions
+
+
+def build_mlp(width: int, depth: int) -> torch.nn.Sequential:
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def split_two(width: int, depth: int, microbatch: int, directory: str) -> None:
+    torch.manual_seed(0)
+    model = build_mlp(width, depth)
+    gm = torch.export.export(model, (torch.randn(microbatch, width),), strict=False).module()
+    compute = [n for n in gm.graph.nodes if n.op == "call_function"]
+    stage_of = {n.name: int(i >= len(compute) // 2) for i, n in enumerate(compute)}
+    save_stages(split_stages(gm, stage_of, 2), directory)
+
+
+def hetcc_step(stages, rank, x, y, args):
+    """One training step of hetcc's executor on this rank, as a closure."""
+    links = Links(["cpu", "cpu"], [], 60.0)
+    executor = StageExecutor(stages[rank], links, args.microbatches, F.mse_loss, {"name": "sgd", "lr": 1e-3})
+    chunks = split_microbatches({stages[0].inputs[0]: x}, args.microbatches)
+    targets = list(y.chunk(args.microbatches))
+    actions = stage_actions(args.schedule, 2, args.microbatches)[rank]
+    return lambda: executor.step(chunks, targets, actions)
+
+
+def pipelining_step(stages, rank, x, y, args):
+    """One training step of torch.distributed.pipelining on this rank, as a closure."""
+    schedule = pipelining_schedule(stages, rank, args.microbatches, args.schedule, F.mse_loss)
+    optimizer = torch.optim.SGD(schedule._stage.submod.parameters(), lr=1e-3)
+
+    def step():
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        optimizer.step()
+
+    return step
+
+
+def timed(step, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def worker(rank: int, port: int, directory: str, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=60),
+    )
+    torch.manual_seed(1)
+    x = torch.randn(args.microbatch * args.microbatches, args.width)
+    y = torch.randn_like(x)
+    runners = {
+        "hetcc": hetcc_step(load_stages(directory), rank, x, y, args),
+        "pipelining": pipelining_step(load_stages(directory), rank, x, y, args),
+    }
+    results = {name: [] for name in runners}
+    for step in runners.values():  # warm up both
+        timed(step, args.warmup)
+    for _ in range(args.rounds):  # alternate, so load on the machine hits both alike
+        for name, step in runners.items():
+            results[name] += timed(step, args.steps)
+    if rank == 1:
+        med = {k: statistics.median(v) for k, v in results.items()}
+        print(
+            f"schedule {args.schedule}, microbatches {args.microbatches}, MLP {args.depth}x{args.width}, "
+            f"microbatch {args.microbatch}, 2 ranks gloo, median of {args.rounds}x{args.steps} steps"
+        )
+        for name, seconds in med.items():
+            print(f"  {name:<11} {seconds * 1e3:8.2f} ms/step")
+        print(f"  ratio hetcc / pipelining: {med['hetcc'] / med['pipelining']:.3f}x")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatch", type=int, default=16)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10, help="steps per round")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per runtime")
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as directory:
+        split_two(args.width, args.depth, args.microbatch, directory)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        mp.start_processes(worker, args=(port, directory, args), nprocs=2, start_method="spawn")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,41 @@
+"""Model factories for the CLI: ``hetcc compile examples.models:gpt2_small --cluster ... --out build/``.
+
+Each returns ``(model, example_inputs)`` for one training step's batch. Models are Hugging Face
+architectures built from configs (random weights, nothing downloaded) on the meta device, so planning a
+large model needs no memory for its weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def _gpt2(layers: int, hidden: int, heads: int, batch: int, seq: int):
+    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_positions=max(1024, seq))
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return model, {"input_ids": ids, "use_cache": False}
+
+
+def gpt2_small(batch: int = 16, seq: int = 512):
+    """GPT-2 (124 M): 12 layers, hidden 768."""
+    return _gpt2(12, 768, 12, batch, seq)
+
+
+def gpt2_xl(batch: int = 32, seq: int = 512):
+    """GPT-2 XL (1.5 B): 48 layers, hidden 1600."""
+    return _gpt2(48, 1600, 25, batch, seq)
+
+
+def llama_7b(batch: int = 8, seq: int = 2048):
+    """A Llama-2-7B-shaped model: 32 layers, hidden 4096."""
+    config = LlamaConfig(
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=max(4096, seq),
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return model, {"input_ids": ids, "use_cache": False}

@@ -1,0 +1,312 @@
+"""Calibration records: what ``hetcc.calibrate`` measured on one device type, and how it replaces
+the datasheet efficiency profile of that type in a cluster.
+
+A calibration file (YAML or JSON, one per device type and machine) looks like::
+
+    version: 1
+    device_type: A100-80GB              # the type the figures are for: matched like a preset name
+    device_name: NVIDIA A100-SXM4-80GB  # provenance, optional: what the hardware calls itself, host,
+    host: node0                         # torch version, threads used, and when it was measured
+    torch_version: 2.13.0
+    threads: 32
+    date: '2026-11-30T03:40:12Z'
+    matmul_flops: {fp32: 1.8e13, bf16: 2.6e14}   # FLOP/s per dtype (numbers, or "260 TFLOP/s")
+    memory_bandwidth_bps: 1.7e12                 # bytes/s (or "1.7 TB/s")
+    kernel_overhead_s: 4.1e-06                   # seconds (or "4.1 us")
+
+Rule for ``apply`` (the achievable rates become the measured ones):
+
+* GPUs (datasheet peaks): ``matmul_efficiency`` = the best measured share of peak over the measured
+  dtypes (at most 1); each measured dtype's peak is set to measured / efficiency, so
+  ``achievable_flops(k) == matmul_flops[k]`` for every measured k (for the dtype that sets the
+  efficiency, or a single measured dtype, the datasheet peak is kept). Unmeasured dtypes keep their
+  datasheet peak at the new efficiency; measured dtypes the type has no peak for are ignored.
+  ``memory_efficiency`` = measured / peak bandwidth. A figure above its datasheet peak (boost clocks)
+  raises the peak to the figure at efficiency 1.
+* CPUs (vendor "cpu": the peaks are placeholders): the measured figures become the peaks and
+  bandwidth at efficiency 1.0; unmeasured dtypes keep their old achievable rate as their peak.
+* Both: ``kernel_overhead_s`` = the measured overhead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import yaml
+
+from hetcc.cluster import Cluster
+from hetcc.errors import ClusterError
+from hetcc.file_format import _closest, load_file, parse_quantity
+from hetcc.presets import DTYPE_KEYS, PRESETS, DeviceType, PeakTable, type_key
+
+FORMAT_VERSION = 1
+# File key -> quantity unit for the measured figures.
+_MEASURED = {"memory_bandwidth_bps": "bytes/s", "kernel_overhead_s": "seconds"}
+_TEXT = ("device_name", "host", "torch_version", "date")
+_KEYS = ("version", "device_type", *_TEXT, "threads", "matmul_flops", *_MEASURED)
+_REQUIRED = ("device_type", "matmul_flops", *_MEASURED)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Speeds measured on one device of type ``device_type``, with where and when they were taken."""
+
+    device_type: str  # the device type the figures are for ("cpu", "A100-80GB", a custom type's name)
+    matmul_flops: Mapping[str, float]  # best sustained FLOP/s of a large square matmul, per dtype key
+    memory_bandwidth_bps: float  # bytes read + written per second by a streaming pointwise op
+    kernel_overhead_s: float  # seconds per op that does no work (dispatch + launch)
+    device_name: str = ""  # what the hardware calls itself ("NVIDIA A100-SXM4-80GB", a CPU model)
+    host: str = ""
+    torch_version: str = ""
+    threads: int | None = None  # torch.get_num_threads() while measuring (matters on CPUs)
+    date: str = ""  # ISO 8601, UTC
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "matmul_flops", PeakTable(self.matmul_flops))
+        for field, reason in self._problems():
+            raise ClusterError(f"calibration of {self.device_type!r}: {field}: {reason}")
+
+    def _problems(self) -> Iterator[tuple[str, str]]:
+        if not isinstance(self.device_type, str) or not self.device_type.strip():
+            yield "device_type", f"expected a non-empty string; got {self.device_type!r}"
+        if not self.matmul_flops:
+            yield "matmul_flops", "no dtype measured; give at least one, e.g. {fp32: 1.2e11}"
+        for key, flops in self.matmul_flops.items():
+            if key not in DTYPE_KEYS:
+                yield (
+                    f"matmul_flops.{key}",
+                    f"not a dtype key ({', '.join(DTYPE_KEYS)}){_closest(key, DTYPE_KEYS)}",
+                )
+            elif not 0 < flops < math.inf:
+                yield f"matmul_flops.{key}", f"must be a positive number of FLOP/s; got {flops!r}"
+        if not (_is_number(self.memory_bandwidth_bps) and 0 < self.memory_bandwidth_bps < math.inf):
+            yield (
+                "memory_bandwidth_bps",
+                f"must be a positive number of bytes/s; got {self.memory_bandwidth_bps!r}",
+            )
+        if not (_is_number(self.kernel_overhead_s) and 0 <= self.kernel_overhead_s < math.inf):
+            yield "kernel_overhead_s", f"must be a number of seconds >= 0; got {self.kernel_overhead_s!r}"
+        if self.threads is not None and not (
+            _is_number(self.threads) and isinstance(self.threads, int) and self.threads >= 1
+        ):
+            yield "threads", f"expected a positive integer; got {self.threads!r}"
+
+    # ---- files -----------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The file's contents: plain JSON/YAML-ready values in SI units."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"version": FORMAT_VERSION} | data | {"matmul_flops": dict(self.matmul_flops)}
+
+    def save(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Write a ``.yaml``/``.yml`` or ``.json`` file (by suffix); returns the path written."""
+        path = pathlib.Path(path)
+        suffix = path.suffix.lower()
+        if suffix not in (".yaml", ".yml", ".json"):
+            raise ClusterError(f"{path}: a calibration file must end in .yaml, .yml or .json")
+        if suffix == ".json":
+            text = json.dumps(self.to_dict(), indent=2) + "\n"
+        else:
+            header = f"# hetcc calibration of {self.device_type}: see hetcc.calibration for the format\n"
+            text = header + yaml.safe_dump(self.to_dict(), sort_keys=False)
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> Calibration:
+        """Read a file written by ``save`` (or by hand); errors name the file and the field."""
+        path = pathlib.Path(path)
+        return _FileReader(str(path)).calibration(load_file(path, "calibration file"))
+
+    # ---- printing --------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """A few readable lines: what was measured where, and for GPU presets the share of datasheet."""
+        preset = _preset_named(self.device_type)
+        head = self.device_name or "unnamed device"
+        if self.threads and preset is None:
+            head += f", {self.threads} thread{'s' if self.threads > 1 else ''}"
+        lines = [f"calibration of {self.device_type} ({head})"]
+        where = [
+            self.host and f"host {self.host}",
+            self.torch_version and f"torch {self.torch_version}",
+            self.date,
+        ]
+        lines += [f"  measured on {', '.join(x for x in where if x)}"] if any(where) else []
+        for key, flops in self.matmul_flops.items():
+            peak = preset.peak_flops.get(key) if preset else None
+            lines.append(
+                _row(
+                    f"matmul {key}",
+                    _rate(flops, "FLOP/s"),
+                    peak and flops / peak,
+                    peak and _rate(peak, "FLOP/s"),
+                )
+            )
+        peak_bps = preset.memory_bandwidth_bps if preset else None
+        bandwidth_bps = self.memory_bandwidth_bps
+        lines.append(
+            _row(
+                "memory bandwidth",
+                _rate(bandwidth_bps, "B/s"),
+                peak_bps and bandwidth_bps / peak_bps,
+                peak_bps and _rate(peak_bps, "B/s"),
+            )
+        )
+        lines.append(_row("kernel overhead", f"{self.kernel_overhead_s * 1e6:.3g} us"))
+        return "\n".join(lines)
+
+
+def _row(label: str, value: str, share: float | None = None, peak: str | None = None) -> str:
+    """One aligned line of ``describe``, with the share of the datasheet peak where there is one."""
+    of_peak = f"  ({share:.0%} of the {peak} datasheet peak)" if share else ""
+    return f"  {label:<18}{value:>14}{of_peak}"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _preset_named(name: str) -> DeviceType | None:
+    """The GPU preset called exactly ``name`` (up to case and punctuation), for printing shares."""
+    found = [t for t in PRESETS.values() if type_key(t.name) == type_key(name) and t.vendor != "cpu"]
+    return found[0] if found else None
+
+
+def _rate(value: float, unit: str) -> str:
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:.4g} {prefix}{unit}"
+    return f"{value:.4g} {unit}"
+
+
+class _FileReader:
+    """Turns a parsed calibration file into a Calibration; every error names the file and the field."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, field: str, reason: str, hint: str | None = None) -> NoReturn:
+        raise ClusterError(f"{self.source}: {field + ': ' if field else ''}{reason}", hint=hint)
+
+    def calibration(self, data: object) -> Calibration:
+        if not isinstance(data, Mapping):
+            self.fail("", f"expected a mapping with keys {', '.join(_KEYS)}; got {type(data).__name__}")
+        for key in data:
+            if key not in _KEYS:
+                self.fail(
+                    str(key), f"unknown key{_closest(key, _KEYS)}", hint=f"valid keys: {', '.join(_KEYS)}"
+                )
+        for key in _REQUIRED:
+            if key not in data:
+                self.fail(
+                    "", f"missing required key {key!r}", hint="write calibration files with `hetcc calibrate`"
+                )
+        if data.get("version", FORMAT_VERSION) != FORMAT_VERSION:
+            self.fail(
+                "version", f"unsupported version {data['version']!r}; this hetcc reads {FORMAT_VERSION}"
+            )
+        fields: dict[str, Any] = {k: self.text(data[k], k) for k in ("device_type", *_TEXT) if k in data}
+        fields |= {k: self.quantity(data[k], unit, k) for k, unit in _MEASURED.items()}
+        fields["matmul_flops"] = self.flops(data["matmul_flops"])
+        if "threads" in data:
+            fields["threads"] = data["threads"]
+        try:
+            return Calibration(**fields)
+        except ClusterError as error:
+            self.fail("", str(error).removeprefix(f"calibration of {fields['device_type']!r}: "))
+
+    def text(self, value: object, field: str) -> str:
+        if isinstance(value, (datetime.date, datetime.datetime)):  # YAML reads an unquoted date as one
+            return value.isoformat()
+        if not isinstance(value, str):
+            self.fail(field, f"expected a string; got {value!r}")
+        return value
+
+    def quantity(self, value: object, unit: str, field: str) -> float:
+        try:
+            return parse_quantity(value, unit)
+        except ClusterError as error:
+            self.fail(field, str(error).partition("\n  hint: ")[0], hint=error.hint)
+
+    def flops(self, value: object) -> dict[str, float]:
+        if not isinstance(value, Mapping) or not value:
+            self.fail(
+                "matmul_flops", f"expected a mapping of dtype to FLOP/s, e.g. {{fp32: 1.2e11}}; got {value!r}"
+            )
+        return {str(k): self.quantity(v, "flop/s", f"matmul_flops.{k}") for k, v in value.items()}
+
+
+# ---- applying --------------------------------------------------------------------------------------
+def apply(device_type: DeviceType, calibration: Calibration) -> DeviceType:
+    """``device_type`` with its efficiency profile replaced by ``calibration`` (module docstring: rule).
+
+    The name is kept: a calibrated A100-80GB is still an A100-80GB. The calibration's own
+    ``device_type`` is not checked here; ``apply_to_cluster`` matches by name.
+    """
+    if device_type.vendor == "cpu":
+        peaks = {k: v * device_type.matmul_efficiency for k, v in device_type.peak_flops.items()}
+        return device_type.replace(
+            peak_flops=peaks | dict(calibration.matmul_flops), matmul_efficiency=1.0,
+            memory_bandwidth_bps=calibration.memory_bandwidth_bps, memory_efficiency=1.0,
+            kernel_overhead_s=calibration.kernel_overhead_s,
+        )  # fmt: skip
+    peaks, matmul_efficiency = _calibrated_peaks(device_type, calibration)
+    bandwidth_bps = max(device_type.memory_bandwidth_bps, calibration.memory_bandwidth_bps)
+    return device_type.replace(
+        peak_flops=peaks, matmul_efficiency=matmul_efficiency, memory_bandwidth_bps=bandwidth_bps,
+        memory_efficiency=calibration.memory_bandwidth_bps / bandwidth_bps,
+        kernel_overhead_s=calibration.kernel_overhead_s,
+    )  # fmt: skip
+
+
+def _calibrated_peaks(device_type: DeviceType, calibration: Calibration) -> tuple[dict[str, float], float]:
+    """GPU rule: (peaks, efficiency) with peak[k] × efficiency == measured[k] for each measured k."""
+    measured = {k: v for k, v in calibration.matmul_flops.items() if k in device_type.peak_flops}
+    if not measured:
+        has, got = ", ".join(device_type.peak_flops), ", ".join(calibration.matmul_flops)
+        raise ClusterError(
+            f"calibration of {calibration.device_type!r} measured {got} matmuls, but device type "
+            f"{device_type.name!r} has peaks only for {has}",
+            hint=f"calibrate a dtype the type has a peak for ({has})",
+        )
+    shares = {k: v / device_type.peak_flops[k] for k, v in measured.items()}
+    best = max(shares, key=shares.__getitem__)
+    efficiency = min(1.0, shares[best])
+    peaks = dict(device_type.peak_flops)
+    for key, flops in measured.items():
+        if key != best or shares[best] > 1.0:
+            peaks[key] = flops / efficiency
+    return peaks, efficiency
+
+
+def apply_to_cluster(cluster: Cluster, calibrations: Iterable[Calibration]) -> Cluster:
+    """A copy of ``cluster`` whose device types named by a calibration are calibrated (``apply``).
+
+    Names match ignoring case and punctuation ("a100_80gb" calibrates "A100-80GB"); types without a
+    calibration are unchanged. Two calibrations of one type, or one naming no type of the cluster,
+    are errors: either is a mix-up of files, and silently ignoring it would price with guesses.
+    """
+    types = {type_key(t.name): t for t in cluster.types}
+    chosen: dict[str, Calibration] = {}
+    for calibration in calibrations:
+        key = type_key(calibration.device_type)
+        if key not in types:
+            names = [t.name for t in cluster.types]
+            raise ClusterError(
+                f"calibration of {calibration.device_type!r} (host {calibration.host or '?'}) matches no "
+                f"device type of the cluster{_closest(calibration.device_type, names)}",
+                hint=f"the cluster's types: {', '.join(names)}",
+            )
+        if key in chosen:
+            raise ClusterError(
+                f"two calibrations of device type {types[key].name!r}",
+                hint="keep one calibration per device type",
+            )
+        chosen[key] = calibration
+    return cluster.replace_types({types[k].name: apply(types[k], c) for k, c in chosen.items()})

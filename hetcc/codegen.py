@@ -1,0 +1,99 @@
+"""Stage code: the compute-only module a runtime executes, and the readable ``stage<k>.py`` source.
+
+A ``StageGraph.module`` holds ``hetcc.recv``/``hetcc.send`` ops where tensors arrive and leave. The
+executor (and ``torch.distributed.pipelining``) instead wants the computation alone, with the
+communication outside it, so transfers can be scheduled, overlapped and timed out: ``compute_module``
+turns every ``recv`` into an input and every ``send`` into an output. Both share the parameters.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.fx as fx
+
+from hetcc.passes.comm import CommEdge, StageGraph
+from hetcc.runtime.ops import ANCHOR_NAME
+
+_SEND = torch.ops.hetcc.send.default
+_RECV = torch.ops.hetcc.recv.default
+
+
+def compute_module(stage: StageGraph, device: torch.device | str | None = None) -> fx.GraphModule:
+    """``stage.module`` without communication.
+
+    Signature: ``forward(*model_inputs, *received)`` in the order of ``stage.inputs`` then
+    ``stage.recvs``; returns the sent tensors in the order of ``stage.sends`` (the model's flat
+    outputs on the last stage). With ``device``, device constants that tracing baked into the graph
+    (``to(device=cpu)``, factory ops) name that device instead; parameters stay where they are.
+    """
+    graph, env = fx.Graph(), {}
+    sent: dict[fx.Node, fx.Node] = {}
+    for node in stage.module.graph.nodes:
+        if node.op == "get_attr" and node.target == ANCHOR_NAME:
+            continue
+        if node.op == "call_function" and node.target is _RECV:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+        elif node.op == "call_function" and node.target is _SEND:
+            sent[node] = env[node.args[0]]
+        elif node.op == "output":
+            graph.output(fx.map_arg(node.args[0], lambda n: sent.get(n) or env[n]))
+        else:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    if device is not None:
+        _retarget_devices(graph, torch.device(device))
+    return fx.GraphModule(stage.module, graph, class_name=f"Stage{stage.index}Compute")
+
+
+def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:
+    def swap(value):
+        if isinstance(value, torch.device):
+            return device
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    for node in graph.nodes:
+        node.args = tuple(swap(a) for a in node.args)
+        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+
+
+def stage_source(stage: StageGraph) -> str:
+    """Readable Python for one stage: a header of what it holds, receives and sends, then its code."""
+    lines = [f"# hetcc pipeline stage {stage.index} of {stage.num_stages} (generated; read-only)"]
+    lines.append("# parameters:")
+    for local, name in stage.param_names.items():
+        param = stage.module.get_parameter(local)
+        alias = "" if local == name else f"  (model name {name})"
+        lines.append(f"#   {local}: {_spec(param.shape, param.dtype)}{alias}")
+    for group in stage.tied:
+        if stage.index in group.stages:
+            lines.append(f"# tied: {group.name} held by stages {list(group.stages)}; gradients summed")
+    lines.extend(f"# model input: {name}" for name in stage.inputs)
+    lines.extend(f"# receives: {_edge(edge, 'from', edge.src)}" for edge in stage.recvs)
+    lines.extend(f"# sends: {_edge(edge, 'to', edge.dst)}" for edge in stage.sends)
+    if stage.is_last:
+        lines.append(f"# returns: the model's {stage.num_outputs} flat output(s)")
+    return "\n".join(lines) + "\n" + stage.module.code.strip("\n").rstrip() + "\n"
+
+
+def write_stage_sources(stages: list[StageGraph], directory: str) -> list[str]:
+    """Write ``stage<k>.py`` for every stage into ``directory``; returns the paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for stage in stages:
+        path = os.path.join(directory, f"stage{stage.index}.py")
+        with open(path, "w") as f:
+            f.write(stage_source(stage))
+        paths.append(path)
+    return paths
+
+
+def _spec(shape, dtype: torch.dtype) -> str:
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
+
+
+def _edge(edge: CommEdge, direction: str, peer: int) -> str:
+    return f"{edge.value} {_spec(edge.shape, edge.dtype)} {direction} stage {peer} (tag {edge.tag})"

@@ -1,0 +1,116 @@
+"""``torch.ops.hetcc.fusion_group(inputs, name)``: the one custom op every fused node calls.
+
+Custom ops (with fake implementations) survive torch.export and fx, unlike an autograd.Function that
+launches Triton. The group is looked up by name in a per-process registry that ``fuse`` (or loading a
+saved stage) fills. The backward is a second custom op so graphs that trace through autograd see it as
+one node too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.fx
+
+from hetcc.errors import RuntimeFailure
+from hetcc.kernels.codegen import differentiable_inputs
+from hetcc.kernels.group import FusionGroup, group_from_json
+from hetcc.kernels.runtime import (
+    compute_device,
+    iteration_shape,
+    recompute_backward,
+    run_backward,
+    run_forward,
+    uses_generated_backward,
+)
+
+FUSION_META_KEY = "hetcc_fusion"  # node.meta key of a fused node's FusionGroup
+_GROUPS: dict[str, FusionGroup] = {}
+
+
+def register_group(group: FusionGroup) -> None:
+    """Make ``group`` callable as ``torch.ops.hetcc.fusion_group(inputs, group.name)``."""
+    _GROUPS[group.name] = group
+
+
+def register_groups_in(gm: torch.fx.GraphModule) -> list[FusionGroup]:
+    """Register every group a (copied, split or unpickled) module's fused nodes carry in their meta."""
+    groups = [n.meta[FUSION_META_KEY] for n in gm.graph.nodes if FUSION_META_KEY in n.meta]
+    for group in groups:
+        register_group(group)
+    return groups
+
+
+def load_groups(folder: str | Path) -> list[FusionGroup]:
+    """Register every group saved by ``write_kernel`` under ``<folder>/kernels/`` (e.g. a saved plan)."""
+    groups = [group_from_json(p.read_text()) for p in sorted(Path(folder, "kernels").glob("*.json"))]
+    for group in groups:
+        register_group(group)
+    return groups
+
+
+def registered_group(name: str) -> FusionGroup:
+    """The registered group called ``name`` (raises RuntimeFailure naming it if unknown)."""
+    try:
+        return _GROUPS[name]
+    except KeyError:
+        raise RuntimeFailure(
+            f"fusion group {name!r} is not registered in this process",
+            hint="run hetcc.passes.fuse on the graph (or load the saved stage's kernels) before calling it",
+        ) from None
+
+
+@torch.library.custom_op("hetcc::fusion_group", mutates_args=())
+def fusion_group(inputs: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """Run fusion group ``name`` on ``inputs``: Triton where it can run, the original ops otherwise."""
+    return run_forward(registered_group(name), inputs)
+
+
+@fusion_group.register_fake
+def _fusion_group_fake(inputs: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+    group = registered_group(name)
+    shape = iteration_shape(group, inputs)
+    device = compute_device(inputs)
+    return [torch.empty(shape, dtype=dtype, device=device) for dtype in group.output_dtypes]
+
+
+@torch.library.custom_op("hetcc::fusion_group_backward", mutates_args=())
+def fusion_group_backward(
+    inputs: list[torch.Tensor], grads: list[torch.Tensor], name: str
+) -> list[torch.Tensor]:
+    """Gradients of every input of group ``name`` by its generated kernel (an empty tensor for inputs no
+    gradient reaches, e.g. a condition, since a custom op cannot return None)."""
+    found = run_backward(registered_group(name), inputs, grads)
+    return [x.new_empty(0) if g is None else g for g, x in zip(found, inputs)]
+
+
+@fusion_group_backward.register_fake
+def _fusion_group_backward_fake(inputs: list[torch.Tensor], grads: list[torch.Tensor], name: str):
+    reached = set(differentiable_inputs(registered_group(name)))
+    return [x.new_empty(x.shape if i in reached else (0,)) for i, x in enumerate(inputs)]
+
+
+def _setup_context(ctx, inputs: tuple, output) -> None:
+    tensors, name = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.name = name
+
+
+def _backward(ctx, grads: Sequence[torch.Tensor | None]):
+    """Generated kernel where the group has one and Triton runs; else torch autograd on the ops."""
+    group, inputs = registered_group(ctx.name), list(ctx.saved_tensors)
+    if all(g is None for g in grads):
+        return [None] * len(inputs), None
+    device = compute_device(inputs)
+    if not uses_generated_backward(group, device.type):
+        return recompute_backward(group, inputs, grads), None
+    shape = iteration_shape(group, inputs)
+    filled = [torch.zeros(shape, device=device) if g is None else g for g in grads]
+    found = torch.ops.hetcc.fusion_group_backward(inputs, filled, ctx.name)
+    reached = set(differentiable_inputs(group))
+    return [g if i in reached else None for i, g in enumerate(found)], None
+
+
+fusion_group.register_autograd(_backward, setup_context=_setup_context)

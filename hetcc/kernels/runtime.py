@@ -1,0 +1,160 @@
+"""Running a FusionGroup: its generated Triton kernels, or its original ops with torch (the fallback and
+the recompute backward). Shapes come from the runtime inputs, so one compiled kernel serves every
+shape with the same structure; only rank, dtypes and which inputs are flat are fixed by the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hetcc.errors import RuntimeFailure
+from hetcc.kernels.cache import TRITON, choose_backend, compiled
+from hetcc.kernels.codegen import differentiable_inputs, strided_inputs
+from hetcc.kernels.group import FusionGroup
+from hetcc.kernels.lowering import PASS_THROUGH, rule
+
+_GPU_BLOCK = 1024
+_INTERPRETER_BLOCK = 1 << 16  # the interpreter pays per program, not per lane: few, wide blocks
+_MAX_ROW = 1 << 16
+
+
+def iteration_shape(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> torch.Size:
+    """Broadcast of the inputs' shapes: every output of a group has it."""
+    shape = torch.broadcast_shapes(*(x.shape for x in inputs))
+    if len(shape) != len(group.shape):
+        raise RuntimeFailure(
+            f"fusion group {group.name} was built for rank {len(group.shape)} but got inputs of shape {tuple(shape)}",
+            hint="re-run hetcc.passes.fuse on a graph traced with inputs of this rank",
+        )
+    return shape
+
+
+def compute_device(inputs: Sequence[torch.Tensor]) -> torch.device:
+    """Where the group runs: the first input that is not a 0-d CPU scalar (as eager ops decide)."""
+    for x in inputs:
+        if x.dim() > 0 or x.device.type != "cpu":
+            return x.device
+    return inputs[0].device
+
+
+def run_eager(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The group's original ops, one torch call each (exactly what the unfused graph computed)."""
+    values: list[torch.Tensor] = []
+    for instr in group.instrs:
+        operands = [_eager_operand(arg, inputs, values) for arg in instr.args]
+        result = rule(instr.op).eager(*operands)
+        values.append(result.to(instr.dtype) if instr.op in PASS_THROUGH else result)
+    outputs = [values[j] for j in group.outputs]
+    # A custom op's outputs may alias neither its inputs nor each other.
+    seen: set[int] = {id(x) for x in inputs}
+    fresh = []
+    for out in outputs:
+        fresh.append(out.clone() if id(out) in seen else out)
+        seen.add(id(fresh[-1]))
+    return fresh
+
+
+def _eager_operand(arg: tuple, inputs: Sequence[torch.Tensor], values: list[torch.Tensor]):
+    kind, value = arg
+    if kind == "in":
+        return inputs[value]
+    if kind == "tmp":
+        return values[value]
+    return value  # a constant, or None for an absent weight/bias
+
+
+def recompute_backward(
+    group: FusionGroup, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """Input gradients by re-running the original ops under torch autograd.
+
+    Call it at the autograd level (not inside a custom op's implementation, where autograd is off).
+    """
+    with torch.enable_grad():
+        leaves = [x.detach().requires_grad_(x.dtype.is_floating_point) for x in inputs]
+        outputs = run_eager(group, leaves)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        wanted = [x for x in leaves if x.requires_grad]
+        if not pairs or not wanted:
+            return [None] * len(leaves)
+        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+    by_leaf = dict(zip(map(id, wanted), found))
+    return [by_leaf.get(id(x)) for x in leaves]
+
+
+def run_forward(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Forward on the backend the inputs' device allows (see ``choose_backend``)."""
+    device = compute_device(inputs)
+    if choose_backend(device.type)[0] != TRITON:
+        return run_eager(group, inputs)
+    shape = iteration_shape(group, inputs)
+    outputs = [torch.empty(shape, dtype=d, device=device) for d in group.output_dtypes]
+    _launch(group, compiled(group).forward, shape, inputs, [*_prepared(group, inputs, shape), *outputs])
+    return outputs
+
+
+def uses_generated_backward(group: FusionGroup, device_type: str) -> bool:
+    """Whether the backward runs the generated kernel (else: recompute the original ops)."""
+    return group.backward == "generated" and choose_backend(device_type)[0] == TRITON
+
+
+def run_backward(
+    group: FusionGroup, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """Input gradients from the generated backward kernel (None for inputs no gradient reaches)."""
+    shape = iteration_shape(group, inputs)
+    device = compute_device(inputs)
+    grad_outs = [g.expand(shape).contiguous() for g in grads]
+    wanted = differentiable_inputs(group)
+    buffers = {
+        i: torch.empty(
+            shape, device=device, dtype=torch.float32 if group.inputs[i].broadcast else inputs[i].dtype
+        )
+        for i in wanted
+    }
+    args = [*_prepared(group, inputs, shape), *grad_outs, *buffers.values()]
+    _launch(group, compiled(group).backward, shape, inputs, args)
+    return [
+        buffers[i].sum_to_size(x.shape).to(x.device, x.dtype) if i in buffers else None
+        for i, x in enumerate(inputs)
+    ]
+
+
+def _prepared(group: FusionGroup, inputs: Sequence[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
+    """Inputs as the kernel expects them: on one device, flat inputs contiguous in the iteration shape."""
+    prepared, device = [], compute_device(inputs)
+    for spec, x in zip(group.inputs, inputs):
+        x = x.to(device)  # a 0-d CPU scalar next to GPU tensors
+        if spec.flat and (x.shape != shape or not x.is_contiguous()):
+            x = x.expand(shape).contiguous()
+        prepared.append(x)
+    return prepared
+
+
+def _launch(
+    group: FusionGroup, kernel, shape: torch.Size, inputs: Sequence[torch.Tensor], args: list
+) -> None:
+    numel = shape.numel()
+    if numel == 0:
+        return
+    interpreted = compute_device(inputs).type == "cpu"
+    strides = [s for i in strided_inputs(group) for s in inputs[i].expand(shape).stride()]
+    sizes = list(shape) if strided_inputs(group) else []
+    if group.kind == "row":
+        n_cols = shape[-1]
+        block = _next_power_of_2(n_cols)
+        if block > _MAX_ROW:
+            raise RuntimeFailure(
+                f"fusion group {group.name}: rows of {n_cols} elements exceed the row kernel's limit {_MAX_ROW}",
+                hint="fuse with a smaller last dimension or leave this reduction unfused",
+            )
+        kernel[(numel // n_cols,)](*args, n_cols, *sizes, *strides, BLOCK=block)
+        return
+    block = min(_INTERPRETER_BLOCK, _next_power_of_2(numel)) if interpreted else _GPU_BLOCK
+    kernel[(-(-numel // block),)](*args, numel, *sizes, *strides, BLOCK=block)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -1,0 +1,362 @@
+"""Cut a traced graph into pipeline stages and insert ``hetcc.send``/``hetcc.recv`` at every cut.
+
+Input: an unlifted fx.GraphModule (``torch.export(...).module()`` or ``torch.fx.symbolic_trace``
+with ``meta["val"]``/``meta["tensor_meta"]`` on tensor nodes), traced at *microbatch* size, and a
+mapping node name -> stage. Rules, in the order they apply:
+
+- ``get_attr`` and ``placeholder`` nodes have no stage; they follow their users. A parameter used by
+  two stages (tied ``wte``/``lm_head``) is held by both and recorded as a ``TiedGroup``; the runtime
+  sums its gradient over the holders after backward. A model input used by a later stage is a
+  placeholder of that stage too (every rank reads its own slice of the inputs: no relay through
+  stage 0, so labels and masks cost no transfer).
+- ``getitem`` of a multi-output node stays with its producer; unmapped nodes take the latest stage of
+  their inputs, or (for sources such as ``arange``) the earliest stage of their users; unmapped nodes
+  with neither users nor staged inputs are dropped, and so is export's ``_guards_fn``.
+- A tensor used by a later stage goes straight from its producer to each consuming stage (a skip
+  connection over several stages is one direct edge, never relayed). A non-tensor (int, SymInt,
+  shape) is recomputed in the consuming stage from what that stage holds.
+- Only the last stage has the model's outputs; every other stage returns its send tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten
+
+from hetcc.errors import PlanFormatError
+from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor, new_anchor
+
+log = logging.getLogger(__name__)
+
+
+# torch.export's input check (a call_module with no users): it cannot be saved, and the executor
+# checks microbatch shapes itself.
+_EXPORT_GUARDS = "_guards_fn"
+
+
+@dataclass(frozen=True)
+class CommEdge:
+    """One tensor crossing a cut: ``value`` (node name in the original graph) from ``src`` to ``dst``."""
+
+    tag: int
+    src: int
+    dst: int
+    value: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool = True  # a gradient flows back (the value depends on a trainable parameter)
+
+
+@dataclass(frozen=True)
+class TiedGroup:
+    """A parameter held by several stages: ``name`` as in the model, ``members`` (stage, local name)."""
+
+    name: str
+    members: tuple[tuple[int, str], ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted({stage for stage, _ in self.members}))
+
+
+@dataclass
+class StageGraph:
+    """One pipeline stage: its graph with send/recv ops and what crosses its boundary."""
+
+    index: int
+    num_stages: int
+    module: fx.GraphModule
+    inputs: tuple[str, ...]  # model inputs (placeholders) this stage reads, in placeholder order
+    recvs: tuple[CommEdge, ...]  # in the order the stage's graph receives them
+    sends: tuple[CommEdge, ...]  # in the order of the stage's output tokens
+    param_names: dict[str, str]  # local parameter name -> the model's (deduplicated) parameter name
+    tied: tuple[TiedGroup, ...]  # every tied group of the pipeline (the same on all stages)
+    num_outputs: int  # flat model outputs returned (last stage only; 0 elsewhere)
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # traced (microbatch) shapes
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> list[StageGraph]:
+    """Split ``gm`` into ``num_stages`` stage graphs following ``stage_of`` (node name -> stage)."""
+    stages = _assign_stages(gm, stage_of, num_stages)
+    builders = [_StageBuilder(gm, k, num_stages) for k in range(num_stages)]
+    cut = _Cut(builders, stages, _trainable_values(gm))
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            builders[-1].output(node, cut)
+        elif node in stages:
+            builders[stages[node]].emit(node, cut)
+    tied = _tied_groups(gm, builders)
+    return [builder.finish(tied) for builder in builders]
+
+
+def _assign_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> dict[fx.Node, int]:
+    """Stage of every node that computes something (see the module docstring for the rules)."""
+    _check_mapping(gm, stage_of, num_stages)
+    stage: dict[fx.Node, int] = {}
+    pending: list[fx.Node] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output") or node.target == _EXPORT_GUARDS:
+            continue
+        producer = node.args[0] if node.target is operator.getitem and node.args else None
+        if isinstance(producer, fx.Node) and producer in stage and not _is_tensor(producer):
+            stage[node] = stage[producer]
+        elif node.name in stage_of:
+            stage[node] = stage_of[node.name]
+        else:
+            staged = [stage[a] for a in node.all_input_nodes if a in stage]
+            if staged:
+                stage[node] = max(staged)
+            else:
+                pending.append(node)
+    for node in reversed(pending):
+        users = [stage[u] for u in node.users if u in stage]
+        if users:
+            stage[node] = min(users)
+        elif node.users and all(u.op == "output" for u in node.users):
+            stage[node] = num_stages - 1
+        else:
+            log.info("split_stages: dropping %s (no stage, no users)", node.name)
+    _check_order(stage, num_stages)
+    return stage
+
+
+def _trainable_values(gm: fx.GraphModule) -> set[fx.Node]:
+    """Nodes whose value depends on a trainable parameter: only their cut edges carry gradients."""
+    trainable: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            attr = _fetch_attr(gm, node.target)
+            if isinstance(attr, torch.nn.Parameter) and attr.requires_grad:
+                trainable.add(node)
+        elif any(arg in trainable for arg in node.all_input_nodes) or (
+            node.op == "call_module"
+            and any(p.requires_grad for p in gm.get_submodule(node.target).parameters())
+        ):
+            trainable.add(node)
+    return trainable
+
+
+def _check_mapping(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> None:
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise PlanFormatError(f"num_stages must be a positive integer, got {num_stages!r}")
+    names = {node.name for node in gm.graph.nodes}
+    unknown = sorted(set(stage_of) - names)
+    if unknown:
+        raise PlanFormatError(
+            f"stage mapping names nodes that are not in the graph: {unknown[:5]}",
+            hint="map the names of the traced graph's nodes (node.name)",
+        )
+    for name, stage in stage_of.items():
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
+            raise PlanFormatError(f"node {name!r} is mapped to stage {stage!r}, not in 0..{num_stages - 1}")
+
+
+def _check_order(stage: dict[fx.Node, int], num_stages: int) -> None:
+    """Every value must flow forward (producer stage <= consumer stage); no stage may be empty."""
+    for node, k in stage.items():
+        for arg in node.all_input_nodes:
+            if arg in stage and stage[arg] > k:
+                raise PlanFormatError(
+                    f"node {node.name!r} (stage {k}) uses {arg.name!r} from the later stage {stage[arg]}",
+                    hint="stages must be contiguous in topological order; move one of them",
+                )
+    empty = sorted(set(range(num_stages)) - set(stage.values()))
+    if empty:
+        raise PlanFormatError(f"stage(s) {empty} have no nodes", hint="use fewer stages or remap nodes")
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    """From ``meta["val"]`` (export, FakeTensorProp) or ShapeProp's ``tensor_meta``/``type``."""
+    val = node.meta.get("val", node.meta.get("tensor_meta"))
+    if val is None and isinstance(node.meta.get("type"), type):
+        return issubclass(node.meta["type"], torch.Tensor)
+    if val is None and node.op not in ("get_attr", "placeholder"):
+        raise PlanFormatError(
+            f"node {node.name!r} has no shape metadata (meta['val'])",
+            hint="trace with torch.export or hetcc.trace, or run FakeTensorProp/ShapeProp on the graph first",
+        )
+    return isinstance(val, torch.Tensor) or (hasattr(val, "stride") and hasattr(val, "dtype"))
+
+
+def _tensor_spec(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
+    val = node.meta.get("val", node.meta.get("tensor_meta"))
+    if not all(isinstance(d, int) for d in val.shape):
+        raise PlanFormatError(
+            f"tensor {node.name!r} crosses a stage cut with a symbolic shape {tuple(val.shape)}",
+            hint="trace with static shapes at microbatch size",
+        )
+    return tuple(int(d) for d in val.shape), val.dtype
+
+
+def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """The traced shape of a tensor placeholder, if known and static."""
+    val = node.meta.get("val", node.meta.get("tensor_meta"))
+    shape = getattr(val, "shape", None)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return tuple(shape)
+
+
+def _fetch_attr(gm: fx.GraphModule, qualname: str):
+    obj = gm
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _Cut:
+    """Creates the edges of the cut on demand: one send in the producer per (value, consumer stage)."""
+
+    def __init__(self, builders: list[_StageBuilder], stages: dict[fx.Node, int], trainable: set[fx.Node]):
+        self.builders, self.stage, self.trainable, self.edges = builders, stages, trainable, {}
+
+    def transfer(self, node: fx.Node, dst: int) -> CommEdge:
+        key = (node, dst)
+        if key not in self.edges:
+            src = self.stage[node]
+            if src > dst:
+                raise PlanFormatError(f"{node.name!r} (stage {src}) is used by the earlier stage {dst}")
+            shape, dtype = _tensor_spec(node)
+            differentiable = node in self.trainable and (dtype.is_floating_point or dtype.is_complex)
+            edge = CommEdge(len(self.edges), src, dst, node.name, shape, dtype, differentiable)
+            self.edges[key] = edge
+            self.builders[src].send(node, edge)
+        return self.edges[key]
+
+
+class _StageBuilder:
+    """Accumulates one stage's graph, owned attributes and edges while nodes are emitted in order."""
+
+    def __init__(self, gm: fx.GraphModule, index: int, num_stages: int):
+        self.source, self.index, self.num_stages = gm, index, num_stages
+        self.graph = fx.Graph()
+        self.env: dict[fx.Node, fx.Node] = {}
+        self.originals: dict[str, object] = {}  # owned qualified name -> object in the source module
+        self.recvs: list[CommEdge] = []
+        self.sends: list[tuple[CommEdge, fx.Node]] = []
+        self.anchor: fx.Node | None = None
+        self.cut: _Cut | None = None
+        self.num_outputs = 0
+
+    def emit(self, node: fx.Node, cut: _Cut) -> None:
+        self.cut = cut
+        if node.op == "call_module":
+            self._own(node.target)
+        self.env[node] = self.graph.node_copy(node, self.value)
+
+    def value(self, node: fx.Node) -> fx.Node:
+        """This stage's node for ``node``: local, owned attribute, input, received or recomputed."""
+        if node in self.env:
+            return self.env[node]
+        if node.op == "get_attr":
+            self._own(node.target)
+            new = self.graph.get_attr(node.target)
+            new.meta = dict(node.meta)
+        elif node.op == "placeholder":
+            new = self.graph.placeholder(node.name)
+            new.meta = dict(node.meta)
+        elif _is_tensor(node):
+            new = self._recv(self.cut.transfer(node, self.index))
+        else:
+            if node.op == "call_module":
+                self._own(node.target)
+            new = self.graph.node_copy(node, self.value)  # recompute a non-tensor (shape, int)
+        self.env[node] = new
+        return new
+
+    def send(self, node: fx.Node, edge: CommEdge) -> None:
+        with self.graph.inserting_after(self.env[node]):
+            args = (self.env[node], edge.dst, edge.tag, list(edge.shape), edge.dtype)
+            token = self.graph.create_node(
+                "call_function", torch.ops.hetcc.send.default, args, name=f"send_{edge.value}_to_{edge.dst}"
+            )
+        self.sends.append((edge, token))
+
+    def _recv(self, edge: CommEdge) -> fx.Node:
+        if self.anchor is None:
+            self.anchor = self.graph.get_attr(ANCHOR_NAME)
+        args = (self.anchor, edge.src, edge.tag, list(edge.shape), edge.dtype)
+        node = self.graph.create_node(
+            "call_function", torch.ops.hetcc.recv.default, args, name=f"recv_{edge.value}"
+        )
+        node.meta["val"] = torch.empty(edge.shape, dtype=edge.dtype, device="meta")
+        self.recvs.append(edge)
+        return node
+
+    def _own(self, qualname: str) -> None:
+        self.originals.setdefault(qualname, _fetch_attr(self.source, qualname))
+
+    def output(self, node: fx.Node, cut: _Cut) -> None:
+        self.cut = cut
+        leaves, _ = tree_flatten(node.args[0])
+        outputs = [self.value(leaf) if isinstance(leaf, fx.Node) else leaf for leaf in leaves]
+        self.num_outputs = len(outputs)
+        self._outputs = outputs
+
+    def finish(self, tied: tuple[TiedGroup, ...]) -> StageGraph:
+        self._hoist_inputs()
+        sends = sorted(self.sends, key=lambda pair: pair[0].tag)
+        result = tuple(self._outputs) if self.index == self.num_stages - 1 else tuple(t for _, t in sends)
+        self.graph.output(result)
+        module = fx.GraphModule(self._owned_copies(), self.graph, class_name=f"Stage{self.index}")
+        if self.anchor is not None:
+            attach_anchor(module)
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        inputs = tuple(n.target for n in placeholders)
+        shapes = {n.target: _static_shape(n) for n in placeholders if _static_shape(n) is not None}
+        return StageGraph(
+            self.index, self.num_stages, module, inputs, tuple(self.recvs), tuple(e for e, _ in sends),
+            self._param_names(), tied, self.num_outputs, shapes,
+        )  # fmt: skip
+
+    def _hoist_inputs(self) -> None:
+        """Placeholders are created on first use; move them to the top in the model's input order."""
+        order = {n.name: i for i, n in enumerate(self.source.graph.find_nodes(op="placeholder"))}
+        inputs = sorted(self.graph.find_nodes(op="placeholder"), key=lambda n: order[n.target])
+        for node in reversed(inputs):
+            next(iter(self.graph.nodes)).prepend(node)
+
+    def _owned_copies(self) -> dict[str, object]:
+        """Deep copies of the owned attributes; one memo keeps aliases (tied weights) aliased."""
+        memo: dict[int, object] = {}
+        copies = {name: copy.deepcopy(obj, memo) for name, obj in self.originals.items()}
+        if self.anchor is not None:
+            copies[ANCHOR_NAME] = new_anchor()
+        return copies
+
+    def _param_names(self) -> dict[str, str]:
+        canonical = {id(p): name for name, p in self.source.named_parameters()}
+        return {local: canonical[id(p)] for local, p in self.owned_parameters()}
+
+    def owned_parameters(self):
+        for name, obj in self.originals.items():
+            if isinstance(obj, torch.nn.Parameter):
+                yield name, obj
+            elif isinstance(obj, torch.nn.Module):
+                for sub, p in obj.named_parameters(remove_duplicate=False):
+                    yield f"{name}.{sub}", p
+
+
+def _tied_groups(gm: fx.GraphModule, builders: list[_StageBuilder]) -> tuple[TiedGroup, ...]:
+    """Parameters held by more than one stage, keyed by the model's parameter name."""
+    canonical = {id(p): name for name, p in gm.named_parameters()}
+    holders: dict[str, list[tuple[int, str]]] = {}
+    for builder in builders:
+        for local, param in builder.owned_parameters():
+            holders.setdefault(canonical[id(param)], []).append((builder.index, local))
+    return tuple(
+        TiedGroup(name, tuple(members))
+        for name, members in holders.items()
+        if len({stage for stage, _ in members}) > 1
+    )

@@ -1,0 +1,107 @@
+"""cost: time of every node on every device type, forward and backward (roofline + overhead).
+
+    time = max(flops / achievable FLOP/s, bytes / achievable bandwidth) + kernel overhead
+
+Achievable = peak × efficiency (``DeviceType.achievable_flops`` / ``achievable_bandwidth_bps``; a
+calibration file replaces the efficiencies with measured ones). The FLOP/s peak is the one of the
+node's dtype (or the ``dtype`` the user compiles for). Backward: the analysis gives backward FLOPs
+(a matmul's backward is two matmuls); a memory-bound op's backward is about two memory passes. Nodes
+that move no bytes and do no FLOPs (views, getitem) launch no kernel and cost nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.fx
+
+from hetcc.errors import AnalysisError, ClusterError
+from hetcc.ir import annotate, info, is_concrete
+from hetcc.presets import DeviceType, flops_key
+
+BACKWARD_MEMORY_PASSES = 2.0
+# When a device type has no peak for a dtype, the nearest format its matrix units run instead.
+_DTYPE_FALLBACK = {"bf16": "fp16", "fp16": "fp32", "fp8": "fp16", "tf32": "fp32"}
+
+
+def cost(
+    gm: torch.fx.GraphModule,
+    ctx=None,
+    *,
+    device_types: Sequence[DeviceType],
+    dtype: object | None = None,
+    training: bool = True,
+) -> torch.fx.GraphModule:
+    """Annotate ``fwd_s`` / ``bwd_s`` per device type on every compute node."""
+    rates = {t.name: _Rates(t) for t in device_types}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        record = info(node)
+        _require_concrete(node, record)
+        floating = record.dtype is not None and record.dtype.is_floating_point
+        key = flops_key(dtype if dtype is not None else (record.dtype if floating else torch.float32))
+        has_backward = training and floating
+        fwd, bwd = [], []
+        for name, rate in rates.items():
+            fwd.append((name, rate.time_s(record.fwd_flops, record.bytes, key)))
+            bwd_bytes = BACKWARD_MEMORY_PASSES * record.bytes
+            bwd.append((name, rate.time_s(record.bwd_flops, bwd_bytes, key) if has_backward else 0.0))
+        annotate(node, fwd_s=tuple(fwd), bwd_s=tuple(bwd))
+    return gm
+
+
+class _Rates:
+    """Achievable rates of one device type, with dtype fallback resolved once per dtype."""
+
+    def __init__(self, device_type: DeviceType):
+        self.type = device_type
+        self._flops: dict[str, float] = {}
+
+    def flops_per_s(self, key: str) -> float:
+        if key not in self._flops:
+            self._flops[key] = self._resolve(key)
+        return self._flops[key]
+
+    def _resolve(self, key: str) -> float:
+        probe = key
+        while probe is not None:
+            if probe in self.type.peak_flops:
+                return self.type.achievable_flops(probe)
+            probe = _DTYPE_FALLBACK.get(probe)
+        raise ClusterError(
+            f"device type {self.type.name} has no FLOP/s figure for {key} or a fallback format",
+            hint="add peak_flops for it in the cluster file (custom_types) or compile with another dtype",
+        )
+
+    def time_s(self, flops: float, nbytes: float, key: str) -> float:
+        if not flops and not nbytes:
+            return 0.0
+        compute_s = flops / self.flops_per_s(key) if flops else 0.0
+        memory_s = nbytes / self.type.achievable_bandwidth_bps
+        return max(compute_s, memory_s) + self.type.kernel_overhead_s
+
+
+def _require_concrete(node: torch.fx.Node, record) -> None:
+    for value in (record.fwd_flops, record.bwd_flops, record.bytes):
+        if not is_concrete(value):
+            raise AnalysisError(
+                f"node %{node.name} has symbolic cost {value}; times need concrete sizes",
+                hint="call analysis.evaluate(batch=..., seq=...) before costing, or trace without dynamic_shapes",
+            )
+
+
+def block_times(gm: torch.fx.GraphModule, block_nodes: Sequence[Sequence[str]], type_names: Sequence[str]):
+    """Per device type, forward and backward seconds of each block (sums of its nodes)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    fwd = {t: [0.0] * len(block_nodes) for t in type_names}
+    bwd = {t: [0.0] * len(block_nodes) for t in type_names}
+    for i, names in enumerate(block_nodes):
+        for name in names:
+            record = info(by_name[name])
+            for t, seconds in record.fwd_s:
+                fwd[t][i] += seconds
+            for t, seconds in record.bwd_s:
+                bwd[t][i] += seconds
+    return fwd, bwd

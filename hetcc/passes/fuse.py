@@ -1,0 +1,261 @@
+"""fuse: chains of pointwise ops (optionally ending in one row-wise softmax / layer_norm / rms_norm)
+become one ``torch.ops.hetcc.fusion_group`` node each, costed as one memory pass.
+
+Groups are grown greedily in topological order. A node joins its producers' groups (merged, so siblings
+reading one value fuse too) when it is fusible (``hetcc.kernels.lowering``), its shape and the
+group's broadcast one into the other, it shares their stage and block, and every value the group already computes
+that is used outside it is used only *after* the node (so the fused node can stand where the group's
+last member stood). Values used outside become extra outputs. Send/recv and any op without a lowering
+are never members, so a group cannot cross them. A group holds at most one row reduction over its last
+dim: softmax / layer_norm / rms_norm end it; a keepdim mean (rms_norm written out) lets pointwise ops
+on the per-row result follow.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any
+
+import torch
+import torch.fx
+
+from hetcc import config, ir
+from hetcc.kernels.cache import describe_backend
+from hetcc.kernels.group import FusionGroup, build_group, group_shape
+from hetcc.kernels.lowering import ROW_FINAL, Lowered, lower, rule
+from hetcc.kernels.op import FUSION_META_KEY, register_group
+
+MAX_ROW_ELEMENTS = 1 << 16  # row ops with longer rows stay unfused (one program holds a whole row)
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+class _Group:
+    """A group being grown: members in topological order, the iteration shape, and whether it holds
+    its one row reduction (``reduced``) or ended with a row op that writes whole rows (``closed``)."""
+
+    def __init__(self, node: torch.fx.Node, lowered: Lowered):
+        self.members = [node]
+        self.shape = _iteration_shape(node, lowered)
+        self.stage, self.block = ir.info(node).stage, ir.info(node).block
+        self.reduced = _is_row(lowered)
+        self.closed = lowered.op in ROW_FINAL
+        self.merged = False  # folded into another group
+
+
+def fuse(gm: torch.fx.GraphModule, ctx: Any = None) -> torch.fx.GraphModule:
+    """Replace every group of >= 2 fusible ops in ``gm`` by one fused node; returns ``gm``."""
+    lowered = {n: low for n in gm.graph.nodes if (low := lower(n)) is not None}
+    for members in find_groups(gm.graph, lowered):
+        group = _replace(gm.graph, members)
+        if config.debug >= 3:
+            print(group.source)
+    gm.graph.lint()
+    install_code_comments(gm)  # recompiles
+    return gm
+
+
+def find_groups(graph: torch.fx.Graph, lowered: dict[torch.fx.Node, Lowered]) -> list[list[torch.fx.Node]]:
+    """Maximal fusible groups (lists of nodes in topological order) of two or more ops."""
+    position = {node: k for k, node in enumerate(graph.nodes)}
+    group_of: dict[torch.fx.Node, _Group] = {}
+    groups: list[_Group] = []
+    for node in graph.nodes:
+        if node not in lowered or (_is_row(lowered[node]) and not _row_fits(node)):
+            continue
+        candidates = list(
+            {id(g): g for a in lowered[node].operands if (g := group_of.get(a)) is not None}.values()
+        )
+        options = _join_options(candidates, node, lowered[node])
+        chosen = next((o for o in options if _can_join(o, node, lowered[node], position)), None)
+        if chosen is None:
+            group = _Group(node, lowered[node])
+            groups.append(group)
+        else:
+            group = _merge(chosen, position)
+            group.members.append(node)
+            group.reduced = group.reduced or _is_row(lowered[node])
+            group.closed = lowered[node].op in ROW_FINAL
+            group.shape = tuple(torch.broadcast_shapes(group.shape, _iteration_shape(node, lowered[node])))
+            for member in group.members:
+                group_of[member] = group
+        group_of[node] = group
+    kept = [_without_narrow_outputs(g.members) for g in groups if not g.merged]
+    return [members for members in kept if len(members) >= 2]
+
+
+def _without_narrow_outputs(members: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Drop members narrower than the group's shape that are used outside it (a kernel writes outputs
+    of the iteration shape only), with their in-group ancestors so nothing dropped needs the kernel."""
+    shape, inside = group_shape(members), set(members)
+    narrow_outputs = [m for m in _outputs(members) if tuple(m.meta["val"].shape) != shape]
+    dropped: set[torch.fx.Node] = set()
+    while narrow_outputs:
+        node = narrow_outputs.pop()
+        if node not in dropped:
+            dropped.add(node)
+            narrow_outputs += [a for a in node.all_input_nodes if a in inside]
+    return [m for m in members if m not in dropped]
+
+
+def _join_options(candidates: list[_Group], node: torch.fx.Node, lowered: Lowered) -> list[list[_Group]]:
+    """Groups ``node`` may join: all open, compatible producer groups merged (siblings reading one
+    value fuse too), then each producer group alone, largest first."""
+    open_groups = [g for g in candidates if _compatible(g, node, lowered)]
+    merged = [open_groups] if len(open_groups) > 1 else []
+    return merged + [[g] for g in sorted(open_groups, key=lambda g: -len(g.members))]
+
+
+def _compatible(group: _Group, node: torch.fx.Node, lowered: Lowered) -> bool:
+    record = ir.info(node)
+    if group.closed or (record.stage, record.block) != (group.stage, group.block):
+        return False
+    if _is_row(lowered):  # one reduction per group, over rows of the group's own shape
+        return not group.reduced and _iteration_shape(node, lowered) == group.shape
+    shape = tuple(node.meta["val"].shape)
+    # The node widens the group, or is narrower (e.g. per-row statistics after a reduction).
+    return _covers(shape, group.shape) or _covers(group.shape, shape)
+
+
+def _iteration_shape(node: torch.fx.Node, lowered: Lowered) -> tuple:
+    """The shape a node iterates over: its input's for a reduction, else its own."""
+    source = lowered.operands[0] if _is_row(lowered) else node
+    return tuple(source.meta["val"].shape)
+
+
+def _covers(shape: tuple, smaller: tuple) -> bool:
+    """Whether ``smaller`` broadcasts to ``shape`` (a group's values may be narrower than its outputs)."""
+    try:
+        return tuple(torch.broadcast_shapes(shape, smaller)) == shape
+    except RuntimeError:
+        return False
+
+
+def _merge(groups: list[_Group], position: dict) -> _Group:
+    """Fold ``groups`` into the first one (members kept in topological order)."""
+    head = groups[0]
+    for other in groups[1:]:
+        head.members = sorted(head.members + other.members, key=position.__getitem__)
+        other.merged = True
+    return head
+
+
+def _is_row(lowered: Lowered) -> bool:
+    return rule(lowered.op).row
+
+
+def _row_fits(node: torch.fx.Node) -> bool:
+    shape = node.meta["val"].shape
+    return len(shape) >= 1 and isinstance(shape[-1], int) and shape[-1] <= MAX_ROW_ELEMENTS
+
+
+def _can_join(groups: list[_Group], node: torch.fx.Node, lowered: Lowered, position: dict) -> bool:
+    members = {m for g in groups for m in g.members}
+    if _is_row(lowered) and lowered.operands[0] not in members:
+        return False  # the row op's main input must be the chain's value
+    # Everything the group hands to other nodes must be consumed after the fused node's position.
+    return all(
+        position[user] > position[node]
+        for member in members
+        for user in member.users
+        if user is not node and user not in members and user.target is not _ASSERT_METADATA
+    )
+
+
+def _outputs(members: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    inside = set(members)
+    return [n for n in members if any(u not in inside and u.target is not _ASSERT_METADATA for u in n.users)]
+
+
+def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> FusionGroup:
+    """Put one fused node (and a getitem per output) where the group's last member stood."""
+    outputs = _outputs(members)
+    # Lowered afresh: an earlier replacement may have rewired this group's inputs to getitem nodes.
+    group, input_nodes = build_group(members, {n: lower(n) for n in members}, outputs)
+    register_group(group)
+    last, inside = members[-1], set(members)
+    with graph.inserting_before(last):
+        fused = graph.call_function(torch.ops.hetcc.fusion_group.default, (list(input_nodes), group.name))
+        fused.meta.update(_fused_meta(group, members, input_nodes, outputs))
+        for k, out in enumerate(outputs):
+            item = graph.call_function(operator.getitem, (fused, k))
+            item.meta.update(
+                {key: out.meta[key] for key in ("val", "nn_module_stack", ir.META_KEY) if key in out.meta}
+            )
+            out.replace_all_uses_with(item, delete_user_cb=lambda user: user not in inside)
+    for node in reversed(members):
+        for user in list(node.users):
+            if user.target is _ASSERT_METADATA:
+                graph.erase_node(user)
+        graph.erase_node(node)
+    return group
+
+
+def _fused_meta(group: FusionGroup, members, input_nodes, outputs) -> dict[str, Any]:
+    last = members[-1]
+    meta = {key: last.meta[key] for key in ("nn_module_stack", "stack_trace") if key in last.meta}
+    meta["val"] = [out.meta["val"] for out in outputs]
+    meta[FUSION_META_KEY] = group
+    meta[ir.META_KEY] = _fused_record(group, members, input_nodes)
+    return meta
+
+
+def _fused_record(group: FusionGroup, members, input_nodes) -> ir.NodeInfo:
+    """One memory pass: bytes = inputs read once + outputs written once; flops summed over members."""
+    records = [ir.info(n) for n in members]
+    saved = sum(s.nbytes for s in group.inputs if not s.param)  # what the backward keeps
+    training = any(r.act_bytes for r in records)
+    return ir.NodeInfo(
+        shape=group.shape,
+        dtype=group.output_dtypes[0],
+        fwd_flops=sum(r.fwd_flops for r in records) or group.fwd_flops,
+        bwd_flops=sum(r.bwd_flops for r in records),
+        bytes=group.bytes,
+        param_bytes=sum(s.nbytes for s in group.inputs if s.param),
+        act_bytes=saved if training else 0,
+        block=records[-1].block,
+        stage=records[-1].stage,
+        notes=(f"fused {len(members)} ops, backward={group.backward}; per-device times need the cost pass",),
+    )
+
+
+def install_code_comments(gm: torch.fx.GraphModule) -> None:
+    """Make ``gm.code`` print, above each fused node, its group summary, backend and replaced ops.
+
+    Idempotent; recompiles ``gm``. The hook lives on the graph's codegen, which copies share: call this
+    again on a module copied or split from a fused one so its comments come from its own nodes.
+    """
+    current = gm.graph._codegen._body_transformer
+    own = getattr(current, "hetcc_graph", None)
+    if own is not None and own() is gm.graph:
+        gm.recompile()
+        return
+    previous = current.hetcc_previous if own is not None else current
+    graph_ref = weakref.ref(gm.graph)
+
+    def transform(body: list[str]) -> list[str]:
+        body = previous(body) if previous else body
+        graph = graph_ref()
+        return body if graph is None else _with_comments(body, graph)
+
+    transform.hetcc_graph, transform.hetcc_previous = graph_ref, previous
+    gm.graph.on_generate_code(lambda _: transform)
+    gm.recompile()
+
+
+def _with_comments(body: list[str], graph: torch.fx.Graph) -> list[str]:
+    fused = {n.name: n.meta[FUSION_META_KEY] for n in graph.nodes if FUSION_META_KEY in n.meta}
+    result = []
+    for line in body:
+        name = line.split(" = ", 1)[0].strip()
+        if name in fused and " = " in line:
+            result += [f"# {comment}\n" for comment in fusion_comment(fused[name])]
+        result.append(line)
+    return result
+
+
+def fusion_comment(group: FusionGroup) -> list[str]:
+    """The comment lines printed above a fused node (also usable in dumps)."""
+    return [f"{group.summary()}, {describe_backend(group.device)}"] + [
+        f"  {i.replaced}" for i in group.instrs
+    ]

@@ -1,0 +1,28 @@
+"""hetcc's runtime: send/recv ops, process groups, the schedule executor, local runs, saved pipelines.
+
+Names are imported on first use: ``hetcc.passes.comm`` imports ``hetcc.runtime.ops`` while the
+executor imports the pass, so eager imports here would be circular.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "run_local": "hetcc.runtime.local",
+    "RunResult": "hetcc.runtime.local",
+    "Pipeline": "hetcc.runtime.store",
+    "save_stages": "hetcc.runtime.store",
+    "load_stages": "hetcc.runtime.store",
+    "load_pipeline": "hetcc.runtime.store",
+    "pipelining_schedule": "hetcc.runtime.interop",
+    "link_backend": "hetcc.runtime.groups",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hetcc.runtime' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,114 @@
+"""Process groups per link, and transfers whose every wait has a deadline.
+
+One rank runs one stage. Each pair of stages that exchanges tensors talks over the backend its two
+devices share: ``nccl`` between GPUs of one vendor (RCCL answers to the same name on AMD), ``gloo``
+across vendors and whenever a CPU is involved. Every wait goes through ``Work.wait(timeout)``; a
+timeout or a lost peer becomes ``RuntimeFailure`` naming the peer and what this rank waited for.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetcc.errors import RuntimeFailure
+
+GPU_VENDORS = ("nvidia", "amd")
+
+
+def link_backend(vendor_a: str, vendor_b: str) -> str:
+    """Backend for a link between devices of two vendors ("nvidia", "amd", "cpu", ...)."""
+    a, b = vendor_a.lower(), vendor_b.lower()
+    return "nccl" if a == b and a in GPU_VENDORS else "gloo"
+
+
+def link_backends(vendors: Sequence[str]) -> dict[tuple[int, int], str]:
+    """Backend of every rank pair ``(i, j)`` with ``i < j``, given each rank's device vendor."""
+    return {
+        (i, j): link_backend(vendors[i], vendors[j])
+        for i in range(len(vendors))
+        for j in range(i + 1, len(vendors))
+    }
+
+
+def world_backend(vendors: Sequence[str]) -> str:
+    """Backend of the default group: nccl only when every rank is a GPU of one vendor."""
+    first = vendors[0].lower()
+    return "nccl" if first in GPU_VENDORS and all(v.lower() == first for v in vendors) else "gloo"
+
+
+class Links:
+    """The process group of every rank pair and of every tied-parameter group, plus timed waits.
+
+    Must be built on every rank in the same order (``new_group`` is collective).
+    """
+
+    def __init__(
+        self,
+        vendors: Sequence[str],
+        tied_ranks: Sequence[Sequence[int]],
+        timeout_s: float,
+        device: torch.device | str = "cpu",
+    ):
+        self.rank, self.timeout_s, self.device = dist.get_rank(), timeout_s, torch.device(device)
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        default = dist.get_backend()
+        self.pairs: dict[tuple[int, int], object] = {}
+        for pair, backend in link_backends(vendors).items():
+            if backend != default:
+                self.pairs[pair] = dist.new_group(list(pair), backend=backend, timeout=self.timeout)
+        self.tied = [
+            dist.new_group(sorted(ranks), backend="gloo", timeout=self.timeout) for ranks in tied_ranks
+        ]
+        self.gloo_peers = {
+            j if i == self.rank else i
+            for (i, j), backend in link_backends(vendors).items()
+            if backend == "gloo" and self.rank in (i, j)
+        }
+        self.pending: list[tuple[object, torch.Tensor, str]] = []
+
+    def group(self, peer: int):
+        return self.pairs.get((min(self.rank, peer), max(self.rank, peer)))
+
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
+        """Start sending; the work is waited for (with the timeout) in ``wait_sends``."""
+        tensor = tensor.detach().to(self._wire_device(peer)).contiguous()
+        work = dist.isend(tensor, dst=peer, group=self.group(peer), tag=tag)
+        self.pending.append((work, tensor, f"{what} to rank {peer}"))
+
+    def recv(self, peer: int, tag: int, shape, dtype: torch.dtype, what: str) -> torch.Tensor:
+        buffer = torch.empty(tuple(shape), dtype=dtype, device=self._wire_device(peer))
+        work = dist.irecv(buffer, src=peer, group=self.group(peer), tag=tag)
+        self.wait(work, f"{what} from rank {peer}", peer)
+        return buffer.to(self.device)
+
+    def _wire_device(self, peer: int) -> torch.device:
+        """gloo moves host memory: tensors for a gloo link are staged through the CPU."""
+        return torch.device("cpu") if peer in self.gloo_peers else self.device
+
+    def wait_sends(self) -> None:
+        pending, self.pending = self.pending, []
+        for work, _tensor, what in pending:
+            self.wait(work, f"completion of send of {what}", None)
+
+    def all_reduce(self, tensor: torch.Tensor, group_index: int, what: str) -> None:
+        host = tensor.cpu()
+        work = dist.all_reduce(host, group=self.tied[group_index], async_op=True)
+        self.wait(work, what, None)
+        tensor.copy_(host)
+
+    def wait(self, work, what: str, peer: int | None) -> None:
+        """``work.wait`` with the deadline; any failure names this rank, the peer and the wait."""
+        try:
+            work.wait(self.timeout)
+        except Exception as error:  # noqa: BLE001 - every backend raises its own type
+            peer_text = f" (peer rank {peer})" if peer is not None else ""
+            raise RuntimeFailure(
+                f"rank {self.rank} failed waiting for {what}{peer_text}: {type(error).__name__}: "
+                f"{str(error).splitlines()[0] if str(error) else ''}",
+                hint=f"check that {f'rank {peer}' if peer is not None else 'every peer'} is alive; "
+                f"waits time out after hetcc.config.comm_timeout_s = {self.timeout_s:g} s",
+            ) from error

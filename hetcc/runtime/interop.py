@@ -1,0 +1,66 @@
+"""Hand hetcc's compute-only stages to ``torch.distributed.pipelining``.
+
+pipelining runs a chain: stage 0 takes the model inputs, every later stage takes exactly what the
+previous one returned. ``pipelining_stage`` checks that a split is such a chain (no skip connection
+over a stage, no model input after stage 0) and wraps the stage so its arguments arrive in the order
+the previous stage sends them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from hetcc.codegen import compute_module
+from hetcc.errors import PlanFormatError
+from hetcc.passes.comm import StageGraph
+
+_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+class ChainStage(torch.nn.Module):
+    """A compute-only stage that takes its received tensors in the previous stage's send order."""
+
+    def __init__(self, stage: StageGraph, previous: StageGraph | None):
+        super().__init__()
+        self.compute = compute_module(stage)
+        order = [edge.tag for edge in previous.sends] if previous is not None else []
+        self.permutation = [order.index(edge.tag) for edge in stage.recvs]
+        self.single_output = stage.is_last and stage.num_outputs == 1
+
+    def forward(self, *args):
+        if self.permutation:
+            args = tuple(args[i] for i in self.permutation)
+        out = self.compute(*args)
+        return out[0] if self.single_output or len(out) == 1 else out
+
+
+def pipelining_schedule(
+    stages: list[StageGraph],
+    rank: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    loss_fn: Callable | None = None,
+    device: torch.device | str = "cpu",
+):
+    """This rank's ``torch.distributed.pipelining`` schedule for a chain-shaped split."""
+    _check_chain(stages)
+    previous = stages[rank - 1] if rank > 0 else None
+    module = ChainStage(stages[rank], previous).to(device)
+    stage = PipelineStage(module, rank, len(stages), torch.device(device))
+    return _SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn)
+
+
+def _check_chain(stages: list[StageGraph]) -> None:
+    for stage in stages:
+        bad_recv = [e.value for e in stage.recvs if e.src != stage.index - 1]
+        bad_send = [e.value for e in stage.sends if e.dst != stage.index + 1]
+        if bad_recv or bad_send or (stage.index > 0 and stage.inputs):
+            raise PlanFormatError(
+                f"stage {stage.index} is not part of a chain (skips: {bad_recv + bad_send}, "
+                f"model inputs: {list(stage.inputs) if stage.index else []})",
+                hint="torch.distributed.pipelining needs each stage to feed only the next one; "
+                "use hetcc's runtime for this split",
+            )

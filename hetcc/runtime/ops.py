@@ -1,0 +1,143 @@
+"""``hetcc::send`` / ``hetcc::recv``: point-to-point transfers as graph ops.
+
+They are ``torch.library`` custom ops so a stage's graph prints, traces (fake kernels) and
+differentiates with them inside: the backward of ``send`` receives the gradient of the sent tensor
+from the peer, and the backward of ``recv`` sends the gradient of the received tensor back. Each op
+carries the peer stage, a tag naming the cut edge, and the shape and dtype, so ``stage<k>.py`` shows
+what crosses where.
+
+The ops move data through the *current transport* (``use_transport``): the distributed runtime or
+``LocalTransport``, an in-process mailbox used to run all stages in one process. ``recv`` takes an
+``anchor``: a 0-d tensor that requires grad (the stage's ``hetcc_anchor`` buffer), because autograd
+only records an op that has a differentiable input; without it, the gradient of a received tensor
+would never reach the backward of ``recv``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from hetcc.errors import RuntimeFailure
+
+ANCHOR_NAME = "hetcc_anchor"
+
+
+class Transport(Protocol):
+    """Moves one tensor per (tag, direction); ``grad`` marks the backward direction."""
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, *, grad: bool) -> None: ...
+
+    def recv(
+        self, peer: int, tag: int, shape: list[int], dtype: torch.dtype, *, grad: bool
+    ) -> torch.Tensor: ...
+
+
+_current: list[Transport] = []
+
+
+@contextlib.contextmanager
+def use_transport(transport: Transport) -> Iterator[Transport]:
+    """Route ``hetcc::send``/``hetcc::recv`` through ``transport`` for the block."""
+    _current.append(transport)
+    try:
+        yield transport
+    finally:
+        _current.pop()
+
+
+def _transport() -> Transport:
+    if not _current:
+        raise RuntimeFailure(
+            "hetcc.send/hetcc.recv ran outside a transport",
+            hint="run stage modules through hetcc.runtime (run_local / launch) or inside "
+            "hetcc.runtime.ops.use_transport(LocalTransport())",
+        )
+    return _current[-1]
+
+
+class LocalTransport:
+    """In-process mailbox: a send is stored until the matching recv takes it (tests, debugging)."""
+
+    def __init__(self) -> None:
+        self.mailbox: dict[tuple[int, bool], list[torch.Tensor]] = {}
+
+    def send(self, tensor: torch.Tensor, peer: int, tag: int, *, grad: bool) -> None:
+        self.mailbox.setdefault((tag, grad), []).append(tensor.detach().clone())
+
+    def recv(self, peer: int, tag: int, shape: list[int], dtype: torch.dtype, *, grad: bool) -> torch.Tensor:
+        queue = self.mailbox.get((tag, grad))
+        if not queue:
+            kind = "gradient" if grad else "activation"
+            raise RuntimeFailure(
+                f"recv of {kind} tag {tag} from stage {peer}: nothing was sent",
+                hint="run stages in pipeline order (forward 0..K-1, backward K-1..0)",
+            )
+        return queue.pop(0)
+
+
+@torch.library.custom_op("hetcc::send", mutates_args=())
+def send(tensor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Send ``tensor`` to stage ``peer``; returns a 0-d token that keeps the send in the graph."""
+    _transport().send(tensor, peer, tag, grad=False)
+    return tensor.new_zeros(())
+
+
+@send.register_fake
+def _send_fake(tensor, peer, tag, shape, dtype):
+    return tensor.new_empty(())
+
+
+def _send_setup(ctx, inputs, output) -> None:
+    tensor, ctx.peer, ctx.tag, ctx.shape, ctx.dtype = inputs
+    ctx.differentiable = tensor.dtype.is_floating_point
+
+
+def _send_backward(ctx, grad_token):
+    if not ctx.differentiable:
+        return None, None, None, None, None
+    grad = _transport().recv(ctx.peer, ctx.tag, ctx.shape, ctx.dtype, grad=True)
+    return grad, None, None, None, None
+
+
+send.register_autograd(_send_backward, setup_context=_send_setup)
+
+
+@torch.library.custom_op("hetcc::recv", mutates_args=())
+def recv(anchor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """Receive the tensor of edge ``tag`` from stage ``peer`` (``anchor`` only ties it to autograd)."""
+    return _transport().recv(peer, tag, shape, dtype, grad=False)
+
+
+@recv.register_fake
+def _recv_fake(anchor, peer, tag, shape, dtype):
+    return anchor.new_empty(shape, dtype=dtype)
+
+
+def _recv_setup(ctx, inputs, output) -> None:
+    _, ctx.peer, ctx.tag, ctx.shape, ctx.dtype = inputs
+
+
+def _recv_backward(ctx, grad):
+    if ctx.dtype.is_floating_point:
+        grad = grad if grad is not None else torch.zeros(ctx.shape, dtype=ctx.dtype)
+        _transport().send(grad, ctx.peer, ctx.tag, grad=True)
+    return None, None, None, None, None
+
+
+recv.register_autograd(_recv_backward, setup_context=_recv_setup)
+
+
+def new_anchor() -> torch.Tensor:
+    """The 0-d tensor a stage passes to every ``recv`` so received tensors join autograd."""
+    return torch.zeros((), requires_grad=True)
+
+
+def attach_anchor(module: torch.nn.Module) -> None:
+    """(Re)register the stage's anchor as a non-persistent buffer (never saved with the weights)."""
+    if hasattr(module, ANCHOR_NAME):
+        delattr(module, ANCHOR_NAME)
+    module.register_buffer(ANCHOR_NAME, new_anchor(), persistent=False)

@@ -1,0 +1,155 @@
+"""Pipeline schedules: the order in which each stage runs its microbatches' forwards and backwards.
+
+A schedule is policy only: per stage, a list of compute actions (``F3`` = forward of microbatch 3,
+``B3`` = its backward). The runtime executes the list with send/recv around each action; the
+simulator replays it with costs; ``format_grid`` prints it as a rank x step grid.
+
+- ``gpipe``: every forward, then every backward (in microbatch order 0..M-1). Each stage holds the
+  activations of all M microbatches at once.
+- ``1f1b``: stage ``s`` of ``K`` first runs ``min(M, K - s)`` forwards, then alternates one backward
+  and one forward, then drains the remaining backwards. This is the order of
+  ``torch.distributed.pipelining.Schedule1F1B``; stage ``s`` holds at most ``min(M, K - s)``
+  microbatches' activations.
+
+With ``training=False`` both schedules reduce to forwards only, in microbatch order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hetcc.errors import PlanFormatError
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One compute action of a stage: ``kind`` is ``"F"`` (forward) or ``"B"`` (backward)."""
+
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+def check_schedule_args(schedule: str, num_stages: int, microbatches: int) -> None:
+    """Raise PlanFormatError naming the bad argument; shared by every schedule consumer."""
+    if schedule not in SCHEDULES:
+        raise PlanFormatError(
+            f"unknown pipeline schedule {schedule!r}", hint=f"use one of {', '.join(SCHEDULES)}"
+        )
+    for name, value in (("num_stages", num_stages), ("microbatches", microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PlanFormatError(
+                f"schedule {schedule!r}: {name} must be a positive integer, got {value!r}",
+                hint=f"pass {name} >= 1",
+            )
+
+
+def stage_actions(
+    schedule: str, num_stages: int, microbatches: int, *, training: bool = True
+) -> list[list[Action]]:
+    """Per stage (index = stage), its compute actions in execution order."""
+    check_schedule_args(schedule, num_stages, microbatches)
+    forwards = [Action("F", m) for m in range(microbatches)]
+    if not training:
+        return [list(forwards) for _ in range(num_stages)]
+    backwards = [Action("B", m) for m in range(microbatches)]
+    if schedule == "gpipe":
+        return [forwards + backwards for _ in range(num_stages)]
+    return [_one_f_one_b(forwards, backwards, min(microbatches, num_stages - s)) for s in range(num_stages)]
+
+
+def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then B/F pairs while forwards remain, then the remaining backwards."""
+    order = forwards[:warmup]
+    for m in range(len(backwards)):
+        order.append(backwards[m])
+        if warmup + m < len(forwards):
+            order.append(forwards[warmup + m])
+    return order
+
+
+def max_inflight(actions: list[Action]) -> int:
+    """Most microbatches whose forward ran but whose backward has not yet (activations held)."""
+    held = peak = 0
+    for action in actions:
+        held += 1 if action.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
+
+
+def unit_step_timeline(actions: list[list[Action]]) -> list[list[Action | None]]:
+    """Replay ``actions`` with every compute taking one step and transfers taking none.
+
+    A stage runs its next action at the first step after its inputs exist: F(m) after F(m) on the
+    previous stage, B(m) after B(m) on the next stage (the last stage's B(m) after its own F(m),
+    which its order already guarantees). Returns, per stage, the action at each step or None.
+    """
+    num_stages = len(actions)
+    done_at: dict[tuple[int, str, int], int] = {}
+    cursor = [0] * num_stages
+    timeline: list[list[Action | None]] = [[] for _ in range(num_stages)]
+    step = 0
+    while any(cursor[s] < len(actions[s]) for s in range(num_stages)):
+        ready = [_ready(actions, s, cursor[s], done_at, step) for s in range(num_stages)]
+        if not any(ready):
+            raise PlanFormatError("schedule deadlocks: no stage can run", hint="report this schedule")
+        for s in range(num_stages):
+            action = actions[s][cursor[s]] if ready[s] else None
+            timeline[s].append(action)
+            if action is not None:
+                done_at[(s, action.kind, action.microbatch)] = step
+                cursor[s] += 1
+        step += 1
+    return timeline
+
+
+def _ready(actions, stage: int, index: int, done_at: dict, step: int) -> bool:
+    if index >= len(actions[stage]):
+        return False
+    action = actions[stage][index]
+    source = stage - 1 if action.kind == "F" else stage + 1
+    if source < 0 or source >= len(actions):
+        return True
+    finished = done_at.get((source, action.kind, action.microbatch))
+    return finished is not None and finished < step
+
+
+def format_grid(
+    schedule: str, num_stages: int, microbatches: int, training: bool = True, *, comm: bool = True
+) -> str:
+    """The schedule as a rank x step grid (one row per rank, one column per unit compute step).
+
+    Every compute takes one step and transfers none, so the grid shows order and overlap, not time.
+    With ``comm`` a cell also names the transfers around its compute: ``RECV_F3 F3 SEND_F3`` on a
+    middle rank (activations arrive from the previous rank and leave for the next), ``RECV_B3 B3
+    SEND_B3`` for gradients going the other way. Idle cells print ``.``.
+    """
+    timeline = unit_step_timeline(stage_actions(schedule, num_stages, microbatches, training=training))
+    rows = [[_cell(action, s, num_stages, comm) for action in row] for s, row in enumerate(timeline)]
+    widths = [max(len(str(t)), *(len(row[t]) for row in rows)) for t in range(len(rows[0]))]
+    labels = [f"rank {s}" for s in range(num_stages)]
+    label_width = len(labels[-1])
+    lines = [" " * label_width + " | " + "  ".join(f"{t:<{w}}" for t, w in enumerate(widths))]
+    lines.append("-" * len(lines[0]))
+    for label, row in zip(labels, rows):
+        lines.append(f"{label:<{label_width}} | " + "  ".join(f"{c:<{w}}" for c, w in zip(row, widths)))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _cell(action: Action | None, stage: int, num_stages: int, comm: bool) -> str:
+    if action is None:
+        return "."
+    if not comm:
+        return str(action)
+    # Forwards receive from the previous rank and send to the next; backwards the other way.
+    has_prev, has_next = stage > 0, stage < num_stages - 1
+    receives, sends = (has_prev, has_next) if action.kind == "F" else (has_next, has_prev)
+    parts = [f"RECV_{action}"] if receives else []
+    parts.append(str(action))
+    if sends:
+        parts.append(f"SEND_{action}")
+    return " ".join(parts)

@@ -1,0 +1,116 @@
+"""Small models, their traced graphs, stage mappings and eager references for the runtime tests."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from hetcc.runtime.ops import LocalTransport, use_transport
+
+
+class ResidualMLP(torch.nn.Module):
+    """Three linear layers; the first layer's activation skips the second (a cut over two stages)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.c(torch.relu(self.b(h))) + h
+
+
+class SmallCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4 * 6 * 6, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(config)
+
+
+def export(model, args=(), kwargs=None) -> torch.fx.GraphModule:
+    return torch.export.export(model, args, kwargs or {}, strict=False).module()
+
+
+def stages_by_module(gm: torch.fx.GraphModule, rules: list[tuple[str, int]]) -> dict[str, int]:
+    """Map each call_function node to the stage of the first rule whose prefix its module path has;
+    nodes of the root module (no path) stay unmapped, so the split's own rules place them."""
+    mapping = {}
+    for node in (n for n in gm.graph.nodes if n.op == "call_function"):
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        for prefix, stage in rules:
+            if path and path.startswith(prefix):
+                mapping[node.name] = stage
+                break
+    return mapping
+
+
+MLP_RULES = [("a", 0), ("b", 1), ("c", 2)]
+CNN_RULES = [("conv", 0), ("bn", 0), ("fc", 1)]
+GPT2_RULES = [
+    ("transformer.wte", 0), ("transformer.wpe", 0), ("transformer.drop", 0), ("transformer.h.0", 0),
+    ("transformer.h.1", 1), ("transformer.ln_f", 2), ("lm_head", 2),
+]  # fmt: skip
+
+
+def run_in_process(stages, inputs: dict, backward: bool = False):
+    """All stages in one process through LocalTransport: forwards 0..K-1, then backwards K-1..0.
+
+    With ``backward``, the last stage's first output is summed and differentiated."""
+    transport = LocalTransport()
+    with use_transport(transport):
+        results = [stage.module(*(inputs[name] for name in stage.inputs)) for stage in stages]
+        if backward:
+            results[-1][0].sum().backward()
+            for result in reversed(results[:-1]):
+                torch.autograd.backward(list(result), [torch.ones(()) for _ in result])
+    return results[-1]
+
+
+def eager_reference(model, inputs: dict, targets, loss_fn, steps: int, microbatches: int, optimizer: dict):
+    """Per step: mean loss over microbatches, grads after each backward, outputs of the last step."""
+    model = copy.deepcopy(model)
+    options = dict(optimizer)
+    kind = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[options.pop("name")]
+    opt = kind(model.parameters(), **options)
+    chunks = [dict(zip(inputs, parts)) for parts in zip(*(v.chunk(microbatches) for v in inputs.values()))]
+    target_chunks = targets.chunk(microbatches) if targets is not None else [None] * microbatches
+    losses, grads, outputs = [], [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        step_losses, outputs = [], []
+        for chunk, target in zip(chunks, target_chunks):
+            out = model(**chunk)
+            if loss_fn is None:
+                loss, out = out.loss, out.logits
+            else:
+                loss = loss_fn(out, target)
+            (loss / microbatches).backward()
+            step_losses.append(loss.detach())
+            outputs.append(out.detach())
+        losses.append(float(torch.stack(step_losses).mean()))
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+        opt.step()
+    return losses, grads, torch.cat(outputs)
+
+
+def mse(output, target):
+    return F.mse_loss(output, target)

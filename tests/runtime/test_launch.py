@@ -1,0 +1,67 @@
+"""A saved folder run by torchrun + hetcc.launch, and a rank dying mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from runtime_models import MLP_RULES, ResidualMLP, eager_reference, export, stages_by_module
+
+from hetcc import config
+from hetcc.errors import RuntimeFailure
+from hetcc.passes.comm import split_stages
+from hetcc.runtime.executor import FAULT_ENV
+from hetcc.runtime.local import run_local
+from hetcc.runtime.store import save_stages
+
+pytestmark = pytest.mark.slow
+TWO_STAGES = [(prefix, min(stage, 1)) for prefix, stage in MLP_RULES]
+
+
+def _two_stage_mlp(width: int = 8, rows: int = 8):
+    torch.manual_seed(0)
+    model = ResidualMLP(width)
+    x, y = torch.randn(rows, width), torch.randn(rows, width)
+    gm = export(model, (x[: rows // 2],))
+    return model, x, y, split_stages(gm, stages_by_module(gm, TWO_STAGES), 2)
+
+
+def test_torchrun_launch_of_a_saved_folder_matches_eager(tmp_path):
+    # A gloo send completes only once its recv is posted, so 1F1B deadlocks (rank 0 sends F1 while
+    # rank 1 sends B0's gradient) unless sends are non-blocking; 4 MiB activations make it plain.
+    model, x, y, stages = _two_stage_mlp(width=512, rows=4096)
+    optimizer = {"name": "sgd", "lr": 0.1}
+    meta = {"schedule": "1f1b", "microbatches": 2, "loss": "mse_loss", "optimizer": optimizer}
+    save_stages(stages, str(tmp_path), meta, inputs={"x": x}, targets=y)
+    losses_file = tmp_path / "losses.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "hetcc.launch", str(tmp_path), "--steps", "2", "--losses-out", str(losses_file),
+    ]  # fmt: skip
+    env = {**os.environ, "HETCC_COMM_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 1 loss" in done.stdout
+    expected, _, _ = eager_reference(model, {"x": x}, y, F.mse_loss, 2, 2, optimizer)
+    for got, want in zip(json.loads(losses_file.read_text()), expected, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+def test_a_dead_rank_becomes_runtime_failure_on_the_others(monkeypatch):
+    _, x, y, stages = _two_stage_mlp()
+    monkeypatch.setenv(FAULT_ENV, "1:1")  # rank 1 exits at the start of step 1
+    with config.patch(comm_timeout_s=20.0), pytest.raises(RuntimeFailure) as failure:
+        run_local(stages, {"x": x}, y, F.mse_loss, steps=3, microbatches=2)
+    message = str(failure.value)
+    assert "rank 1 exited with code 1" in message
+    # rank 0 raised (it was not killed by the deadline), naming the dead peer and what it waited for
+    assert "rank 0: RuntimeFailure: rank 0 failed waiting for" in message
+    assert "rank 1" in message.split("rank 0: RuntimeFailure:")[1]

@@ -1,0 +1,82 @@
+"""send/recv ops (fake kernels, autograd through a transport), backend choice per link, interop checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from runtime_models import MLP_RULES, ResidualMLP, export, stages_by_module
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from hetcc.errors import PlanFormatError, RuntimeFailure
+from hetcc.passes.comm import split_stages
+from hetcc.runtime.groups import link_backend, link_backends, world_backend
+from hetcc.runtime.interop import pipelining_schedule
+from hetcc.runtime.local import run_local
+from hetcc.runtime.ops import LocalTransport, new_anchor, use_transport
+
+
+def test_backward_of_send_receives_and_backward_of_recv_sends_the_gradient():
+    transport = LocalTransport()
+    x = torch.randn(3, requires_grad=True)
+    with use_transport(transport):
+        token = torch.ops.hetcc.send(x * 2, 1, 7, [3], torch.float32)
+        received = torch.ops.hetcc.recv(new_anchor(), 0, 7, [3], torch.float32)
+        (received**2).sum().backward()  # the consumer's backward sends d/dr = 2r back on tag 7
+        token.backward()  # the producer's backward receives it
+    torch.testing.assert_close(x.grad, 8 * x.detach())
+    assert transport.mailbox == {(7, False): [], (7, True): []}
+
+
+def test_ops_have_fake_kernels_with_the_declared_shape():
+    with FakeTensorMode():
+        out = torch.ops.hetcc.recv(torch.zeros(()), 0, 1, [2, 5], torch.bfloat16)
+        token = torch.ops.hetcc.send(torch.zeros(4), 1, 1, [4], torch.float32)
+    assert out.shape == (2, 5) and out.dtype == torch.bfloat16 and token.shape == ()
+
+
+def test_ops_outside_a_transport_fail_clearly():
+    with pytest.raises(RuntimeFailure, match="outside a transport"):
+        torch.ops.hetcc.send(torch.zeros(2), 1, 0, [2], torch.float32)
+
+
+def test_recv_of_something_never_sent_names_the_tag():
+    with use_transport(LocalTransport()), pytest.raises(RuntimeFailure, match="tag 4 from stage 2"):
+        torch.ops.hetcc.recv(new_anchor(), 2, 4, [1], torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "backend"),
+    [
+        ("nvidia", "nvidia", "nccl"),
+        ("amd", "AMD", "nccl"),
+        ("nvidia", "amd", "gloo"),
+        ("cpu", "cpu", "gloo"),
+        ("nvidia", "cpu", "gloo"),
+    ],
+)
+def test_link_backend(a, b, backend):
+    assert link_backend(a, b) == backend
+
+
+def test_link_backends_cover_every_pair_and_world_backend_is_gloo_when_mixed():
+    vendors = ["nvidia", "nvidia", "amd", "cpu"]
+    pairs = link_backends(vendors)
+    assert pairs[(0, 1)] == "nccl" and pairs[(1, 2)] == "gloo" and pairs[(2, 3)] == "gloo"
+    assert len(pairs) == 6
+    assert world_backend(vendors) == "gloo" and world_backend(["amd", "amd"]) == "nccl"
+
+
+def test_pipelining_interop_refuses_a_split_with_a_skip_over_a_stage():
+    gm = export(ResidualMLP(), (torch.randn(4, 8),))
+    stages = split_stages(gm, stages_by_module(gm, MLP_RULES), 3)
+    with pytest.raises(PlanFormatError, match="stage 0 is not part of a chain .*relu"):
+        pipelining_schedule(stages, 0, 2)
+
+
+def test_inputs_that_do_not_split_into_the_traced_microbatch_fail_before_spawning():
+    gm = export(ResidualMLP(), (torch.randn(4, 8),))
+    stages = split_stages(gm, stages_by_module(gm, MLP_RULES), 3)
+    with pytest.raises(PlanFormatError, match=r"shape \(3, 8\) but stage 0 was traced with \(4, 8\)"):
+        run_local(stages, {"x": torch.randn(6, 8)}, microbatches=2)
+    with pytest.raises(PlanFormatError, match="does not split into 4 equal microbatches"):
+        run_local(stages, {"x": torch.randn(6, 8)}, microbatches=4)

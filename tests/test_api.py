@@ -1,0 +1,121 @@
+import dataclasses
+import math
+
+import pytest
+import torch
+from models import gpt2, lm_kwargs, token_ids
+
+import hetcc
+from hetcc.errors import HetccError, InfeasiblePlanError
+from hetcc.ir import info
+from hetcc.passes.partition import PartitionProblem, solve
+
+
+def _cluster(fast: str = "A100-80GB", slow: str = "T4", memory: str | None = None) -> hetcc.Cluster:
+    slow_devices = {"type": slow, "count": 2, **({"memory": memory} if memory else {})}
+    return hetcc.Cluster.from_spec({
+        "nodes": [
+            {"name": "n0", "intra_link": {"kind": "nvlink", "bandwidth": "300 GB/s"},
+             "devices": [{"type": fast, "count": 2, **({"memory": memory} if memory else {})}]},
+            {"name": "n1", "intra_link": {"kind": "pcie", "bandwidth": "32 GB/s"}, "devices": [slow_devices]},
+        ],
+        "inter_node_link": {"kind": "ethernet", "bandwidth": "25 Gb/s"},
+    })  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("build")
+    with torch.device("meta"):
+        model = gpt2(n_layer=8, n_embd=256, n_head=4, vocab=1024)
+        ids = token_ids(16, 128, vocab=1024, device="meta")
+    result = hetcc.compile(model, _cluster(), example_kwargs=lm_kwargs(ids), microbatches=8, dump_dir=folder)
+    return result, folder
+
+
+def test_plan_covers_every_block_once_in_order_on_distinct_devices(compiled):
+    result, _ = compiled
+    plan = result.plan
+    blocks = [b for s in plan.stages for b in s.blocks]
+    assert blocks == [b.name for b in result.analysis.blocks]
+    assert len({s.device for s in plan.stages}) == len(plan.stages)
+    for stage in plan.stages:
+        assert stage.peak_memory_bytes <= stage.device_memory_bytes
+    stage_of = {n.name: info(n).stage for n in result.graph.graph.nodes if info(n).stage is not None}
+    assert sorted(set(stage_of.values())) == list(range(len(plan.stages)))
+
+
+def test_fast_devices_get_more_layers(compiled):
+    plan = compiled[0].plan
+    per_type = {}
+    for stage in plan.stages:
+        per_type.setdefault(stage.device_type, []).append(stage.fwd_flops)
+    assert set(per_type) == {"A100-80GB", "T4"}  # the T4s are worth using, but for less work
+    assert min(per_type["A100-80GB"]) > max(per_type["T4"])
+
+
+def test_plan_beats_or_matches_every_baseline_and_respects_the_bound(compiled):
+    plan = compiled[0].plan
+    assert set(plan.baselines) == {"uniform", "parameters", "flops"}
+    assert all(plan.step_time_s <= t * (1 + 1e-9) for t in plan.baselines.values())
+    assert plan.lower_bound_s <= plan.step_time_s and plan.gap == pytest.approx(
+        plan.step_time_s / plan.lower_bound_s - 1
+    )
+    assert abs(plan.simulated_step_s - plan.step_time_s) / plan.step_time_s < 0.10
+
+
+def test_explain_has_a_row_per_stage_and_the_headline(compiled):
+    plan = compiled[0].plan
+    text = compiled[0].explain()
+    assert all(f" {s.device} " in text for s in plan.stages)
+    headline = next(line for line in text.splitlines() if line.startswith("predicted step"))
+    assert "faster than uniform" in headline and "above the lower bound" in headline
+
+
+def test_plan_and_problem_round_trip_through_json_exactly(compiled):
+    result, _ = compiled
+    assert hetcc.Plan.from_json(result.plan.to_json()) == result.plan
+    replayed = PartitionProblem.from_json(result.problem.to_json())
+    assert replayed == result.problem
+    assert solve(replayed).step_time_s == result.plan.step_time_s
+
+
+def test_dump_folder_holds_every_pass_and_the_plan(compiled):
+    _, folder = compiled
+    names = {p.name for p in folder.iterdir()}
+    assert {"05_cost.txt", "06_partition.txt", "plan.json", "problem.json", "04_blocks.txt"} <= names
+    assert "predicted step" in (folder / "06_partition.txt").read_text()
+
+
+def test_memory_too_small_raises_an_error_naming_a_device_and_the_shortfall():
+    with torch.device("meta"):
+        model = gpt2(n_layer=4, n_embd=512, n_head=4, vocab=1024)
+        ids = token_ids(8, 64, vocab=1024, device="meta")
+    with pytest.raises(InfeasiblePlanError) as caught:
+        hetcc.compile(model, _cluster(memory="40 MiB"), example_kwargs=lm_kwargs(ids), microbatches=4)
+    message = str(caught.value)
+    assert "bytes missing" in message and "device" in message and "microbatches" in message
+
+
+def test_batch_must_divide_into_microbatches():
+    with pytest.raises(HetccError, match="10 rows"):
+        hetcc.compile(gpt2(), _cluster(), example_kwargs=lm_kwargs(token_ids(10, 8)), microbatches=4)
+
+
+def test_unknown_optimizer_is_rejected_before_tracing():
+    with pytest.raises(HetccError, match="unknown optimizer 'lamb'"):
+        hetcc.compile(gpt2(), _cluster(), example_kwargs=lm_kwargs(token_ids(8, 8)), optimizer="lamb")
+
+
+def test_inference_plans_hold_no_gradients_or_activations():
+    with torch.device("meta"):
+        model = gpt2(n_layer=4, n_embd=256, n_head=4, vocab=1024)
+        ids = token_ids(8, 64, vocab=1024, device="meta")
+    plan = hetcc.compile(
+        model, _cluster(), example_kwargs=lm_kwargs(ids), microbatches=4, training=False
+    ).plan
+    assert all(
+        s.memory.grads_bytes == 0 and s.memory.activations_bytes == 0 and s.bwd_s == 0 for s in plan.stages
+    )
+    assert not math.isnan(plan.simulated_step_s)
+    assert dataclasses.replace(plan) == plan

@@ -1,0 +1,99 @@
+"""Pipeline schedules: completeness, order, memory bound, cross-stage feasibility, golden grids."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hetcc.errors import PlanFormatError
+from hetcc.schedules import Action, format_grid, max_inflight, stage_actions, unit_step_timeline
+
+shapes = st.tuples(st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 6), st.integers(1, 9))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_every_microbatch_runs_forward_then_backward_once(shape):
+    schedule, stages, microbatches = shape
+    for actions in stage_actions(schedule, stages, microbatches):
+        assert sorted(map(str, actions)) == sorted(f"{k}{m}" for k in "FB" for m in range(microbatches))
+        position = {str(a): i for i, a in enumerate(actions)}
+        assert all(position[f"F{m}"] < position[f"B{m}"] for m in range(microbatches))
+        # Microbatches enter and leave each stage in order.
+        assert [a.microbatch for a in actions if a.kind == "F"] == list(range(microbatches))
+        assert [a.microbatch for a in actions if a.kind == "B"] == list(range(microbatches))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes)
+def test_inflight_bound_matches_the_memory_model(shape):
+    schedule, stages, microbatches = shape
+    for s, actions in enumerate(stage_actions(schedule, stages, microbatches)):
+        bound = microbatches if schedule == "gpipe" else min(microbatches, stages - s)
+        assert max_inflight(actions) == bound
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes, st.booleans())
+def test_schedules_are_dependency_feasible_across_stages(shape, training):
+    schedule, stages, microbatches = shape
+    actions = stage_actions(schedule, stages, microbatches, training=training)
+    timeline = unit_step_timeline(actions)  # raises on deadlock
+    step_of = {(s, str(a)): t for s, row in enumerate(timeline) for t, a in enumerate(row) if a}
+    for s in range(stages):
+        for m in range(microbatches):
+            if s > 0:
+                assert step_of[(s, f"F{m}")] > step_of[(s - 1, f"F{m}")]
+            if training and s < stages - 1:
+                assert step_of[(s, f"B{m}")] > step_of[(s + 1, f"B{m}")]
+    # Each stage keeps its own order.
+    for s, row in enumerate(timeline):
+        assert [a for a in row if a is not None] == actions[s]
+
+
+def test_inference_runs_forwards_only():
+    assert stage_actions("1f1b", 3, 2, training=False) == [[Action("F", 0), Action("F", 1)]] * 3
+
+
+def test_1f1b_matches_torch_pipelining_order():
+    # Schedule1F1B: min(M, K - s) warm-up forwards, then B/F pairs, then the remaining backwards.
+    orders = [" ".join(map(str, a)) for a in stage_actions("1f1b", 3, 5)]
+    assert orders == [
+        "F0 F1 F2 B0 F3 B1 F4 B2 B3 B4",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 B4",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4",
+    ]
+
+
+def test_homogeneous_unit_grid_has_the_textbook_length():
+    for schedule in ("gpipe", "1f1b"):
+        timeline = unit_step_timeline(stage_actions(schedule, 4, 6))
+        assert len(timeline[0]) == 2 * (6 + 4 - 1)
+
+
+GOLDEN_1F1B = """\
+       | 0   1   2   3   4   5   6   7
+---------------------------------------
+rank 0 | F0  F1  .   B0  F2  B1  .   B2
+rank 1 | .   F0  B0  F1  B1  F2  B2  ."""
+
+GOLDEN_GPIPE_COMM = """\
+       | 0           1           2           3           4           5
+-------------------------------------------------------------------------------
+rank 0 | F0 SEND_F0  F1 SEND_F1  .           .           RECV_B0 B0  RECV_B1 B1
+rank 1 | .           RECV_F0 F0  RECV_F1 F1  B0 SEND_B0  B1 SEND_B1  ."""
+
+
+def test_golden_grids():
+    assert format_grid("1f1b", 2, 3, comm=False) == GOLDEN_1F1B
+    assert format_grid("gpipe", 2, 2) == GOLDEN_GPIPE_COMM
+
+
+def test_bad_arguments_name_the_culprit():
+    with pytest.raises(PlanFormatError, match="(?s)unknown pipeline schedule 'zb'.*gpipe, 1f1b"):
+        stage_actions("zb", 2, 2)
+    with pytest.raises(PlanFormatError, match="microbatches must be a positive integer"):
+        stage_actions("1f1b", 2, 0)
+    with pytest.raises(PlanFormatError, match="num_stages"):
+        format_grid("gpipe", 1.5, 2)
