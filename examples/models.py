@@ -29,13 +29,26 @@ def gpt2_xl(batch: int = 32, seq: int = 512):
     return _gpt2(48, 1600, 25, batch, seq)
 
 
+def _llama(config: LlamaConfig, batch: int, seq: int):
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return model, {"input_ids": ids, "use_cache": False}
+
+
 def llama_7b(batch: int = 8, seq: int = 2048):
     """A Llama-2-7B-shaped model: 32 layers, hidden 4096."""
     config = LlamaConfig(
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, vocab_size=32000, max_position_embeddings=max(4096, seq),
     )  # fmt: skip
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-        ids = torch.randint(0, config.vocab_size, (batch, seq))
-    return model, {"input_ids": ids, "use_cache": False}
+    return _llama(config, batch, seq)
+
+
+def llama_70b(batch: int = 64, seq: int = 2048):
+    """A Llama-2-70B-shaped model: 80 layers, hidden 8192, grouped-query attention (8 KV heads)."""
+    config = LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=max(4096, seq),
+    )  # fmt: skip
+    return _llama(config, batch, seq)

@@ -9,13 +9,15 @@ from typing import Any
 
 import torch
 
-from hetcc import config, ir
+from hetcc import config, ir, verify
 from hetcc.analysis import Analysis, analyze
 from hetcc.baselines import baselines
 from hetcc.cluster import Cluster
 from hetcc.dump import Dumper
 from hetcc.errors import HetccError
+from hetcc.passes.blocks import collect_blocks
 from hetcc.passes.cost import cost
+from hetcc.passes.fuse import fuse, install_code_comments
 from hetcc.passes.partition import PartitionProblem, PartitionSolution, solve
 from hetcc.plan import MemoryBreakdown, Plan, Stage
 from hetcc.problem import build_problem, state_multiplier
@@ -49,6 +51,10 @@ class Compiled:
 
             stage_of = {name: s.index for s in self.plan.stages for name in s.nodes}
             stages = split_stages(self.graph, stage_of, len(self.plan.stages))
+            for stage in stages:  # fused groups print the ops they replaced in stage<k>.py
+                install_code_comments(stage.module)
+            if config.check:
+                verify.check_pipeline(stages)
             self._pipeline = Pipeline(stages, self._run_meta())
         return self._pipeline
 
@@ -104,8 +110,14 @@ def compile(  # noqa: A001 - the public name DESIGN.md gives
     dumper = Dumper(dump_dir)
     analysis = analyze(model, args, kwargs, dump_dir=dump_dir, training=training, dumper=dumper)
     gm = analysis.graph
+    if config.fuse:
+        with dumper.step("fuse", "fuse.txt", lambda: gm.code):
+            fuse(gm)
+            analysis.blocks, analysis.tied_params = collect_blocks(gm)
     with dumper.step("cost", "cost.txt", lambda: ir.format(gm)):
         cost(gm, device_types=cluster.types, dtype=dtype, training=training)
+    if config.check:
+        verify.check_graph(gm, after="cost")
     problem = build_problem(
         analysis,
         cluster,
@@ -119,6 +131,8 @@ def compile(  # noqa: A001 - the public name DESIGN.md gives
         solution = solve(problem)
         plan = _plan(problem, solution, analysis, training, optimizer)
         _annotate_stages(gm, plan)
+        if config.check:
+            verify.check_stages(gm, plan)
         compiled = Compiled(plan, problem, analysis, cluster, solution, optimizer)
     dumper.write("plan.json", plan.to_json(), numbered=False)
     dumper.write("problem.json", problem.to_json(), numbered=False)

@@ -1,8 +1,8 @@
 """Measure a local device so the cost model prices nodes at real speeds instead of datasheet guesses.
 
-``calibrate()`` times three things on one device of this host: large square matmuls (FLOP/s per
-dtype, the best sustained rate over a few sizes), a streaming ``add`` (bytes read + written per
-second) and an add on 1-element tensors (the per-kernel overhead). Each figure is a median over
+``calibrate()`` times three things on one device of this host: matmuls (FLOP/s per dtype of the GEMMs
+a training step runs: forward, input- and weight-gradient layouts, square and wide), streaming
+pointwise ops (bytes read + written per second) and an add on 1-element tensors (the per-kernel overhead). Each figure is a median over
 repeated calls after a warm-up, so one slow call (a page fault, a neighbour's burst) does not move it.
 The result is a ``Calibration`` (``hetcc.calibration``): saved per machine as YAML/JSON, and turned
 into a calibrated ``DeviceType`` by ``apply`` or a calibrated ``Cluster`` by ``apply_to_cluster``.
@@ -225,30 +225,61 @@ def _float32_matmul_precision(torch: Any, level: str) -> Iterator[None]:
 
 
 def _matmul_flops(torch: Any, dev: Any, key: str, plan: _Plan, sync: Callable[[], None]) -> float:
-    """Best sustained FLOP/s over the plan's square sizes (2·n³ FLOPs per n×n @ n×n)."""
+    """Sustained FLOP/s of the GEMMs training runs, at the largest size the budget allows.
+
+    The size is found with square n×n @ n×n products. At that size the rate is total FLOPs over total
+    time of a training mix: a square and a wide (n/4 × n @ n × 4n, like a vocabulary projection)
+    product, each in the three layouts of a linear layer (forward ``x @ w``, input gradient
+    ``g @ wᵀ``, weight gradient ``xᵀ @ g``). Transposed and skinny operands run well below the square
+    peak on most BLAS libraries, so a square-only figure would make every prediction optimistic.
+    """
     dtype = getattr(torch, _TORCH_DTYPES[key])
-    best_flops, last_s = 0.0, 0.0
+    size, last_s = plan.matmul_sizes[0], 0.0
     with _float32_matmul_precision(torch, "high" if key == "tf32" else "highest"), torch.no_grad():
         for n in plan.matmul_sizes:
             if last_s * 8 > plan.matmul_budget_s / 2:
                 break  # the next size (8× the work, plus warm-up) would overrun its budget
-            last_s = _matmul_seconds(torch, dev, n, dtype, plan, sync)
-            best_flops = max(best_flops, 2 * n**3 / last_s)
-    return best_flops
+            last_s, size = _matmul_seconds(torch, dev, (n, n, n), dtype, plan, sync, "nn"), n
+        shapes = [(size, size, size), (max(size // 4, 1), size, 4 * size)]
+        flops = total_s = 0.0
+        for m, k, n in shapes:
+            for layout in ("nn", "nt", "tn"):
+                total_s += _matmul_seconds(torch, dev, (m, k, n), dtype, plan, sync, layout)
+                flops += 2 * m * k * n
+    return flops / total_s
 
 
-def _matmul_seconds(torch: Any, dev: Any, n: int, dtype: Any, plan: _Plan, sync: Callable[[], None]) -> float:
-    a, b = (torch.randn(n, n, device=dev).to(dtype) for _ in range(2))
-    out = torch.empty(n, n, device=dev, dtype=dtype)
+def _matmul_seconds(torch: Any, dev: Any, mkn, dtype: Any, plan: _Plan, sync, layout: str) -> float:
+    """Seconds of an (m×k) @ (k×n) product whose operands are stored transposed per ``layout``."""
+    m, k, n = mkn
+    a = (
+        torch.randn(k, m, device=dev).to(dtype).t()
+        if layout == "tn"
+        else torch.randn(m, k, device=dev).to(dtype)
+    )
+    b = (
+        torch.randn(n, k, device=dev).to(dtype).t()
+        if layout == "nt"
+        else torch.randn(k, n, device=dev).to(dtype)
+    )
+    out = torch.empty(m, n, device=dev, dtype=dtype)
     return _seconds_per_call(lambda: torch.mm(a, b, out=out), sync, plan.matmul_budget_s)
 
 
 def _stream_bandwidth_bps(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> float:
-    """Bytes/s of ``c = a + b`` on fp32 tensors far larger than any cache: two reads and a write."""
+    """Bytes/s that memory-bound ops reach on fp32 tensors far larger than any cache.
+
+    A mix of what models run between matmuls: ``add`` and ``mul`` (two reads, a write) and ``exp`` and
+    ``tanh`` (a read, a write), total bytes over total time. On a GPU all four run at memory speed; on a
+    CPU core the transcendental ones are compute-bound, and an add-only figure would make every
+    softmax, GELU and log-softmax look several times cheaper than it is.
+    """
     with torch.no_grad():
         a, b, c = (torch.ones(plan.stream_elements, device=dev) for _ in range(3))
-        seconds = _seconds_per_call(lambda: torch.add(a, b, out=c), sync, plan.stream_budget_s)
-    return 3 * a.numel() * a.element_size() / seconds
+        mix = [(lambda: torch.add(a, b, out=c), 3), (lambda: torch.mul(a, b, out=c), 3),
+               (lambda: torch.exp(a, out=c), 2), (lambda: torch.tanh(a, out=c), 2)]  # fmt: skip
+        seconds = sum(_seconds_per_call(op, sync, plan.stream_budget_s / len(mix)) for op, _ in mix)
+    return sum(tensors for _, tensors in mix) * a.numel() * a.element_size() / seconds
 
 
 def _kernel_overhead_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> float:

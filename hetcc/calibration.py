@@ -42,8 +42,8 @@ from typing import Any, NoReturn
 import yaml
 
 from hetcc.cluster import Cluster
-from hetcc.errors import ClusterError
-from hetcc.file_format import _closest, load_file, parse_quantity
+from hetcc.errors import ClusterError, did_you_mean
+from hetcc.file_format import load_file, parse_quantity
 from hetcc.presets import DTYPE_KEYS, PRESETS, DeviceType, PeakTable, type_key
 
 FORMAT_VERSION = 1
@@ -82,7 +82,7 @@ class Calibration:
             if key not in DTYPE_KEYS:
                 yield (
                     f"matmul_flops.{key}",
-                    f"not a dtype key ({', '.join(DTYPE_KEYS)}){_closest(key, DTYPE_KEYS)}",
+                    f"not a dtype key ({', '.join(DTYPE_KEYS)}){did_you_mean(key, DTYPE_KEYS)}",
                 )
             elif not 0 < flops < math.inf:
                 yield f"matmul_flops.{key}", f"must be a positive number of FLOP/s; got {flops!r}"
@@ -200,7 +200,7 @@ class _FileReader:
         for key in data:
             if key not in _KEYS:
                 self.fail(
-                    str(key), f"unknown key{_closest(key, _KEYS)}", hint=f"valid keys: {', '.join(_KEYS)}"
+                    str(key), f"unknown key{did_you_mean(key, _KEYS)}", hint=f"valid keys: {', '.join(_KEYS)}"
                 )
         for key in _REQUIRED:
             if key not in data:
@@ -300,7 +300,7 @@ def apply_to_cluster(cluster: Cluster, calibrations: Iterable[Calibration]) -> C
             names = [t.name for t in cluster.types]
             raise ClusterError(
                 f"calibration of {calibration.device_type!r} (host {calibration.host or '?'}) matches no "
-                f"device type of the cluster{_closest(calibration.device_type, names)}",
+                f"device type of the cluster{did_you_mean(calibration.device_type, names)}",
                 hint=f"the cluster's types: {', '.join(names)}",
             )
         if key in chosen:

@@ -1,4 +1,4 @@
-"""The ``hetcc`` command: ``compile``, ``explain``, ``simulate``, ``calibrate`` (mirrors the Python API).
+"""The ``hetcc`` command: ``compile``, ``explain``, ``simulate``, ``run``, ``calibrate`` (mirrors the API).
 
 A model reaches the CLI as ``pkg.module:factory``: a function returning ``(model, example_inputs)``,
 where ``example_inputs`` is a tuple (positional) or a dict (keyword arguments) holding one step's batch.
@@ -29,6 +29,8 @@ def _load_factory(spec: str):
 
 
 def _compile(args: argparse.Namespace) -> None:
+    import torch
+
     import hetcc
 
     model, (inputs, kwargs) = _load_factory(args.model)
@@ -37,9 +39,15 @@ def _compile(args: argparse.Namespace) -> None:
         model, args.cluster, example_inputs=inputs, example_kwargs=kwargs, microbatches=args.microbatches,
         schedule=args.schedule, training=not args.inference, optimizer=args.optimizer, dump_dir=out / "ir",
     )  # fmt: skip
-    _save_plan(compiled, out)
+    if any(p.is_meta for p in model.parameters()):  # planned without weights: nothing to run yet
+        _save_plan(compiled, out)
+        note = "plan only (the model is on the meta device; build it with weights to save stages)"
+    else:
+        tensors = {k: v for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)}
+        compiled.save(out, inputs=tensors or None)
+        note = "plan, stage code, weights and kernels; run it with `hetcc run` or hetcc.launch"
     print(compiled.explain())
-    print(f"\nwritten to {out}/")
+    print(f"\nwritten to {out}/: {note}")
 
 
 def _save_plan(compiled, out: Path) -> None:
@@ -86,6 +94,18 @@ def _simulate(args: argparse.Namespace) -> None:
     )
 
 
+def _run(args: argparse.Namespace) -> None:
+    from hetcc.api import run_local
+    from hetcc.launch import loss_function
+    from hetcc.runtime.store import load_inputs
+
+    inputs, targets = load_inputs(args.build)
+    loss_fn = loss_function(args.loss)
+    result = run_local(args.build, inputs, targets=targets, loss_fn=loss_fn, steps=args.steps)
+    for step, loss in enumerate(result.losses):
+        print(f"step {step} loss {loss:.6f}")
+
+
 def _calibrate(args: argparse.Namespace) -> None:
     from hetcc.calibrate import calibrate
 
@@ -118,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(name, help=text)
         sub.add_argument("build", help="build folder written by `hetcc compile`")
         sub.set_defaults(run=run)
+    run_cmd = commands.add_parser("run", help="train a saved build locally, one process per stage (gloo)")
+    run_cmd.add_argument("build", help="build folder written by `hetcc compile` with weights")
+    run_cmd.add_argument("--steps", type=int, default=1)
+    run_cmd.add_argument("--loss", default=None, help="torch.nn.functional loss name (default: the model's)")
+    run_cmd.set_defaults(run=_run)
     calibrate_cmd = commands.add_parser(
         "calibrate", help="measure this machine's device and write a calibration"
     )

@@ -9,13 +9,12 @@ guesses a link, so construction fails when some pair of devices has none.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hetcc.errors import ClusterError
+from hetcc.errors import ClusterError, did_you_mean
 from hetcc.file_format import parse_quantity as parse_quantity  # re-exported: cluster files' unit reader
 from hetcc.presets import DeviceType
 
@@ -41,7 +40,7 @@ class Link:
         if not 0 <= self.latency_s < math.inf:
             raise ClusterError(f"{self.kind} link: latency must be >= 0, got {self.latency_s!r}")
         if self.kind not in LINK_KINDS + ("self",):
-            raise ClusterError(f"unknown link kind {self.kind!r}{_closest(self.kind, LINK_KINDS)}")
+            raise ClusterError(f"unknown link kind {self.kind!r}{did_you_mean(self.kind, LINK_KINDS)}")
 
     def transfer_s(self, nbytes: float) -> float:
         """Seconds to move ``nbytes`` over this link: latency + bytes / bandwidth."""
@@ -111,7 +110,7 @@ class Cluster:
             return self._by_name[name]
         except KeyError:
             raise ClusterError(
-                f"no device {name!r} in the cluster{_closest(name, self._by_name)}",
+                f"no device {name!r} in the cluster{did_you_mean(name, self._by_name)}",
                 hint=f"devices: {', '.join(self._by_name)}",
             ) from None
 
@@ -190,7 +189,7 @@ class Cluster:
         names = [t.name for t in self.types]
         for name in types:
             if name not in names:
-                raise ClusterError(f"replace_types: no device type {name!r} in the cluster{_closest(name, names)}",
+                raise ClusterError(f"replace_types: no device type {name!r} in the cluster{did_you_mean(name, names)}",
                                    hint=f"types: {', '.join(names)}")  # fmt: skip
         devices = [dataclasses.replace(d, type=types.get(d.type.name, d.type)) for d in self.devices]
         overrides = self.pair_overrides()
@@ -283,12 +282,7 @@ def _check_unique(names: Sequence[str], what: str) -> None:
 def _check_known(names: Iterable[str], known: Mapping[str, object], where: str, what: str) -> None:
     for name in names:
         if name not in known:
-            raise ClusterError(f"{where}: unknown {what} {name!r}{_closest(name, known)}")
-
-
-def _closest(word: str, choices: Iterable[str]) -> str:
-    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else ""
+            raise ClusterError(f"{where}: unknown {what} {name!r}{did_you_mean(name, known)}")
 
 
 # ---- writing and printing --------------------------------------------------------------------

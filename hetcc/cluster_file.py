@@ -50,8 +50,8 @@ from hetcc.cluster import (
     Link,
     PairKey,
 )
-from hetcc.errors import ClusterError
-from hetcc.file_format import _closest, load_file, parse_quantity
+from hetcc.errors import ClusterError, did_you_mean
+from hetcc.file_format import load_file, parse_quantity
 from hetcc.presets import DTYPE_KEYS, PRESETS, VENDOR_EFFICIENCY, VENDORS, DeviceType, get_preset, type_key
 
 
@@ -146,7 +146,9 @@ class _SpecReader:
         for key in obj:
             if key not in keys:
                 where = f"{path}.{key}" if path else str(key)
-                self.fail(where, f"unknown key{_closest(key, keys)}", hint=f"valid keys: {', '.join(keys)}")
+                self.fail(
+                    where, f"unknown key{did_you_mean(key, keys)}", hint=f"valid keys: {', '.join(keys)}"
+                )
         for key in required:
             if key not in obj:
                 self.fail(path, f"missing required key {key!r}")
@@ -295,7 +297,7 @@ class _SpecReader:
         fields = dataclasses.asdict(base) if base else {}
         if "kind" in entry:
             if entry["kind"] not in LINK_KINDS:
-                self.fail(f"{path}.kind", f"unknown link kind {entry['kind']!r}{_closest(entry['kind'], LINK_KINDS)}",
+                self.fail(f"{path}.kind", f"unknown link kind {entry['kind']!r}{did_you_mean(entry['kind'], LINK_KINDS)}",
                           hint=f"kinds: {', '.join(LINK_KINDS)}")  # fmt: skip
             fields["kind"] = entry["kind"]
         if "bandwidth" in entry:
@@ -347,7 +349,7 @@ class _SpecReader:
                 self.fail(f"{path}[{i}]", f"{name!r} is both a node and a device; rename one")
             if name not in nodes and name not in devices:
                 self.fail(
-                    f"{path}[{i}]", f"unknown device or node {name!r}{_closest(name, [*nodes, *devices])}"
+                    f"{path}[{i}]", f"unknown device or node {name!r}{did_you_mean(name, [*nodes, *devices])}"
                 )
             kinds.append(name in devices)
         if kinds[0] != kinds[1]:

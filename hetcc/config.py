@@ -24,6 +24,8 @@ dump_dir: str | None = os.environ.get("HETCC_DUMP_DIR") or None
 check: bool = bool(_env_int("HETCC_CHECK", 0))
 # A block whose nodes' saved activations + parameter bytes exceed this is split into finer blocks.
 max_block_bytes: float = float(os.environ.get("HETCC_MAX_BLOCK_BYTES", "inf"))
+# Fuse pointwise chains (and a closing row reduction) into generated Triton kernels before costing.
+fuse: bool = bool(_env_int("HETCC_FUSE", 1))
 # Seconds a rank waits on any send/recv/collective before raising RuntimeFailure.
 comm_timeout_s: float = float(os.environ.get("HETCC_COMM_TIMEOUT_S", "120"))
 # Device orders searched exactly up to this many distinct orders; beyond it, heuristic + local search.

@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """'; did you mean X?' for the closest choice, or '' when nothing is close (for error messages)."""
+    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
+    return f"; did you mean {match[0]!r}?" if match else ""
+
 
 class HetccError(Exception):
     """Base class of hetcc's errors. ``hint`` is the next step a user can take."""

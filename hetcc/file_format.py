@@ -8,16 +8,14 @@ Numbers are taken as SI base units (bytes, bytes/s, seconds, FLOP/s). Strings ca
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import pathlib
 import re
-from collections.abc import Iterable
 
 import yaml
 
-from hetcc.errors import ClusterError
+from hetcc.errors import ClusterError, did_you_mean
 
 _SI = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _BINARY = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40, "Pi": 2.0**50}
@@ -53,7 +51,7 @@ def parse_quantity(value: object, unit: str) -> float:
                 f"{value!r} is in bits; memory is given in bytes", hint=f"write {number:g} {key[:-1]}B"
             )
         if key not in table:
-            raise ClusterError(f"unknown unit {suffix!r} in {value!r}{_closest(key, table)}", hint=how)
+            raise ClusterError(f"unknown unit {suffix!r} in {value!r}{did_you_mean(key, table)}", hint=how)
         number = number / table[key] if unit == "seconds" else number * table[key]
     if not math.isfinite(number) or number < 0 or (number == 0 and unit != "seconds"):
         bound = "finite and >= 0" if unit == "seconds" else "finite and positive"
@@ -66,11 +64,6 @@ def _split(text: str, how: str) -> tuple[float, str | None]:
     if not match:
         raise ClusterError(f"cannot read {text!r} as a quantity", hint=how)
     return float(match.group(1)), match.group(2)
-
-
-def _closest(word: str, choices: Iterable[str]) -> str:
-    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else ""
 
 
 class _StrictYamlLoader(yaml.SafeLoader):

@@ -34,6 +34,7 @@ class NodeInfo:
     fwd_s: tuple[tuple[str, float], ...] = ()  # (device type, seconds) forward
     bwd_s: tuple[tuple[str, float], ...] = ()  # (device type, seconds) backward
     notes: tuple[str, ...] = field(default=())  # e.g. which fallback rule priced this node
+    members: tuple[NodeInfo, ...] = ()  # a fused node: the records of the ops it replaced
 
 
 def info(node: torch.fx.Node) -> NodeInfo:

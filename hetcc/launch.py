@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps,
             schedule=args.schedule or meta.get("schedule", "1f1b"),
             microbatches=args.microbatches or int(meta.get("microbatches", 1)),
-            loss_fn=_loss_fn(meta.get("loss")),
+            loss_fn=loss_function(meta.get("loss")),
             optimizer=meta.get("optimizer"),
             device=device,
         )  # fmt: skip
@@ -73,7 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _loss_fn(name: str | None):
+def loss_function(name: str | None):
     """``None``/``"model"``: the model returns its loss; else a function of torch.nn.functional by name."""
     if name in (None, "model"):
         return None

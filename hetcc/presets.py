@@ -19,7 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hetcc.errors import ClusterError
+from hetcc.errors import ClusterError, did_you_mean
 
 DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 VENDORS = ("nvidia", "amd", "cpu")
@@ -106,7 +106,7 @@ class DeviceType:
             yield f"vendor {self.vendor!r} is not one of {', '.join(VENDORS)}"
         for key, flops in self.peak_flops.items():
             if key not in DTYPE_KEYS:
-                yield f"peak_flops key {key!r} is not one of {', '.join(DTYPE_KEYS)}{_closest(key, DTYPE_KEYS)}"
+                yield f"peak_flops key {key!r} is not one of {', '.join(DTYPE_KEYS)}{did_you_mean(key, DTYPE_KEYS)}"
             elif not (0 < flops < math.inf):
                 yield f"peak_flops[{key}] must be a positive number, got {flops}"
         if not self.peak_flops:
@@ -159,19 +159,13 @@ class DeviceType:
         fields = [f.name for f in dataclasses.fields(cls)]
         for key in data:
             if key not in fields:
-                raise ClusterError(f"device type dict has unknown key {key!r}{_closest(key, fields)}")
+                raise ClusterError(f"device type dict has unknown key {key!r}{did_you_mean(key, fields)}")
         missing = [
             f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING and f.name not in data
         ]
         if missing:
             raise ClusterError(f"device type dict {data.get('name', '?')!r} lacks {', '.join(missing)}")
         return cls(**data)
-
-
-def _closest(word: str, choices: Any) -> str:
-    """'; did you mean X?' for the closest choice, or '' when nothing is close."""
-    match = difflib.get_close_matches(str(word), list(choices), n=1, cutoff=0.5)
-    return f"; did you mean {match[0]!r}?" if match else ""
 
 
 # ---- presets ---------------------------------------------------------------------------------

@@ -80,3 +80,10 @@ def tiny_gpt2_factory():
         model = gpt2(n_layer=4, n_embd=128, n_head=4, vocab=512)
         ids = token_ids(8, 32, vocab=512, device="meta")
     return model, lm_kwargs(ids)
+
+
+def trainable_gpt2_factory():
+    """A tiny GPT-2 with real weights and labels (the model returns its loss), for `hetcc run`."""
+    model = gpt2(n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = token_ids(4, 16)
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}

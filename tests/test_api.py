@@ -26,10 +26,10 @@ def _cluster(fast: str = "A100-80GB", slow: str = "T4", memory: str | None = Non
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     folder = tmp_path_factory.mktemp("build")
-    with torch.device("meta"):
-        model = gpt2(n_layer=8, n_embd=256, n_head=4, vocab=1024)
-        ids = token_ids(16, 128, vocab=1024, device="meta")
-    result = hetcc.compile(model, _cluster(), example_kwargs=lm_kwargs(ids), microbatches=8, dump_dir=folder)
+    with torch.device("meta"):  # big enough that compute, not launch latency, sets the step (as in real use)
+        model = gpt2(n_layer=8, n_embd=512, n_head=8, vocab=1024)
+        ids = token_ids(32, 512, vocab=1024, device="meta")
+    result = hetcc.compile(model, _cluster(), example_kwargs=lm_kwargs(ids), microbatches=32, dump_dir=folder)
     return result, folder
 
 
@@ -83,8 +83,15 @@ def test_plan_and_problem_round_trip_through_json_exactly(compiled):
 def test_dump_folder_holds_every_pass_and_the_plan(compiled):
     _, folder = compiled
     names = {p.name for p in folder.iterdir()}
-    assert {"05_cost.txt", "06_partition.txt", "plan.json", "problem.json", "04_blocks.txt"} <= names
-    assert "predicted step" in (folder / "06_partition.txt").read_text()
+    assert {
+        "05_fuse.txt",
+        "06_cost.txt",
+        "07_partition.txt",
+        "plan.json",
+        "problem.json",
+        "04_blocks.txt",
+    } <= names
+    assert "predicted step" in (folder / "07_partition.txt").read_text()
 
 
 def test_memory_too_small_raises_an_error_naming_a_device_and_the_shortfall():

@@ -54,3 +54,17 @@ def test_calibrate_writes_a_file_a_cluster_can_name(tmp_path, capsys):
     measured = Calibration.load(out)
     cpu = Cluster.from_file(cluster_file).devices[0].type
     assert cpu.achievable_flops("fp32") == pytest.approx(measured.matmul_flops["fp32"])
+
+
+@pytest.mark.slow
+def test_compile_with_weights_then_run_trains_from_the_folder(tmp_path, capsys):
+    out = tmp_path / "build"
+    assert main(["compile", "models:trainable_gpt2_factory", "--cluster", str(CLUSTERS / "cpu4.yaml"),
+                 "--out", str(out), "--microbatches", "2", "--optimizer", "sgd"]) == 0  # fmt: skip
+    assert (out / "stage0.py").exists() and (out / "inputs.safetensors").exists()
+    capsys.readouterr()
+    assert main(["run", str(out), "--steps", "2"]) == 0
+    losses = [
+        float(line.split()[-1]) for line in capsys.readouterr().out.splitlines() if line.startswith("step")
+    ]
+    assert len(losses) == 2 and all(loss > 0 for loss in losses)

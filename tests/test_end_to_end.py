@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from models import bert, llama, token_ids
+from models import bert, gpt2, llama, token_ids
 
 import hetcc
 
@@ -78,6 +78,24 @@ def test_llama_compiled_over_three_devices_trains_like_eager_with_1f1b():
     optimizer = {"name": "adam", "lr": 1e-3}
     result = hetcc.run_local(compiled, inputs, steps=3, optimizer=optimizer)
     _check(result, *_eager(model, inputs, None, None, 3, optimizer))
+
+
+def test_gpt2_with_tied_embeddings_and_fused_kernels_trains_like_eager_with_gpipe():
+    model = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = token_ids(4, 16)
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    compiled = hetcc.compile(model, _cpu_cluster(3, "1.5 MiB"), example_kwargs=inputs, microbatches=MICROBATCHES,
+                             schedule="gpipe", optimizer="sgd")  # fmt: skip
+    stages = compiled.pipeline().stages
+    assert len(stages) >= 2
+    fused = [
+        n for s in stages for n in s.module.graph.nodes if n.target is torch.ops.hetcc.fusion_group.default
+    ]
+    assert fused, "the MLP's gelu chain and the residual + layer norm should run as generated kernels"
+    assert "# fused_" in stages[0].module.code
+    optimizer = {"name": "sgd", "lr": 0.1}
+    result = hetcc.run_local(compiled, inputs, steps=1, optimizer=optimizer)
+    _check(result, *_eager(model, inputs, None, None, 1, optimizer))
 
 
 def test_bert_compiled_saved_and_run_from_its_folder_with_gpipe(tmp_path):

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from hetcc.baselines import baselines
-from hetcc.passes.partition import PartitionProblem, ProblemDevice, solve
+from hetcc.passes.partition import PartitionProblem, ProblemDevice, evaluate, solve
 from hetcc.simulate import simulate
 
 
@@ -68,15 +68,60 @@ def mixed_problem(seed: int, schedule: str, microbatches: int) -> PartitionProbl
     )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_simulator_agrees_with_the_planner_within_ten_percent(schedule):
+# Worst planner/simulator disagreement measured on these problems: GPipe 0%, 1F1B 5.2%.
+@pytest.mark.parametrize(("schedule", "tolerance"), [("gpipe", 0.01), ("1f1b", 0.06)])
+def test_simulator_agrees_with_the_planner(schedule, tolerance):
     for seed in range(4):
         for microbatches in (2, 6, 12):
             problem = mixed_problem(seed, schedule, microbatches)
             plans = [solve(problem), *baselines(problem).values()]
             for plan in plans:
                 sim = simulate(problem, plan.boundaries, plan.devices)
-                assert sim.step_time_s == pytest.approx(plan.step_time_s, rel=0.10)
+                assert sim.step_time_s == pytest.approx(plan.step_time_s, rel=tolerance)
+
+
+def slow_link_problem(schedule: str, microbatches: int) -> PartitionProblem:
+    """A100 -> T4 -> T4 -> A100, one 5.75 ms block each; 25 Gb/s Ethernet between the two nodes."""
+    devices = [
+        ProblemDevice("a100-0", "A100", 1e12, "a"),
+        ProblemDevice("t4-0", "T4", 1e12, "t"),
+        ProblemDevice("t4-1", "T4", 1e12, "t"),
+        ProblemDevice("a100-1", "A100", 1e12, "a"),
+    ]
+    return PartitionProblem(
+        blocks=[f"layer{i}" for i in range(4)],
+        fwd_s={t: [5.75e-3 / 3] * 4 for t in ("A100", "T4")},
+        bwd_s={t: [2 * 5.75e-3 / 3] * 4 for t in ("A100", "T4")},
+        state_bytes=[0.0] * 4,
+        act_bytes=[0.0] * 4,
+        cut_bytes=[2.7e6, 17e6, 2.7e6],
+        devices=devices,
+        bandwidth_bps=[
+            [math.inf if a is b else (200e9 if a.node == b.node else 25e9 / 8) for b in devices]
+            for a in devices
+        ],
+        latency_s=[[0.0 if a is b else 1e-5 for b in devices] for a in devices],
+        microbatches=microbatches,
+        schedule=schedule,
+    )
+
+
+def test_round_trips_over_slow_links_are_in_the_1f1b_step_time():
+    problem = slow_link_problem("1f1b", 8)
+    plan = evaluate(problem, [0, 1, 2, 3, 4], [0, 1, 2, 3])
+    sim = simulate(problem, plan.boundaries, plan.devices)
+    # C = 1.75, 0.19, 1.75 ms: no stage or link is busier than 5.75 ms, but stage 0 may hold only 4
+    # microbatches and each spends 4 * 5.75 + 3.68 ms in the pipeline: P = 6.67 ms.
+    assert plan.period_s == pytest.approx((4 * 5.75e-3 + sum(s.comm_s for s in plan.stages)) / 4)
+    without_round_trips = plan.step_time_s - 7 * (plan.period_s - plan.bottleneck_s)
+    assert abs(without_round_trips / sim.step_time_s - 1) > 0.10
+    assert sim.step_time_s == pytest.approx(plan.step_time_s, rel=0.05)
+    gpipe = slow_link_problem("gpipe", 8)
+    plan = evaluate(gpipe, [0, 1, 2, 3, 4], [0, 1, 2, 3])
+    assert plan.period_s == plan.bottleneck_s
+    assert simulate(gpipe, plan.boundaries, plan.devices).step_time_s == pytest.approx(
+        plan.step_time_s, rel=0.01
+    )
 
 
 def test_timeline_is_causal_and_links_carry_one_transfer_at_a_time():

@@ -43,13 +43,25 @@ def cost(
         floating = record.dtype is not None and record.dtype.is_floating_point
         key = flops_key(dtype if dtype is not None else (record.dtype if floating else torch.float32))
         has_backward = training and floating
-        fwd, bwd = [], []
-        for name, rate in rates.items():
-            fwd.append((name, rate.time_s(record.fwd_flops, record.bytes, key)))
-            bwd_bytes = BACKWARD_MEMORY_PASSES * record.bytes
-            bwd.append((name, rate.time_s(record.bwd_flops, bwd_bytes, key) if has_backward else 0.0))
-        annotate(node, fwd_s=tuple(fwd), bwd_s=tuple(bwd))
+        times = [(name, _times(rate, record, key, has_backward)) for name, rate in rates.items()]
+        annotate(node, fwd_s=tuple((n, t[0]) for n, t in times), bwd_s=tuple((n, t[1]) for n, t in times))
     return gm
+
+
+def _times(rate: _Rates, record, key: str, has_backward: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of one node on one device type.
+
+    A fused node runs as one Triton kernel on GPUs. Where Triton does not run (a ``cpu`` device, short
+    of the interpreter used for testing), its original ops run instead and the backward recomputes
+    them, so it costs what its members cost plus one more forward.
+    """
+    if record.members and rate.type.vendor == "cpu":
+        parts = [_times(rate, member, key, has_backward) for member in record.members]
+        fwd = sum(f for f, _ in parts)
+        return fwd, (sum(b for _, b in parts) + fwd if has_backward else 0.0)
+    fwd = rate.time_s(record.fwd_flops, record.bytes, key)
+    bwd = rate.time_s(record.bwd_flops, BACKWARD_MEMORY_PASSES * record.bytes, key) if has_backward else 0.0
+    return fwd, bwd
 
 
 class _Rates:

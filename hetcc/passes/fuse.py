@@ -215,7 +215,8 @@ def _fused_record(group: FusionGroup, members, input_nodes) -> ir.NodeInfo:
         act_bytes=saved if training else 0,
         block=records[-1].block,
         stage=records[-1].stage,
-        notes=(f"fused {len(members)} ops, backward={group.backward}; per-device times need the cost pass",),
+        notes=(f"fused {len(members)} ops, backward={group.backward}",),
+        members=tuple(records),
     )
 
 

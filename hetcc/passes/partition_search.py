@@ -10,7 +10,7 @@ choosing how many of each to use, not cards. Devices may be left unused.
   memory first; prefixes of each, i.e. "only the best k devices"), then local search on the label
   sequence (drop one device, add one next to its group, insert an unused group, swap adjacent runs,
   move a run to either end). A neighbour is screened with one DP pass near the incumbent's
-  bottleneck and solved exactly only if that already beats the incumbent; the search stops when no
+  period P and solved exactly only if that already beats the incumbent; the search stops when no
   move helps or ``LOCAL_SEARCH_EVALUATIONS`` sequences were tried (``exact=False``).
 
 Both share an incumbent, and skip a sequence whose device multiset cannot beat it
@@ -26,7 +26,7 @@ import numpy as np
 
 from hetcc import config
 from hetcc.passes.partition import PartitionProblem, compute_bound_s
-from hetcc.passes.partition_dp import Chain, screen_sequence, solve_sequence
+from hetcc.passes.partition_dp import Chain, SequenceOptimum, screen_sequence, solve_sequence
 
 LOCAL_SEARCH_EVALUATIONS = 400  # sequences solved by the heuristic's local search at most
 
@@ -88,7 +88,8 @@ def search(problem: PartitionProblem):
     if state.best_labels is None:
         return None
     devices = state.devices(state.best_labels)
-    boundaries = chain.backtrack(chain.stages(devices), state.best_bound_s)
+    best = state.best
+    boundaries = chain.backtrack(chain.stages(devices), best.term_bound_s, best.trip_bound_s)
     return boundaries, devices, exact, state.solved
 
 
@@ -98,7 +99,7 @@ class _Search:
     def __init__(self, chain: Chain, groups: list[list[int]], max_length: int):
         self.chain, self.groups, self.max_length = chain, groups, max_length
         self.best_s = math.inf
-        self.best_bound_s = math.inf
+        self.best: SequenceOptimum | None = None
         self.best_labels: tuple[int, ...] | None = None
         self.seen: set[tuple[int, ...]] = set()
         self.solved = 0
@@ -131,7 +132,7 @@ class _Search:
         found = solve_sequence(self.chain, self.devices(labels), self.best_s)
         if found is None:
             return False
-        self.best_s, self.best_bound_s = found
+        self.best, self.best_s = found, found.step_s
         self.best_labels = labels
         return True
 
@@ -147,7 +148,7 @@ class _Search:
     def local_search(self, budget: int) -> None:
         """Moves on the label sequence until none helps or ``budget`` sequences were tried.
 
-        Each neighbour is first screened (one DP pass near the incumbent's bottleneck, a value some
+        Each neighbour is first screened (one DP pass near the incumbent's period, a value some
         plan achieves); only one that beats the incumbent is solved exactly and becomes the new best.
         """
         start = self.solved
@@ -161,7 +162,7 @@ class _Search:
                 if not self._worth_solving(labels):
                     continue
                 self.solved += 1
-                if screen_sequence(self.chain, self.devices(labels), self.best_bound_s) < self.best_s:
+                if screen_sequence(self.chain, self.devices(labels), self.best.period_s) < self.best_s:
                     improved |= self._solve(labels)
 
 

@@ -22,6 +22,8 @@ import torch.fx as fx
 
 from hetcc.codegen import stage_source
 from hetcc.errors import PlanFormatError
+from hetcc.kernels import FUSION_META_KEY, load_groups, write_kernel
+from hetcc.kernels.op import registered_group
 from hetcc.passes.comm import CommEdge, StageGraph, TiedGroup
 from hetcc.runtime.graph_json import graph_from_json, graph_to_json
 from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor, new_anchor
@@ -61,7 +63,8 @@ def save_stages(
     with open(path, "w") as f:
         json.dump(document, f, indent=1)
     if inputs:
-        tensors = {k: v.contiguous() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        # cloned: safetensors refuses two names for one storage (e.g. input_ids passed again as labels)
+        tensors = {k: v.detach().clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         safetensors.torch.save_file(tensors, os.path.join(directory, "inputs.safetensors"))
     if targets is not None:
         safetensors.torch.save_file(
@@ -80,6 +83,7 @@ def load_pipeline(directory: str) -> Pipeline:
         )
     tied = tuple(TiedGroup(g["name"], tuple((int(s), n) for s, n in g["members"])) for g in document["tied"])
     num_stages = document["num_stages"]
+    load_groups(directory)  # fused kernels the stage graphs call (JSON descriptions, not code)
     stages = [_load_stage(entry, directory, num_stages, tied) for entry in document["stages"]]
     return Pipeline(stages, document.get("meta", {}))
 
@@ -165,11 +169,17 @@ def _save_stage(stage: StageGraph, directory: str) -> None:
         k: v.detach().cpu().contiguous() for k, v in stage.module.state_dict().items() if k not in aliases
     }
     safetensors.torch.save_file(state, f"{prefix}.safetensors")
+    for node in stage.module.graph.nodes:  # fused groups: readable Triton source + the group's JSON
+        group = node.meta.get(FUSION_META_KEY)
+        if group is not None:
+            write_kernel(group, directory)
 
 
 def _load_stage(entry: dict, directory: str, num_stages: int, tied: tuple[TiedGroup, ...]) -> StageGraph:
     where = os.path.join(directory, entry["graph"])
     graph, layers = graph_from_json(_read_json(where), where)
+    for node in graph.find_nodes(op="call_function", target=torch.ops.hetcc.fusion_group.default):
+        node.meta[FUSION_META_KEY] = registered_group(node.args[1])  # so the stage can be saved again
     state = safetensors.torch.load_file(os.path.join(directory, entry["weights"]))
     root = _build_root(graph, layers, state, entry, where)
     module = fx.GraphModule(root, graph, class_name=f"Stage{entry['index']}")

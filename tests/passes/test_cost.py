@@ -79,3 +79,34 @@ def test_device_type_without_any_usable_peak_is_a_cluster_error():
     odd = get_preset("A100-80GB").replace(name="fp8-only", peak_flops={"fp8": 1e15})
     with pytest.raises(ClusterError, match="fp8-only"):
         _costed(MLP(), (torch.randn(8, 256),), [odd])
+
+
+def test_fused_chain_is_one_memory_pass_on_gpus_and_its_ops_plus_recompute_on_cpus():
+    from transformers.activations import NewGELUActivation
+
+    from hetcc.passes.fuse import fuse
+
+    class TanhGelu(torch.nn.Module):  # GPT-2's gelu_new: seven pointwise ops
+        def __init__(self):
+            super().__init__()
+            self.act = NewGELUActivation()
+
+        def forward(self, x):
+            return self.act(x * 2.0)
+
+    a100, cpu = get_preset("A100-80GB"), get_preset("cpu")
+    analysis = hetcc.analyze(TanhGelu(), (torch.randn(64, 1024, requires_grad=True),))
+    fuse(analysis.graph)
+    cost(analysis.graph, device_types=[a100, cpu])
+    fused = next(n for n in analysis.graph.graph.nodes if info(n).members)
+    record = info(fused)
+    assert len(record.members) >= 5
+    gpu_fwd = record.bytes / a100.achievable_bandwidth_bps + a100.kernel_overhead_s
+    assert dict(record.fwd_s)["A100-80GB"] == pytest.approx(gpu_fwd)
+    member_fwd = sum(
+        max(m.bytes / cpu.achievable_bandwidth_bps, 0) + cpu.kernel_overhead_s
+        for m in record.members
+        if m.bytes
+    )
+    assert dict(record.fwd_s)["cpu"] == pytest.approx(member_fwd)
+    assert dict(record.bwd_s)["cpu"] > dict(record.fwd_s)["cpu"] * 2  # members' backward + the recompute

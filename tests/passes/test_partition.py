@@ -1,4 +1,4 @@
-"""The partition solver: optimal against brute force, true lower bound, memory, errors, JSON."""
+"""The partition solver: optimal against brute force (round trips too), true lower bound, memory, errors."""
 
 from __future__ import annotations
 
@@ -62,6 +62,25 @@ def problems(draw, max_blocks: int = 9, max_devices: int = 4) -> PartitionProble
     )
 
 
+@st.composite
+def round_trip_problems(draw, max_blocks: int = 8, max_devices: int = 4) -> PartitionProblem:
+    """1F1B training with even compute and links about as slow as a stage: round trips bind."""
+    problem = draw(problems(max_blocks, max_devices))
+    n = len(problem.blocks)
+    problem.fwd_s = {t: draw(st.lists(st.floats(0.3, 1.0), min_size=n, max_size=n)) for t in problem.fwd_s}
+    problem.bwd_s = {t: [2 * f for f in problem.fwd_s[t]] for t in problem.fwd_s}
+    problem.cut_bytes = draw(st.lists(st.floats(0.0, 6.0), min_size=n - 1, max_size=n - 1))
+    problem.latency_s = [
+        [0.0 if a == b else 0.01 for b in range(len(row))] for a, row in enumerate(problem.latency_s)
+    ]
+    problem.bandwidth_bps = [
+        [math.inf if v == math.inf else min(v, 4.0) for v in row] for row in problem.bandwidth_bps
+    ]
+    problem.microbatches = draw(st.integers(2, 9))
+    problem.schedule, problem.training = "1f1b", True
+    return problem
+
+
 def brute_force(problem: PartitionProblem) -> float:
     """Least step time over every cut set and every ordered subset of devices."""
     n, best = len(problem.blocks), math.inf
@@ -87,6 +106,18 @@ def test_solve_matches_brute_force_and_respects_memory(problem):
     assert plan.step_time_s == pytest.approx(step_time(problem, plan.boundaries, plan.devices), rel=1e-12)
     assert all(s.memory_bytes <= s.memory_capacity_bytes * (1 + 1e-9) for s in plan.stages)
     assert plan.lower_bound_s <= plan.step_time_s * (1 + 1e-9)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(round_trip_problems(max_blocks=7))
+def test_solve_is_exact_when_round_trips_set_the_period(problem):
+    best = brute_force(problem)
+    assert lower_bound(problem) <= best * (1 + 1e-9)
+    if best == math.inf:
+        return
+    plan = solve(problem)
+    assert plan.step_time_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert plan.period_s >= plan.bottleneck_s
 
 
 @settings(max_examples=25, deadline=None)
@@ -153,6 +184,25 @@ def test_evaluate_reports_the_stage_breakdown():
     assert plan.step_time_s == pytest.approx((3 + 21) + (3 + 11) + 3 + 3 * 21)
     assert plan.devices == [2, 0, 1] and plan.boundaries == [0, 1, 2, 3]
     assert PartitionSolution.from_dict(plan.to_dict()) == plan
+
+
+@pytest.mark.parametrize(
+    ("schedule", "microbatches", "period"),
+    [
+        ("1f1b", 8, 12 / 3),  # stage 0 holds 3 microbatches, each 3 + 1.5 + 3 + 1.5 + 3 s in flight
+        ("1f1b", 3, 7.5 / 2),  # stage 0 may hold all 3: only stages 1 and 2 wait on round trips
+        ("1f1b", 2, 3.0),  # only the last stage is throttled, and its round trip is T_2 itself
+        ("gpipe", 8, 3.0),  # GPipe never waits on a backward before a forward
+    ],
+)
+def test_round_trips_set_the_1f1b_period(schedule, microbatches, period):
+    problem = chain({"t": 3.0}, {"t": 3}, n=3, schedule=schedule, microbatches=microbatches)
+    problem.latency_s = [[0.0 if a == b else 0.75 for b in range(3)] for a in range(3)]  # C_j = 1.5 s
+    plan = evaluate(problem, [0, 1, 2, 3], [0, 1, 2])
+    assert plan.bottleneck_s == 3.0
+    assert plan.period_s == pytest.approx(period)
+    assert plan.step_time_s == pytest.approx(12 + (microbatches - 1) * period)
+    assert solve(problem).step_time_s <= plan.step_time_s * (1 + 1e-12)
 
 
 def test_memory_overflow_makes_a_plan_infinite_and_solve_explains():
