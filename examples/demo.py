@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hetcc  # noqa: E402
-from examples.models import gpt2_small  # noqa: E402
+from examples.models import gpt2_medium  # noqa: E402
 
 CLUSTERS = Path(__file__).resolve().parent / "clusters"
 
@@ -21,9 +21,9 @@ def main() -> None:
     print("== cluster ==")
     print(cluster.describe())
 
-    model, inputs = gpt2_small(batch=16, seq=512)
-    print("\n== GPT-2 small (124 M params, on the meta device), one microbatch of 2 x 512 tokens ==")
-    compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=8, dump_dir="build/demo/ir")
+    model, inputs = gpt2_medium(batch=64, seq=512)
+    print("\n== GPT-2 medium (355 M params, on the meta device), 16 microbatches of 4 x 512 tokens ==")
+    compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=16, dump_dir="build/demo/ir")
     print(compiled.analysis.summary().split("\ncuts")[0])
     print("\n== plan ==")
     print(compiled.explain())

@@ -24,6 +24,11 @@ def gpt2_small(batch: int = 16, seq: int = 512):
     return _gpt2(12, 768, 12, batch, seq)
 
 
+def gpt2_medium(batch: int = 64, seq: int = 512):
+    """GPT-2 medium (355 M): 24 layers, hidden 1024."""
+    return _gpt2(24, 1024, 16, batch, seq)
+
+
 def gpt2_xl(batch: int = 32, seq: int = 512):
     """GPT-2 XL (1.5 B): 48 layers, hidden 1600."""
     return _gpt2(48, 1600, 25, batch, seq)
