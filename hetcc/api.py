@@ -15,6 +15,7 @@ from hetcc.baselines import baselines
 from hetcc.cluster import Cluster
 from hetcc.dump import Dumper
 from hetcc.errors import HetccError
+from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import collect_blocks
 from hetcc.passes.cost import cost
 from hetcc.passes.fuse import fuse, install_code_comments
@@ -114,6 +115,7 @@ def compile(  # noqa: A001 - the public name DESIGN.md gives
         with dumper.step("fuse", "fuse.txt", lambda: gm.code):
             fuse(gm)
             analysis.blocks, analysis.tied_params = collect_blocks(gm)
+        _dump_kernels(gm, dumper)
     with dumper.step("cost", "cost.txt", lambda: ir.format(gm)):
         cost(gm, device_types=cluster.types, dtype=dtype, training=training)
     if config.check:
@@ -239,6 +241,16 @@ def _stage(k, stage_plan, problem, analysis, training, optimizer, bubble: float)
         device_memory_bytes=stage_plan.memory_capacity_bytes,
         bubble=bubble,
     )
+
+
+def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
+    """Each fused group's generated Triton source as ``kernels/<name>.py`` in the dump folder."""
+    if dumper.folder is None:
+        return
+    for node in gm.graph.nodes:
+        group = node.meta.get(FUSION_META_KEY)
+        if group is not None:
+            write_kernel(group, dumper.folder)
 
 
 def _annotate_stages(gm: torch.fx.GraphModule, plan: Plan) -> None:

@@ -92,6 +92,9 @@ def test_dump_folder_holds_every_pass_and_the_plan(compiled):
         "04_blocks.txt",
     } <= names
     assert "predicted step" in (folder / "07_partition.txt").read_text()
+    kernels = list((folder / "kernels").glob("*.py"))  # the generated Triton source of each fused group
+    assert kernels and "@triton.jit" in kernels[0].read_text()
+    assert "hetcc.fusion_group" in (folder / "05_fuse.txt").read_text()
 
 
 def test_memory_too_small_raises_an_error_naming_a_device_and_the_shortfall():
