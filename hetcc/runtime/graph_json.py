@@ -25,29 +25,12 @@ _FUNCTION_MODULES = (
     "torch", "torch.nn.functional", "torch.functional", "operator", "_operator", "math", "builtins",
 )  # fmt: skip
 
+_CONV_ARGS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "bias?")
 # torch.nn layer -> constructor arguments read back from the instance ("bias?" = has a bias).
 _LAYERS: dict[str, tuple[str, ...]] = {
     "Linear": ("in_features", "out_features", "bias?"),
-    "Conv1d": (
-        "in_channels",
-        "out_channels",
-        "kernel_size",
-        "stride",
-        "padding",
-        "dilation",
-        "groups",
-        "bias?",
-    ),
-    "Conv2d": (
-        "in_channels",
-        "out_channels",
-        "kernel_size",
-        "stride",
-        "padding",
-        "dilation",
-        "groups",
-        "bias?",
-    ),
+    "Conv1d": _CONV_ARGS,
+    "Conv2d": _CONV_ARGS,
     "BatchNorm1d": ("num_features", "eps", "momentum", "affine", "track_running_stats"),
     "BatchNorm2d": ("num_features", "eps", "momentum", "affine", "track_running_stats"),
     "LayerNorm": ("normalized_shape", "eps", "elementwise_affine", "bias?"),
