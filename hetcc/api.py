@@ -66,17 +66,22 @@ class Compiled:
             "optimizer": {"name": self.optimizer}, "loss": "model", "vendors": vendors,
         }  # fmt: skip
 
-    def save(self, folder: str | Path, inputs: dict[str, torch.Tensor] | None = None, targets=None) -> Path:
-        """Write ``plan.json``, ``problem.json``, ``explain.txt`` and the runnable pipeline: ``stage<k>.py``
-        (readable), ``stage<k>.graph.json`` and ``stage<k>.safetensors`` (loading never unpickles code).
-        ``inputs`` (one step's batch by input name) are saved for ``hetcc run`` / ``hetcc.launch``."""
-        from hetcc.runtime.store import save_stages
-
+    def save_plan(self, folder: str | Path) -> Path:
+        """Write ``plan.json``, ``problem.json`` and ``explain.txt`` (what a model without weights has)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "plan.json").write_text(self.plan.to_json())
         (folder / "problem.json").write_text(self.problem.to_json())
         (folder / "explain.txt").write_text(self.explain() + "\n")
+        return folder
+
+    def save(self, folder: str | Path, inputs: dict[str, torch.Tensor] | None = None, targets=None) -> Path:
+        """Write the plan (``save_plan``) and the runnable pipeline: ``stage<k>.py``
+        (readable), ``stage<k>.graph.json`` and ``stage<k>.safetensors`` (loading never unpickles code).
+        ``inputs`` (one step's batch by input name) are saved for ``hetcc run`` / ``hetcc.launch``."""
+        from hetcc.runtime.store import save_stages
+
+        folder = self.save_plan(folder)
         pipeline = self.pipeline()
         save_stages(pipeline.stages, str(folder), pipeline.meta, inputs=inputs, targets=targets)
         return folder
@@ -155,13 +160,14 @@ def run_local(
     (``.losses`` per step, ``.outputs`` of the last step, ``.grads`` by the model's parameter names).
     ``inputs`` is one step's batch; schedule and microbatches come from the plan."""
     from hetcc.runtime.local import run_local as run_pipeline
-    from hetcc.runtime.store import load_pipeline
+    from hetcc.runtime.store import pipeline_meta
 
     if isinstance(compiled_or_dir, Compiled):
         pipeline = compiled_or_dir.pipeline()
-    else:
-        pipeline = load_pipeline(str(compiled_or_dir))
-    meta = pipeline.meta
+        meta = pipeline.meta
+    else:  # the ranks load the folder themselves: only its run settings are read here
+        pipeline = str(compiled_or_dir)
+        meta = pipeline_meta(pipeline)
     return run_pipeline(
         pipeline, inputs, targets=targets, loss_fn=loss_fn, steps=steps, schedule=meta.get("schedule", "1f1b"),
         microbatches=meta.get("microbatches", 1), optimizer=optimizer or meta.get("optimizer"),

@@ -40,7 +40,7 @@ def _compile(args: argparse.Namespace) -> None:
         schedule=args.schedule, training=not args.inference, optimizer=args.optimizer, dump_dir=out / "ir",
     )  # fmt: skip
     if any(p.is_meta for p in model.parameters()):  # planned without weights: nothing to run yet
-        _save_plan(compiled, out)
+        compiled.save_plan(out)
         note = "plan only (the model is on the meta device; build it with weights to save stages)"
     else:
         tensors = {k: v for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)}
@@ -48,12 +48,6 @@ def _compile(args: argparse.Namespace) -> None:
         note = "plan, stage code, weights and kernels; run it with `hetcc run` or hetcc.launch"
     print(compiled.explain())
     print(f"\nwritten to {out}/: {note}")
-
-
-def _save_plan(compiled, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(compiled.plan.to_json())
-    (out / "problem.json").write_text(compiled.problem.to_json())
 
 
 def _read_plan(folder: str):

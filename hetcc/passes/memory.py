@@ -8,6 +8,8 @@ that backward saves are weights, already charged as ``param_bytes``, so they are
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -57,7 +59,7 @@ def memory(gm: torch.fx.GraphModule, ctx=None, *, training: bool = True) -> torc
 def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) -> int:
     """Bytes of the parameters/buffers a node holds, each tensor counted once (tied weights too)."""
     if node.op == "get_attr":
-        tensors = [_get(gm, node.target)]
+        tensors = [operator.attrgetter(node.target)(gm)]
     elif node.op == "call_module":
         module = gm.get_submodule(node.target)
         tensors = [*module.parameters(), *module.buffers()]
@@ -69,10 +71,3 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) 
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
     return total
-
-
-def _get(gm, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value

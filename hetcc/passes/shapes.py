@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -13,7 +15,7 @@ def shapes(gm: torch.fx.GraphModule, ctx=None) -> torch.fx.GraphModule:
     """Record shape/dtype of the first tensor each node produces (tracing filled ``meta["val"]``)."""
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            value = _attr(gm, node.target)
+            value = operator.attrgetter(node.target)(gm)
         elif node.op == "output":
             continue
         else:
@@ -27,13 +29,6 @@ def shapes(gm: torch.fx.GraphModule, ctx=None) -> torch.fx.GraphModule:
         if tensor is not None:
             annotate(node, shape=tuple(to_number(s) for s in tensor.shape), dtype=tensor.dtype)
     return gm
-
-
-def _attr(gm: torch.fx.GraphModule, target: str):
-    value = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _first_tensor(value):

@@ -88,6 +88,11 @@ def load_pipeline(directory: str) -> Pipeline:
     return Pipeline(stages, document.get("meta", {}))
 
 
+def pipeline_meta(directory: str) -> dict[str, Any]:
+    """How a saved pipeline runs (schedule, microbatches, optimizer ...) without rebuilding its stages."""
+    return _read_json(os.path.join(directory, "pipeline.json")).get("meta", {})
+
+
 def load_stages(directory: str) -> list[StageGraph]:
     """The stages of a saved pipeline folder."""
     return load_pipeline(directory).stages
