@@ -9,7 +9,8 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fusion_numerics import Chain, export_and_fuse, forward_backward, fused_groups
+from fusion_helpers import export_and_fuse, forward_backward, fused_groups
+from test_fusion_numerics import Chain
 
 from hetcc.kernels import cache
 from hetcc.kernels.runtime import run_eager, run_forward

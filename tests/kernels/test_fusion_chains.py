@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fusion_helpers import export_and_fuse, fused_groups
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_fusion_numerics import assert_matches_eager, export_and_fuse, fused_groups
+from test_fusion_numerics import assert_matches_eager
 
 # Each step maps (value, other operand) to a new value with fusible ops only, and stays in a safe
 # domain (no overflow, no log of negatives) so fp16 results are comparable.

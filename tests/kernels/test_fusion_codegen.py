@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fusion_numerics import Chain, export_and_fuse, fused_groups
+from fusion_helpers import export_and_fuse, fused_groups
+from test_fusion_numerics import Chain
 
 from hetcc.errors import RuntimeFailure
 from hetcc.kernels import cache, op

@@ -6,13 +6,10 @@ power of two, so masks matter.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
-
-from hetcc.passes.fuse import FUSION_META_KEY, fuse
+from fusion_helpers import export_and_fuse, forward_backward, fused_groups
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2}
 
@@ -24,32 +21,6 @@ class Chain(torch.nn.Module):
 
     def forward(self, *args):
         return self.fn(self, *args)
-
-
-def export_and_fuse(module: torch.nn.Module, args: tuple):
-    reference = torch.export.export(module, args, strict=False).module()
-    return reference, fuse(copy.deepcopy(reference))
-
-
-def fused_groups(gm: torch.fx.GraphModule):
-    return [n.meta[FUSION_META_KEY] for n in gm.graph.nodes if FUSION_META_KEY in n.meta]
-
-
-def forward_backward(gm: torch.fx.GraphModule, args: tuple, seed: int = 0):
-    """Outputs and gradients (inputs, then parameters) of a weighted sum of the float outputs."""
-    gm.zero_grad(set_to_none=True)
-    leaves = [a.clone().requires_grad_(a.dtype.is_floating_point) for a in args]
-    outputs = gm(*leaves)
-    outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
-    generator = torch.Generator().manual_seed(seed)
-    loss = sum(
-        (o.float() * torch.randn(o.shape, generator=generator)).sum()
-        for o in outputs
-        if o.dtype.is_floating_point
-    )
-    loss.backward()
-    grads = [leaf.grad for leaf in leaves if leaf.requires_grad] + [p.grad for p in gm.parameters()]
-    return [o.detach() for o in outputs], grads
 
 
 def assert_matches_eager(module: torch.nn.Module, args: tuple, dtype: torch.dtype, groups: int = 1):

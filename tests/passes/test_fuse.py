@@ -9,24 +9,15 @@ import gc
 import pytest
 import torch
 import torch.nn.functional as F
+from fusion_helpers import export_and_fuse, forward_backward, fused_groups
 from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
 from hetcc import ir
-from hetcc.kernels import cache
 from hetcc.kernels.group import FusionGroup
-from hetcc.passes.fuse import FUSION_META_KEY, fuse, install_code_comments
+from hetcc.passes.fuse import fuse, install_code_comments
 
 FUSED = torch.ops.hetcc.fusion_group.default
-
-
-@pytest.fixture
-def interpreter(monkeypatch):
-    """Fused kernels run through Triton's CPU interpreter (TRITON_INTERPRET=1 from tests/conftest.py)."""
-    pytest.importorskip("triton", reason="Triton is not installed: fusion groups fall back to eager")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    if not cache.interpreter_enabled():
-        pytest.skip("Triton was imported before TRITON_INTERPRET=1 was set; set it before importing triton")
 
 
 class Fn(torch.nn.Module):
@@ -44,27 +35,16 @@ def exported(module: torch.nn.Module, *args) -> torch.fx.GraphModule:
     return torch.export.export(module, args, strict=False).module()
 
 
-def groups(gm: torch.fx.GraphModule) -> list[FusionGroup]:
-    return [n.meta[FUSION_META_KEY] for n in gm.graph.nodes if n.target is FUSED]
-
-
 def replaced(group: FusionGroup) -> list[str]:
     return [instr.replaced.split(" = ")[0] for instr in group.instrs]
 
 
-def grads_of(gm: torch.fx.GraphModule, args: tuple, seed: int = 0):
-    gm.zero_grad(set_to_none=True)
-    leaves = [a.clone().requires_grad_(a.dtype.is_floating_point) for a in args]
-    outputs = gm(*leaves)
-    outputs = outputs if isinstance(outputs, tuple | list) else (outputs,)
-    generator = torch.Generator().manual_seed(seed)
-    sum((o * torch.randn(o.shape, generator=generator)).sum() for o in outputs).backward()
-    params = [p.grad for p in gm.parameters() if p.grad is not None]
-    return [o.detach() for o in outputs] + [x.grad for x in leaves if x.grad is not None] + params
-
-
 def assert_same_training_step(reference, fused, args, atol=1e-5):
-    for want, got in zip(grads_of(reference, args), grads_of(fused, args), strict=True):
+    (want_out, want_grads), (got_out, got_grads) = (
+        forward_backward(reference, args),
+        forward_backward(fused, args),
+    )
+    for want, got in zip(want_out + want_grads, got_out + got_grads, strict=True):
         torch.testing.assert_close(got, want, atol=atol, rtol=atol)
 
 
@@ -73,9 +53,8 @@ def test_gpt2_mlp_gelu_new_chain_is_one_kernel_and_trains_like_eager():
     config = GPT2Config(n_embd=16, n_inner=48, activation_function="gelu_new")
     torch.manual_seed(0)
     args = (torch.randn(2, 5, 16),)
-    reference = exported(GPT2MLP(48, config).eval(), *args)
-    fused = fuse(copy.deepcopy(reference))
-    (group,) = groups(fused)
+    reference, fused = export_and_fuse(GPT2MLP(48, config).eval(), args)
+    (group,) = fused_groups(fused)
     assert replaced(group) == ["mul", "pow_1", "mul_1", "add", "mul_2", "tanh", "add_1", "mul_3"]
     assert group.backward == "generated" and len(group.inputs) == 1
     assert_same_training_step(reference, fused, args)
@@ -90,9 +69,8 @@ def test_residual_add_and_layer_norm_fuse_with_the_sum_as_second_output():
     torch.manual_seed(0)
     module = Fn(block, proj=torch.nn.Linear(12, 12), ln=torch.nn.LayerNorm(12), fc=torch.nn.Linear(12, 12))
     args = (torch.randn(3, 4, 12),)
-    reference = exported(module, *args)
-    fused = fuse(copy.deepcopy(reference))
-    row, tail = groups(fused)
+    reference, fused = export_and_fuse(module, args)
+    row, tail = fused_groups(fused)
     assert (row.kind, replaced(row), row.output_names) == (
         "row",
         ["add", "layer_norm"],
@@ -117,7 +95,7 @@ def test_whole_tiny_model_trains_like_eager_after_fusion(architecture):
         reference, (), {"input_ids": ids, "use_cache": False}, strict=False
     ).module()
     fused = fuse(copy.deepcopy(reference))
-    kinds = {g.kind for g in groups(fused)}
+    kinds = {g.kind for g in fused_groups(fused)}
     assert kinds == {"pointwise", "row"}  # GPT-2: residual + layer_norm; Llama: written-out RMSNorm
     logits = [gm(input_ids=ids, use_cache=False).logits for gm in (reference, fused)]
     torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
@@ -145,7 +123,7 @@ def test_group_never_spans_two_stages_or_blocks(field):
     for k, node in enumerate(ops):
         ir.annotate(node, **{field: 0 if k < 2 else 1})
     fused = fuse(gm)
-    first, second = groups(fused)
+    first, second = fused_groups(fused)
     assert (replaced(first), replaced(second)) == (["mul", "tanh"], ["add", "exp", "sub"])
     records = [n.meta[ir.META_KEY] for n in fused.graph.nodes if n.target is FUSED]
     assert [getattr(r, field) for r in records] == [0, 1]
@@ -187,7 +165,7 @@ def test_value_needed_by_an_earlier_outside_node_stays_out_of_the_group():
 
     x = torch.randn(3, 4)
     fused = fuse(exported(Fn(early_use), x))
-    (group,) = groups(fused)
+    (group,) = fused_groups(fused)
     assert replaced(group) == ["mul", "add"]
     assert any(n.target is torch.ops.aten.exp.default for n in fused.graph.nodes)
     torch.testing.assert_close(fused(x), early_use(None, x))
@@ -200,7 +178,7 @@ def test_narrow_value_used_outside_is_not_stored_by_the_kernel():
 
     args = (torch.randn(4, 6), torch.randn(6))
     fused = fuse(exported(Fn(bias_chain), *args))
-    (group,) = groups(fused)
+    (group,) = fused_groups(fused)
     assert replaced(group) == ["add", "tanh"] and group.shape == (4, 6)
     for got, want in zip(fused(*args), bias_chain(None, *args)):
         torch.testing.assert_close(got, want)
@@ -211,7 +189,7 @@ def test_single_ops_and_training_dropout_are_left_alone():
         return F.dropout(torch.relu(x), 0.2, training=True) @ x.T
 
     fused = fuse(exported(Fn(lonely), torch.randn(3, 3)))
-    assert groups(fused) == []
+    assert fused_groups(fused) == []
 
 
 def test_casts_fuse_through_their_metadata_assertions():
@@ -220,7 +198,7 @@ def test_casts_fuse_through_their_metadata_assertions():
 
     x = torch.randn(2, 8)
     fused = fuse(exported(Fn(casts), x))
-    (group,) = groups(fused)
+    (group,) = fused_groups(fused)
     assert [i.op for i in group.instrs] == ["cast", "sigmoid", "cast", "mul"]
     # The dtype check on the input stays; the one on the fused intermediate went with it.
     checks = [n for n in fused.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
@@ -253,7 +231,7 @@ def test_printed_code_lists_replaced_ops_backward_and_backend(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     fused = fuse(exported(Chain(), torch.randn(2, 2)))
     code = fused.code
-    (group,) = groups(fused)
+    (group,) = fused_groups(fused)
     header = f"# {group.name}: pointwise, 5 ops (mul -> tanh -> add -> exp -> sub), backward=generated"
     assert header + ", backend=eager-fallback (CPU without TRITON_INTERPRET=1)" in code
     for line in (
@@ -273,7 +251,7 @@ def test_comments_follow_a_copied_module_once_reinstalled():
     gc.collect()  # the copy must not depend on the original graph for its comments
     install_code_comments(copied)
     install_code_comments(copied)  # idempotent
-    (group,) = groups(copied)
+    (group,) = fused_groups(copied)
     assert copied.code.count(f"# {group.name}:") == 1
     assert copied.code == expected
 
@@ -290,5 +268,5 @@ def test_group_never_crosses_hetcc_send_or_recv():
     fused = fuse(exported(Fn(relay), torch.randn(4, 3)))  # structure only: no peer to talk to
     boundary = (FUSED, torch.ops.hetcc.send.default, torch.ops.hetcc.recv.default)
     assert [n.target for n in fused.graph.nodes if n.target in boundary] == [FUSED, *boundary[1:], FUSED]
-    first, second = groups(fused)
+    first, second = fused_groups(fused)
     assert (replaced(first), replaced(second)) == (["mul", "sigmoid"], ["sub", "relu", "mul_1", "add"])
