@@ -25,7 +25,16 @@ _FUNCTION_MODULES = (
     "torch", "torch.nn.functional", "torch.functional", "operator", "_operator", "math", "builtins",
 )  # fmt: skip
 
-_CONV_ARGS = ("in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups", "bias?")
+_CONV_ARGS = (
+    "in_channels",
+    "out_channels",
+    "kernel_size",
+    "stride",
+    "padding",
+    "dilation",
+    "groups",
+    "bias?",
+)
 # torch.nn layer -> constructor arguments read back from the instance ("bias?" = has a bias).
 _LAYERS: dict[str, tuple[str, ...]] = {
     "Linear": ("in_features", "out_features", "bias?"),
