@@ -14,7 +14,7 @@ from hetcc import config, ir
 from hetcc.dump import Dumper
 from hetcc.errors import AnalysisError
 from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks
-from hetcc.passes.flops import flops
+from hetcc.passes.flops import flops, format_flops
 from hetcc.passes.memory import memory
 from hetcc.passes.shapes import shapes
 from hetcc.trace import trace
@@ -83,7 +83,7 @@ def analyze(
     gm = traced.gm
     with dumper.step("shapes", "shapes.txt", lambda: ir.format(gm)):
         shapes(gm)
-    with dumper.step("flops", "flops.txt", lambda: ir.format(gm)):
+    with dumper.step("flops", "flops.txt", lambda: format_flops(gm)):
         flops(gm)
     with dumper.step("memory", "memory.txt", lambda: ir.format(gm)):
         memory(gm, training=training)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sysconfig
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,8 +129,10 @@ def _trace_error(model, export_error, fx_error, extra: str | None = None) -> Tra
     name = type(model).__name__
     lines = [f"hetcc could not capture {name} as a graph."]
     lines.append(f"  torch.export: {_first_line(export_error)}{_user_frame(export_error)}")
+    if _is_data_dependent(export_error):
+        lines.append(f"  {_data_dependent_advice(model)}")
     if fx_error is not None:
-        lines.append(f"  torch.fx.symbolic_trace: {_first_line(fx_error)}{_user_frame(fx_error)}")
+        lines.append(f"  torch.fx.symbolic_trace: {_first_line(fx_error)}{_user_frame(fx_error, export_error)}")
     if extra:
         lines.append(f"  {extra}")
     lines.append("  usual fixes:")
@@ -137,21 +140,45 @@ def _trace_error(model, export_error, fx_error, extra: str | None = None) -> Tra
     return TraceError("\n".join(lines), hint="fix the first cause above, or pass a submodule that traces")
 
 
+def _is_data_dependent(error: BaseException) -> bool:
+    text = f"{type(error).__name__} {error}"
+    return "DataDependent" in text or "data-dependent" in text
+
+
+def _data_dependent_advice(model) -> str:
+    """What to do when a loop or branch depends on tensor values (the line is named above)."""
+    config = getattr(model, "config", None)
+    experts = getattr(config, "_experts_implementation", None) if config is not None else None
+    if experts not in (None, "grouped_mm") or hasattr(config, "num_local_experts"):
+        return (
+            "the mixture-of-experts layer loops over the experts the router picked, a number known only at "
+            "run time: build the model with experts_implementation=\"grouped_mm\" (one grouped matmul over "
+            "all experts, which torch.export captures)"
+        )
+    return (
+        "the model loops or branches on tensor values at the line above: make the loop bound static "
+        "(a fixed count, a mask instead of a filtered list) or use torch.cond"
+    )
+
+
 def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _user_frame(error: BaseException) -> str:
-    """The innermost traceback frame outside torch, hetcc and installed packages: the user's line.
-    Chained causes are searched too (export re-raises some errors from inside its own handlers)."""
-    library_dirs = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, hetcc_package))
-    seen: set[int] = set()
+def _user_frame(error: BaseException, reported: BaseException | None = None) -> str:
+    """The innermost traceback frame outside torch, hetcc and the standard library: the model's line
+    (in the user's code, or in the package that defines the model, e.g. transformers' modeling file).
+    Chained causes are searched too (export re-raises some errors from inside its own handlers), up to
+    ``reported``, an error whose line is already shown."""
+    skipped = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, hetcc_package))
+    skipped += (str(Path(sysconfig.get_paths()["stdlib"]).resolve()),)
+    seen: set[int] = {id(reported)}
     while error is not None and id(error) not in seen:
         seen.add(id(error))
         for frame in reversed(traceback.extract_tb(error.__traceback__)):
             path = str(Path(frame.filename).resolve()) if not frame.filename.startswith("<") else ""
-            if path and not path.startswith(library_dirs) and "site-packages" not in path:
+            if path and not path.startswith(skipped):
                 return f" (at {frame.filename}:{frame.lineno}: {frame.line})"
         error = error.__cause__ or error.__context__
     return ""

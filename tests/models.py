@@ -87,3 +87,26 @@ def trainable_gpt2_factory():
     model = gpt2(n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ids = token_ids(4, 16)
     return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def assert_chain_in_compute_order(gm: torch.fx.GraphModule) -> list[str]:
+    """Every block is one contiguous run of compute nodes, and every node reads only its own or an
+    earlier block: any contiguous split of the chain is a pipeline that sends only forward. Returns
+    the blocks in the order their compute runs."""
+    from hetcc.ir import info
+
+    order, seen = [], set()
+    for node in gm.graph.nodes:
+        block = info(node).block
+        if node.op in ("call_function", "call_module", "call_method"):
+            if block != (order[-1] if order else None):
+                assert block not in seen, f"block {block} is not contiguous"
+                order.append(block)
+                seen.add(block)
+    position = {name: i for i, name in enumerate(order)}
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_module", "call_method"):
+            for arg in node.all_input_nodes:
+                if arg.op not in ("get_attr", "placeholder"):
+                    assert position[info(arg).block] <= position[info(node).block]
+    return order

@@ -4,11 +4,20 @@ A block is one repeated layer (the child of a ModuleList/Sequential, e.g. ``tran
 ``model.layers.0``) found from ``meta["nn_module_stack"]``; what runs before the first layer is the
 ``embed`` block, after the last the ``head`` block, and glue between layers joins the next layer. A model
 without repeated layers is split by its top-level children. A block larger than ``max_block_bytes``
-(parameters + saved activations) is split once more by its child modules.
+(parameters + saved activations) is split once more by its child modules. A block that holds no
+parameters (an activation, dropout or pooling module of an ``nn.Sequential``) joins the block before it,
+so a cut never separates a layer from its activation.
+
+The chain follows the computation: blocks are contiguous runs of compute nodes in topological order,
+ordered by their first compute node, and parameters and inputs belong to the block of their first user
+(an exported graph lists parameters first, in ``named_parameters()`` order, which is not compute order).
+So data only flows forward along the chain and every contiguous split is a valid pipeline;
+``collect_blocks`` checks that invariant.
 
 The cut after block i is every tensor produced at or before i and used after it (skip connections and
-inputs shared by all layers, like a mask or rotary cos/sin, included). A parameter used on both sides
-of a cut (tied embeddings) is not an activation: it is reported once as a ``TiedParam``.
+inputs shared by all layers, like a mask or rotary cos/sin, included; an encoder's output crosses every
+decoder cut). A parameter used on both sides of a cut (tied embeddings) is not an activation: it is
+reported once as a ``TiedParam``.
 """
 
 from __future__ import annotations
@@ -20,9 +29,11 @@ from dataclasses import dataclass
 
 import torch.fx
 
+from hetcc.errors import AnalysisError
 from hetcc.ir import Number, annotate, info, nbytes
 
 _LAYER_PATH = re.compile(r"(^|\.)\d+$")
+_COMPUTE = ("call_function", "call_method", "call_module")
 
 
 @dataclass(frozen=True)
@@ -63,6 +74,7 @@ def blocks(gm: torch.fx.GraphModule, ctx=None, *, max_block_bytes: float = math.
     names = _run_names(compute)
     if math.isfinite(max_block_bytes):
         names = _split_large(compute, names, max_block_bytes)
+    names = _join_parameter_free(compute, names)
     for node, name in zip(compute, names):
         annotate(node, block=name)
     _place_inputs_and_params(nodes, names[0] if names else "model", names[-1] if names else "model")
@@ -138,12 +150,43 @@ def _split_large(compute: list[torch.fx.Node], names: list[str], limit: float) -
     return _uniquify_runs(_fill_gaps(result, default=names[0]))
 
 
+def _holds_parameters(node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return info(node).param_bytes > 0
+    return any(a.op == "get_attr" and info(a).param_bytes > 0 for a in node.all_input_nodes)
+
+
+def _join_parameter_free(compute: list[torch.fx.Node], names: list[str]) -> list[str]:
+    """A run of nodes that reads no parameter joins the run before it (the first run, the one after)."""
+    runs: list[list[int]] = []  # node indices of each run, in order
+    for i, name in enumerate(names):
+        if i and name == names[i - 1]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    holds = [any(_holds_parameters(compute[i]) for i in run) for run in runs]
+    if not any(holds):
+        return names
+    first_holding = holds.index(True)
+    result = list(names)
+    for k, run in enumerate(runs):
+        if holds[k]:
+            owner = names[run[0]]
+        elif k < first_holding:
+            owner = names[runs[first_holding][0]]
+        for i in run:
+            result[i] = owner
+    return result
+
+
 def _place_inputs_and_params(nodes: list[torch.fx.Node], first: str, last: str) -> None:
-    """Inputs and parameters belong to the block of their first user; the output to the last block."""
+    """Inputs and parameters belong to the block of their first user in graph order (never to their
+    placeholder position); the output to the last block."""
+    position = {node: i for i, node in enumerate(nodes)}
     for node in nodes:
         if node.op in ("placeholder", "get_attr"):
-            users = [info(u).block for u in node.users if info(u).block is not None]
-            annotate(node, block=users[0] if users else first)
+            users = sorted((u for u in node.users if info(u).block is not None), key=position.__getitem__)
+            annotate(node, block=info(users[0]).block if users else first)
         elif node.op == "output":
             annotate(node, block=last)
 
@@ -152,20 +195,44 @@ def _place_inputs_and_params(nodes: list[torch.fx.Node], first: str, last: str) 
 
 
 def collect_blocks(gm: torch.fx.GraphModule) -> tuple[list[Block], list[TiedParam]]:
-    """The block chain with per-block totals and cuts, and the parameters shared across blocks."""
-    order: list[str] = []
+    """The block chain in compute order with per-block totals and cuts, and the parameters shared
+    across blocks. Raises ``AnalysisError`` if data would flow backwards along the chain."""
     members: dict[str, list[torch.fx.Node]] = defaultdict(list)
     for node in gm.graph.nodes:
-        name = info(node).block
-        if name is None:
-            continue
-        if name not in members:
-            order.append(name)
-        members[name].append(node)
+        if info(node).block is not None:
+            members[info(node).block].append(node)
+    order = _compute_order(gm, members)
     index = {name: i for i, name in enumerate(order)}
+    _check_forward_only(gm, index)
     crossing, tied = _crossings(gm, index, order)
     chain = [_summarize(name, members[name], crossing[i]) for i, name in enumerate(order)]
     return chain, tied
+
+
+def _compute_order(gm: torch.fx.GraphModule, members: dict[str, list[torch.fx.Node]]) -> list[str]:
+    """Block names ordered by their first compute node; blocks of inputs alone keep graph order."""
+    first: dict[str, int] = {}
+    for position, node in enumerate(gm.graph.nodes):
+        name = info(node).block
+        if name is not None and node.op in _COMPUTE and name not in first:
+            first[name] = position
+    order = sorted(first, key=first.__getitem__)
+    return order + [name for name in members if name not in first]
+
+
+def _check_forward_only(gm: torch.fx.GraphModule, index: dict[str, int]) -> None:
+    """Every compute node reads only tensors of its own or an earlier block: any contiguous split of
+    the chain is then a pipeline whose stages send only forward."""
+    for node in gm.graph.nodes:
+        if node.op not in _COMPUTE or info(node).block is None:
+            continue
+        for arg in node.all_input_nodes:
+            if arg.op in _COMPUTE and index[info(arg).block] > index[info(node).block]:
+                raise AnalysisError(
+                    f"block chain: %{node.name} (block {info(node).block}) reads %{arg.name} from the later "
+                    f"block {info(arg).block}",
+                    hint="this is a hetcc bug; please report it with the model's dump folder",
+                )
 
 
 def _crossings(gm, index: dict[str, int], order: list[str]):

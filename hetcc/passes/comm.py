@@ -263,8 +263,8 @@ class _StageBuilder:
             self._own(node.target)
             new = self.graph.get_attr(node.target)
             new.meta = dict(node.meta)
-        elif node.op == "placeholder":
-            new = self.graph.placeholder(node.name)
+        elif node.op == "placeholder":  # the target is the model's own input name ("input", not "input_1")
+            new = self.graph.placeholder(node.target)
             new.meta = dict(node.meta)
         elif _is_tensor(node):
             new = self._recv(self.cut.transfer(node, self.index))
@@ -322,7 +322,7 @@ class _StageBuilder:
 
     def _hoist_inputs(self) -> None:
         """Placeholders are created on first use; move them to the top in the model's input order."""
-        order = {n.name: i for i, n in enumerate(self.source.graph.find_nodes(op="placeholder"))}
+        order = {n.target: i for i, n in enumerate(self.source.graph.find_nodes(op="placeholder"))}
         inputs = sorted(self.graph.find_nodes(op="placeholder"), key=lambda n: order[n.target])
         for node in reversed(inputs):
             next(iter(self.graph.nodes)).prepend(node)

@@ -1,20 +1,26 @@
 """flops: forward/backward FLOPs and bytes moved per node.
 
 FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` run around each node on FakeTensors, plus
-the formulas torch lacks (CPU flash attention). Bytes (read + written) come from the rule table below:
+the formulas torch lacks: CPU flash attention (registered with torch), and ``FLOP_RULES`` below for
+recurrent layers (LSTM/GRU/RNN) and the grouped matmuls of mixture-of-experts layers, each of which
+states what it assumed in the node's notes. Bytes (read + written) come from the rule table below:
 views move nothing, gathers move what they gather, everything else reads its inputs and writes its
-outputs. An op with no entry takes the named ``io`` fallback and says so in the node's notes.
+outputs. An op with no entry takes the named ``io`` fallback and says so in the node's notes;
+``format_flops`` lists every guess once per op, with its count, under the annotated graph.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdpa_flop_count
 
+from hetcc import ir
 from hetcc.ir import annotate, info, nbytes, to_number
 from hetcc.passes.fake_run import FakeInterpreter
 
@@ -37,6 +43,55 @@ def _register_missing_formulas() -> None:
 
 
 _register_missing_formulas()
+
+
+# A rule prices one call from its (fake) arguments: (forward FLOPs, what it assumed). Matmuls only;
+# the elementwise work around them is small and memory-bound, priced by the byte rules.
+FlopRule = Callable[[tuple, dict, Any], tuple[Any, str]]
+
+
+def _dims(tensor: torch.Tensor) -> list:
+    return [to_number(size) for size in tensor.shape]
+
+
+def _grouped_mm_flops(args: tuple, kwargs: dict, out: Any) -> tuple[Any, str]:
+    """A grouped matmul (``torch._grouped_mm``, transformers' ``grouped_mm``): the jagged operand holds
+    the rows routed to each expert, so its FLOPs are those of the routed tokens (tokens x top-k), the
+    expected active compute, whatever the balance between experts."""
+    a, b = args[0], args[1]
+    (rows, inner), outer = _dims(a)[-2:], _dims(out)[-1]
+    if a.dim() == 2 and b.dim() == 2:  # weight gradient: the inner dimension is the jagged one
+        flop = 2 * rows * inner * outer
+    else:  # 2-D x 3-D (routed rows x per-expert weights) or 3-D x 3-D (a batch of groups)
+        flop = 2 * to_number(out.numel()) * inner
+    groups = _dims(b)[0] if b.dim() == 3 else _dims(out)[0]
+    routed = f"{rows} routed rows (tokens x top-k)" if a.dim() == 2 else f"{_dims(a)[0]}x{rows} rows"
+    return flop, f"moe: {routed} x {inner} -> {outer} over {groups} experts, every routed row once"
+
+
+def _recurrent_flops(gates: int) -> FlopRule:
+    """``aten.lstm`` / ``gru`` / ``rnn_*``: at every time step each layer and direction multiplies its
+    input and its hidden state by its weights (``gates`` stacked gate matrices). The weights are the
+    op's third argument, so layers, directions and projections are all counted from their shapes."""
+
+    def rule(args: tuple, kwargs: dict, out: Any) -> tuple[Any, str]:
+        x, weights = args[0], [w for w in args[2] if isinstance(w, torch.Tensor) and w.dim() == 2]
+        steps_x_batch = to_number(x.numel()) // _dims(x)[-1]
+        flop = sum((2 * steps_x_batch * to_number(w.numel()) for w in weights), 0)
+        return flop, f"recurrent: {gates} gate(s) x {len(weights)} weight matrices x {steps_x_batch} steps*batch"
+
+    return rule
+
+
+FLOP_RULES: dict[str, FlopRule] = {
+    "aten._grouped_mm": _grouped_mm_flops,
+    "aten.grouped_mm": _grouped_mm_flops,
+    "transformers.grouped_mm_fallback": _grouped_mm_flops,
+    "aten.lstm": _recurrent_flops(4),
+    "aten.gru": _recurrent_flops(3),
+    "aten.rnn_tanh": _recurrent_flops(1),
+    "aten.rnn_relu": _recurrent_flops(1),
+}
 
 # Backward FLOPs as a multiple of forward: a matmul's backward is two matmuls (grad input, grad weight);
 # flash attention's backward is 5 batched matmuls against the forward's 2 (torch's sdpa_backward formula).
@@ -61,6 +116,7 @@ BACKWARD_FLOP_RATIO: dict[str, float] = {
     "nn.Conv2d": 2.0,
     "nn.Conv3d": 2.0,
     "nn.Bilinear": 2.0,
+    **{key: 2.0 for key in FLOP_RULES},  # grouped and recurrent matmuls: grad input + grad weight
 }
 
 
@@ -210,6 +266,26 @@ _IO_OPS = (
     "all",
     "index",
     "gather",
+    "topk",
+    "sort",
+    "histc",
+    "index_put",
+    "index_put_",
+    "scatter",
+    "scatter_add",
+    "index_add",
+    "diff",
+    "pad",
+    "empty_like",
+    "__and__",
+    "bitwise_and",
+    "one_hot",
+    "lstm",
+    "gru",
+    "rnn_tanh",
+    "rnn_relu",
+    "_grouped_mm",
+    "grouped_mm",
 )
 
 BYTE_RULES: dict[str, Callable[[torch.fx.Node], object]] = {
@@ -217,6 +293,7 @@ BYTE_RULES: dict[str, Callable[[torch.fx.Node], object]] = {
     **{f"aten.{name}": _io for name in _IO_OPS},
     "aten.embedding": _gather,
     "aten.index_select": _gather,
+    "transformers.grouped_mm_fallback": _io,
     "_operator.getitem": _zero,
     # symbolic_trace graphs keep leaf modules as call_module nodes
     **{
@@ -290,6 +367,11 @@ class _FlopCounter(FakeInterpreter):
             result = super().run_node(node)
         fwd = to_number(counter.get_total_flops())
         notes = info(node).notes
+        rule = FLOP_RULES.get(op_key(node))
+        if rule is not None and fwd == 0:
+            args, kwargs = self.fetch_args_kwargs_from_env(node)
+            fwd, assumption = rule(args, kwargs, result[0] if isinstance(result, (tuple, list)) else result)
+            notes = notes + (assumption,)
         ratio = BACKWARD_FLOP_RATIO.get(op_key(node))
         if ratio is None and fwd != 0:
             ratio, notes = 2.0, notes + ("bwd-flops=2x-fallback",)
@@ -304,3 +386,19 @@ def flops(gm: torch.fx.GraphModule, ctx=None) -> torch.fx.GraphModule:
     """Annotate every node with forward/backward FLOPs and bytes read + written."""
     _FlopCounter(gm).run_fake()
     return gm
+
+
+def format_flops(gm: torch.fx.GraphModule) -> str:
+    """The annotated graph, then each op priced by a guess or an assumption, once, with its count."""
+    guesses: Counter[tuple[str, str]] = Counter()
+    example: dict[tuple[str, str], str] = {}
+    for node in gm.graph.nodes:
+        for note in info(node).notes:
+            key = (op_key(node), note.split(":")[0])
+            guesses[key] += 1
+            example.setdefault(key, note)
+    lines = [ir.format(gm)]
+    if guesses:
+        lines.append("\npriced by a rule of hetcc's own or a generic fallback, once per op (nodes; first case):")
+        lines.extend(f"  {op:<36} x{count:<4} {example[op, kind]}" for (op, kind), count in sorted(guesses.items()))
+    return "\n".join(lines)

@@ -91,6 +91,8 @@ def run_rank(
     stage = pipeline.stages[rank]
     timeout_s = config.comm_timeout_s if timeout_s is None else timeout_s
     vendors = pipeline.meta.get("vendors") or ["cpu"] * len(pipeline.stages)
+    if torch.device(device).type == "cpu":  # a GPU plan checked on CPU ranks: every link is gloo
+        vendors = ["cpu"] * len(pipeline.stages)
     links = Links(vendors, [group.stages for group in stage.tied], timeout_s, device)
     executor = StageExecutor(stage, links, microbatches, loss_fn, optimizer, device)
     chunks = split_microbatches(named_inputs(pipeline, inputs), microbatches)

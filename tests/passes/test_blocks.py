@@ -1,9 +1,8 @@
 import pytest
 import torch
-from models import bert, gpt2, llama, lm_kwargs, token_ids
+from models import assert_chain_in_compute_order, bert, gpt2, llama, lm_kwargs, token_ids
 
 import hetcc
-from hetcc.ir import info
 
 
 @pytest.fixture(scope="module")
@@ -37,30 +36,13 @@ def test_cut_between_layers_is_the_residual_stream_plus_the_shared_mask(gpt2_12)
     assert "lm_head.weight" in text  # the tied weight is reported
 
 
-def _assert_chain_is_contiguous_and_forward_only(gm):
-    order, seen = [], set()
-    for node in gm.graph.nodes:
-        block = info(node).block
-        if node.op in ("call_function", "call_module", "call_method"):
-            if block != (order[-1] if order else None):
-                assert block not in seen, f"block {block} is not contiguous"
-                order.append(block)
-                seen.add(block)
-    position = {name: i for i, name in enumerate(order)}
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_module", "call_method"):
-            for arg in node.all_input_nodes:
-                if arg.op not in ("get_attr", "placeholder"):
-                    assert position[info(arg).block] <= position[info(node).block]
-
-
 @pytest.mark.parametrize("build", [gpt2, llama, bert], ids=["gpt2", "llama", "bert"])
 def test_blocks_are_contiguous_and_dependencies_only_go_forward(build):
     kwargs = {"input_ids": token_ids(2, 16)}
     if build is not bert:
         kwargs["use_cache"] = False
     analysis = hetcc.analyze(build(), example_kwargs=kwargs)
-    _assert_chain_is_contiguous_and_forward_only(analysis.graph)
+    assert_chain_in_compute_order(analysis.graph)
     assert len(analysis.blocks) == 4  # embed, 2 layers, head
 
 
@@ -77,7 +59,7 @@ def test_a_block_over_the_size_limit_is_split_by_its_children():
     analysis = hetcc.analyze(gpt2(), example_kwargs=lm_kwargs(token_ids(2, 16)), max_block_bytes=100_000)
     names = [b.name for b in analysis.blocks]
     assert "transformer.h.0/attn" in names and "transformer.h.0/mlp" in names
-    _assert_chain_is_contiguous_and_forward_only(analysis.graph)
+    assert_chain_in_compute_order(analysis.graph)
     whole = hetcc.analyze(gpt2(), example_kwargs=lm_kwargs(token_ids(2, 16)))
     assert analysis.total_flops() == whole.total_flops()
 
