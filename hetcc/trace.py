@@ -130,9 +130,11 @@ def _trace_error(model, export_error, fx_error, extra: str | None = None) -> Tra
     lines = [f"hetcc could not capture {name} as a graph."]
     lines.append(f"  torch.export: {_first_line(export_error)}{_user_frame(export_error)}")
     if _is_data_dependent(export_error):
-        lines.append(f"  {_data_dependent_advice(model)}")
+        lines.append(f"  {_data_dependent_advice(model, _user_frame(export_error))}")
     if fx_error is not None:
-        lines.append(f"  torch.fx.symbolic_trace: {_first_line(fx_error)}{_user_frame(fx_error, export_error)}")
+        lines.append(
+            f"  torch.fx.symbolic_trace: {_first_line(fx_error)}{_user_frame(fx_error, export_error)}"
+        )
     if extra:
         lines.append(f"  {extra}")
     lines.append("  usual fixes:")
@@ -145,14 +147,13 @@ def _is_data_dependent(error: BaseException) -> bool:
     return "DataDependent" in text or "data-dependent" in text
 
 
-def _data_dependent_advice(model) -> str:
+def _data_dependent_advice(model, where: str) -> str:
     """What to do when a loop or branch depends on tensor values (the line is named above)."""
-    config = getattr(model, "config", None)
-    experts = getattr(config, "_experts_implementation", None) if config is not None else None
-    if experts not in (None, "grouped_mm") or hasattr(config, "num_local_experts"):
+    experts = getattr(getattr(model, "config", None), "_experts_implementation", None)
+    if experts not in (None, "grouped_mm") or "expert" in where:
         return (
             "the mixture-of-experts layer loops over the experts the router picked, a number known only at "
-            "run time: build the model with experts_implementation=\"grouped_mm\" (one grouped matmul over "
+            'run time: build the model with experts_implementation="grouped_mm" (one grouped matmul over '
             "all experts, which torch.export captures)"
         )
     return (

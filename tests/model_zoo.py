@@ -135,7 +135,9 @@ def mixtral() -> Case:
         return per_layer * config.num_hidden_layers
 
     model = MixtralForCausalLM(config)
-    return Case("mixtral", model, _lm_inputs(token_ids(BATCH, SEQ)), "embed", "head", uncounted_flops=expert_flops)
+    return Case(
+        "mixtral", model, _lm_inputs(token_ids(BATCH, SEQ)), "embed", "head", uncounted_flops=expert_flops
+    )
 
 
 class RecurrentLM(torch.nn.Module):

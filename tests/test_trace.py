@@ -80,3 +80,30 @@ def test_fake_tensor_mode_model_traces():
 def test_non_module_is_a_trace_error():
     with pytest.raises(TraceError, match="expects a torch.nn.Module"):
         hetcc.trace(lambda x: x, (torch.randn(2),))
+
+
+def test_a_data_dependent_expert_loop_names_the_model_line_and_suggests_grouped_experts():
+    from model_zoo import _mixtral_config
+    from transformers import MixtralForCausalLM
+
+    model = MixtralForCausalLM(_mixtral_config(experts_implementation="eager"))
+    with pytest.raises(TraceError) as caught:
+        hetcc.trace(model, example_kwargs=lm_kwargs(token_ids(2, 8)))
+    text = str(caught.value)
+    assert "modeling_mixtral.py:" in text and "for expert_idx in expert_hit" in text
+    assert 'experts_implementation="grouped_mm"' in text
+    assert text.count("for expert_idx") == 1  # the fallback's own error does not repeat export's line
+
+
+def test_a_data_dependent_branch_in_user_code_names_the_users_line():
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            for row in x.nonzero():  # a loop whose length only the data knows
+                x = x + row.sum()
+            return x
+
+    with pytest.raises(TraceError) as caught:
+        hetcc.trace(Branchy(), (torch.ones(3),))
+    text = str(caught.value)
+    assert "test_trace.py:" in text and "for row in x.nonzero()" in text
+    assert "make the loop bound static" in text

@@ -78,7 +78,10 @@ def _recurrent_flops(gates: int) -> FlopRule:
         x, weights = args[0], [w for w in args[2] if isinstance(w, torch.Tensor) and w.dim() == 2]
         steps_x_batch = to_number(x.numel()) // _dims(x)[-1]
         flop = sum((2 * steps_x_batch * to_number(w.numel()) for w in weights), 0)
-        return flop, f"recurrent: {gates} gate(s) x {len(weights)} weight matrices x {steps_x_batch} steps*batch"
+        return (
+            flop,
+            f"recurrent: {gates} gate(s) x {len(weights)} weight matrices x {steps_x_batch} steps*batch",
+        )
 
     return rule
 
@@ -368,7 +371,7 @@ class _FlopCounter(FakeInterpreter):
         fwd = to_number(counter.get_total_flops())
         notes = info(node).notes
         rule = FLOP_RULES.get(op_key(node))
-        if rule is not None and fwd == 0:
+        if rule is not None:  # a composite op may decompose under the counter, or not: one formula always
             args, kwargs = self.fetch_args_kwargs_from_env(node)
             fwd, assumption = rule(args, kwargs, result[0] if isinstance(result, (tuple, list)) else result)
             notes = notes + (assumption,)
@@ -399,6 +402,10 @@ def format_flops(gm: torch.fx.GraphModule) -> str:
             example.setdefault(key, note)
     lines = [ir.format(gm)]
     if guesses:
-        lines.append("\npriced by a rule of hetcc's own or a generic fallback, once per op (nodes; first case):")
-        lines.extend(f"  {op:<36} x{count:<4} {example[op, kind]}" for (op, kind), count in sorted(guesses.items()))
+        lines.append(
+            "\npriced by a rule of hetcc's own or a generic fallback, once per op (nodes; first case):"
+        )
+        lines.extend(
+            f"  {op:<36} x{count:<4} {example[op, kind]}" for (op, kind), count in sorted(guesses.items())
+        )
     return "\n".join(lines)

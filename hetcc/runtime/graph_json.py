@@ -2,8 +2,9 @@
 
 Each node is ``{"name", "op", "target", "args", "kwargs"}``. Function targets are qualified names
 resolved only under an allow-list: operators of ``torch.ops.aten`` / ``prims`` / ``hetcc``, operators
-of the library namespaces the graph declares, and functions of a few modules (``torch``,
-``torch.nn.functional``, ``operator``, ``math``, ``builtins``). A library namespace is one a package
+of the library namespaces the graph declares, and the pure functions export and symbolic_trace emit
+(``operator`` arithmetic, ``math``, ``torch.nn.functional``, torch's native functions but those that
+touch files, ``getattr`` of a public attribute); ``call_method`` names only public methods. A library namespace is one a package
 registered with ``torch.library`` and the model calls (``torch.ops.transformers.grouped_mm_fallback``);
 the graph records ``{"libraries": {namespace: module}}``, the module that registered it, and loading
 imports that module, only if it lies in the package named like the namespace and outside the standard
@@ -28,9 +29,29 @@ from torch.fx.node import _get_qualified_name
 
 from hetcc.errors import PlanFormatError
 
-_FUNCTION_MODULES = (
-    "torch", "torch.nn.functional", "torch.functional", "operator", "_operator", "math", "builtins",
-)  # fmt: skip
+# Functions (not operators) a saved graph may call: the pure ones export and symbolic_trace emit.
+_OPERATOR_FUNCTIONS = frozenset({
+    "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs", "eq", "ne",
+    "lt", "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert", "lshift", "rshift", "matmul", "truth",
+})  # fmt: skip
+_BUILTIN_FUNCTIONS = frozenset({"getattr", "len", "min", "max", "abs", "int", "float", "bool", "round"})
+_TORCH_DENIED = frozenset({"from_file", "load", "save"})  # native functions that touch files
+
+
+def _is_allowed_function(module: str, name: str) -> bool:
+    if name.startswith("__"):
+        return False
+    if module in ("operator", "_operator"):
+        return name in _OPERATOR_FUNCTIONS
+    if module == "builtins":
+        return name in _BUILTIN_FUNCTIONS
+    if module in ("math", "torch.nn.functional", "torch.functional"):
+        return not name.startswith("_")
+    if module == "torch":
+        native = hasattr(torch._C._VariableFunctions, name) and name not in _TORCH_DENIED
+        return native or name.startswith("sym_") or name == "_assert"
+    return False
+
 
 _TORCH_NAMESPACES = ("aten", "prims", "hetcc")  # operators every rank has without importing more
 _MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
@@ -103,7 +124,8 @@ def _node_to_json(node: fx.Node) -> dict[str, Any]:
         target = _get_qualified_name(node.target)
         if "." not in target:  # fx names builtins (getattr, ...) without their module
             target = f"builtins.{target}"
-        if not target.startswith("torch.ops.") and target.rpartition(".")[0] not in _FUNCTION_MODULES:
+        module, _, name = target.rpartition(".")
+        if not target.startswith("torch.ops.") and not _is_allowed_function(module, name):
             raise PlanFormatError(
                 f"node {node.name!r} calls {target}, which a saved plan cannot name safely",
                 hint="trace with torch.export so the graph holds torch.ops.aten operators",
@@ -167,12 +189,23 @@ def _node_from_json(
         return graph.output(args[0])
     if op == "call_function":
         target = resolve_function(target, f"{where}: node {entry['name']!r}", namespaces)
+    private = op == "call_method" and str(target).startswith("_")
+    private |= target is builtins.getattr and not (len(args) == 2 and _public_name(args[1]))
+    if private or op not in ("placeholder", "get_attr", "call_function", "call_method", "call_module"):
+        raise PlanFormatError(
+            f"{where}: node {entry['name']!r} ({op} {target!r}) reaches a private attribute or is not an fx op",
+            hint="re-save the plan; a saved graph only calls operators and public methods",
+        )
     return graph.create_node(op, target, tuple(args), _decode(entry["kwargs"], env), name=entry["name"])
+
+
+def _public_name(value: Any) -> bool:
+    return isinstance(value, str) and not value.startswith("_")
 
 
 def resolve_function(qualname: str, where: str, namespaces: tuple[str, ...] = _TORCH_NAMESPACES):
     """The function a saved qualified name refers to, found only under the allowed namespaces:
-    operators of ``torch.ops.<namespace>`` for ``namespaces``, or a function of ``_FUNCTION_MODULES``."""
+    operators of ``torch.ops.<namespace>`` for ``namespaces``, or an allowed pure function."""
     parts = qualname.split(".")
     if qualname.startswith("torch.ops.") and len(parts) == 5 and parts[2] in namespaces:
         obj: Any = torch.ops
@@ -181,7 +214,7 @@ def resolve_function(qualname: str, where: str, namespaces: tuple[str, ...] = _T
         if isinstance(obj, torch._ops.OpOverload):
             return obj
     module, _, name = qualname.rpartition(".")
-    if module in _FUNCTION_MODULES:
+    if _is_allowed_function(module, name):
         found = getattr(builtins if module == "builtins" else importlib.import_module(module), name, None)
         if callable(found):
             return found

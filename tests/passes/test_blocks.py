@@ -3,6 +3,7 @@ import torch
 from models import assert_chain_in_compute_order, bert, gpt2, llama, lm_kwargs, token_ids
 
 import hetcc
+from hetcc.ir import info
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +81,77 @@ def test_model_without_layers_is_split_by_top_level_children_and_skips_cross_cut
     inp, mid = analysis.blocks[0], analysis.blocks[1]
     assert inp.cut_bytes == 4 * 8 * 4 and inp.cut_tensors[0].last_block == "out"  # h skips over mid
     assert {c.node for c in mid.cut_tensors} == {"linear", "linear_1"} and mid.cut_bytes == 2 * 4 * 8 * 4
+
+
+def test_opt_blocks_follow_the_computation_although_final_layer_norm_comes_first_in_parameters():
+    from model_zoo import opt
+
+    case = opt()
+    params = [name for name, _ in case.model.named_parameters()]
+    assert params.index("model.decoder.final_layer_norm.weight") < params.index(
+        "model.decoder.layers.0.fc1.weight"
+    )
+    analysis = hetcc.analyze(case.model, example_kwargs=lm_kwargs(token_ids(2, 16)))
+    assert [b.name for b in analysis.blocks] == ["embed"] + [
+        f"model.decoder.layers.{i}" for i in range(3)
+    ] + ["head"]
+    head = analysis.graph.get_submodule("model.decoder.final_layer_norm")
+    placeholder = next(
+        n for n in analysis.graph.graph.nodes if n.target == "model.decoder.final_layer_norm.weight"
+    )
+    assert head is not None and info(placeholder).block == "head"  # the parameter sits with its first user
+
+
+def test_encoder_decoder_is_one_chain_and_the_encoder_output_crosses_every_decoder_cut():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=3,
+                      num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)  # fmt: skip
+    ids = token_ids(2, 16)
+    kwargs = {"input_ids": ids, "decoder_input_ids": ids, "use_cache": False}
+    analysis = hetcc.analyze(T5ForConditionalGeneration(config), example_kwargs=kwargs)
+    names = [b.name for b in analysis.blocks]
+    assert names == ["embed", "encoder.block.0", "encoder.block.1"] + [
+        f"decoder.block.{i}" for i in range(3)
+    ] + ["head"]
+    assert names == assert_chain_in_compute_order(analysis.graph)
+    hidden = 2 * 16 * 64 * 4
+    decoder_cuts = [{c.node for c in b.cut_tensors if c.bytes == hidden} for b in analysis.blocks[3:6]]
+    encoder_output = set.intersection(*decoder_cuts)  # every decoder layer's cross-attention reads it
+    assert len(encoder_output) == 1, decoder_cuts
+    (shared,) = analysis.tied_params  # exported as lm_head.weight: encoder, decoder and head share it
+    assert shared.blocks == ("embed", "decoder.block.0", "head")
+
+
+def test_parameter_free_modules_join_the_block_before_them():
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.0), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 4),
+    )  # fmt: skip
+    analysis = hetcc.analyze(model, (torch.randn(4, 8),))
+    assert [b.name for b in analysis.blocks] == ["0", "3", "5"]
+    relu = next(n for n in analysis.graph.graph.nodes if n.target is torch.ops.aten.relu.default)
+    assert info(relu).block == "0"
+    assert analysis.blocks[0].cut_bytes == 4 * 16 * 4  # the cut carries the activation's output
+
+
+def test_a_leading_parameter_free_module_joins_the_first_block_with_parameters():
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(12, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)
+    )
+    analysis = hetcc.analyze(model, (torch.randn(2, 3, 4),))
+    assert [b.name for b in analysis.blocks] == ["1", "3"]
+
+
+def test_collect_blocks_refuses_a_chain_where_data_flows_backwards():
+    from hetcc.errors import AnalysisError
+    from hetcc.ir import annotate
+    from hetcc.passes.blocks import collect_blocks
+
+    analysis = hetcc.analyze(Residual(), (torch.randn(4, 8),))
+    gm = analysis.graph
+    first = next(n for n in gm.graph.nodes if n.op == "call_function" and info(n).block == "inp")
+    annotate(first, block="out")  # "out" now starts before "mid" but "inp" reads from it
+    with pytest.raises(AnalysisError, match="reads %"):
+        collect_blocks(gm)

@@ -167,3 +167,15 @@ def test_compute_module_retargets_device_constants_baked_in_by_tracing():
     assert "device(type='cpu')" in last.module.code
     code = compute_module(last, "meta").code
     assert "device(type='meta')" in code and "device(type='cpu')" not in code
+
+
+def test_stage_inputs_keep_the_models_own_names_where_fx_renames_the_placeholder():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    x = torch.randn(2, 4)
+    gm = export(model, kwargs={"input": x})  # fx names the placeholder input_1: `input` is a builtin
+    assert [n.name for n in gm.graph.nodes if n.op == "placeholder"] == ["input_1"]
+    stage_of = {n.name: int("linear_1" in n.name) for n in gm.graph.nodes if n.op == "call_function"}
+    stages = split_stages(gm, stage_of, 2)
+    assert stages[0].inputs == ("input",) and "input" in stages[0].input_shapes
+    (out,) = run_in_process(stages, {"input": x})
+    torch.testing.assert_close(out, model(x))

@@ -81,3 +81,50 @@ def test_gpt2_sdpa_and_eager_attention_count_the_same():
     sdpa = hetcc.analyze(gpt2(), example_kwargs=ids).total_flops()
     eager = hetcc.analyze(gpt2(attn_implementation="eager"), example_kwargs=ids).total_flops()
     assert sdpa == eager
+
+
+def _note(analysis, op_name: str) -> list[str]:
+    return [note for n in analysis.graph.graph.nodes if op_name in str(n.target) for note in info(n).notes]
+
+
+@pytest.mark.parametrize(
+    ("layer", "gates"),
+    [(torch.nn.LSTM(8, 16, num_layers=2, batch_first=True), 4), (torch.nn.GRU(8, 16, bidirectional=True), 3),
+     (torch.nn.RNN(8, 16), 1), (torch.nn.LSTM(8, 16, proj_size=4), 4)],
+    ids=["lstm-2-layers", "gru-bidirectional", "rnn-tanh", "lstm-projection"],
+)  # fmt: skip
+def test_recurrent_layers_count_every_gate_matmul_at_every_step(layer, gates):
+    x = torch.randn(3, 5, 8)  # 15 (step, sequence) pairs whichever axis is the batch
+    analysis = hetcc.analyze(layer, (x,))
+    weights = [p for name, p in layer.named_parameters() if name.startswith("weight")]
+    want = sum(2 * 15 * p.numel() for p in weights)  # W_ih x_t, W_hh h_t (and W_hr h_t) per step
+    assert gates * layer.hidden_size == weights[0].shape[0]
+    assert analysis.total_flops() == want
+    assert analysis.total_flops(backward=True) == 2 * want
+    notes = [note for n in analysis.graph.graph.nodes for note in info(n).notes]
+    assert [note.split(":")[0] for note in notes] == ["recurrent"]
+
+
+def test_grouped_expert_matmuls_count_the_routed_tokens_and_say_so_in_the_dump(tmp_path):
+    from model_zoo import _mixtral_config
+    from transformers import MixtralForCausalLM
+
+    config = _mixtral_config()
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    ids = token_ids(2, 16)
+    analysis = hetcc.analyze(model, example_kwargs=lm_kwargs(ids), dump_dir=tmp_path)
+    with FlopCounterMode(display=False) as counter:
+        model(**lm_kwargs(ids))
+    routed = 2 * 16 * config.num_experts_per_tok
+    experts = config.num_hidden_layers * 2 * routed * config.hidden_size * 3 * config.intermediate_size
+    assert analysis.total_flops() == counter.get_total_flops() + experts  # torch's counter sees none of them
+    notes = _note(analysis, "grouped_mm")
+    assert len(notes) == 2 * config.num_hidden_layers
+    assert all(note.startswith(f"moe: {routed} routed rows (tokens x top-k)") for note in notes)
+    dump = (tmp_path / "02_flops.txt").read_text()
+    summary = dump.split("priced by a rule of hetcc's own or a generic fallback")[1]
+    line = next(line for line in summary.splitlines() if "transformers.grouped_mm_fallback" in line)
+    assert f"x{2 * config.num_hidden_layers} " in line and "routed rows" in line
+    ops = [line.split()[0] for line in summary.splitlines()[1:] if line.strip()]
+    assert len(ops) == len(set(ops))  # each guessed op is listed once, with its count

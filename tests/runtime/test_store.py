@@ -103,3 +103,119 @@ def test_tampered_graph_naming_an_arbitrary_function_is_refused(tmp_path):
 def test_missing_folder_fails_with_the_path(tmp_path):
     with pytest.raises(PlanFormatError, match="pipeline.json"):
         load_stages(str(tmp_path / "nowhere"))
+
+
+@pytest.fixture(scope="module")
+def mixtral_folder(tmp_path_factory):
+    """A tiny Mixtral (grouped expert matmuls: a transformers custom op) split in two and saved."""
+    from model_zoo import mixtral
+
+    import hetcc
+
+    case = mixtral()
+    kwargs = {k: (v[:2] if isinstance(v, torch.Tensor) else v) for k, v in case.inputs.items()}
+    analysis = hetcc.analyze(case.model, example_kwargs=kwargs)
+    stage_of = {name: int(i >= 2) for i, b in enumerate(analysis.blocks) for name in b.nodes}
+    folder = tmp_path_factory.mktemp("mixtral")
+    save_stages(split_stages(analysis.graph, stage_of, 2), str(folder))
+    return folder, case.model, kwargs
+
+
+def test_library_operators_record_the_package_that_registers_them(mixtral_folder):
+    folder, _, _ = mixtral_folder
+    graphs = [json.loads((folder / f"stage{k}.graph.json").read_text()) for k in range(2)]
+    assert {ns: m for g in graphs for ns, m in g["libraries"].items()} == {
+        "transformers": "transformers.integrations.moe"
+    }
+    assert any(
+        "torch.ops.transformers.grouped_mm_fallback" in n["target"] for g in graphs for n in g["nodes"]
+    )
+
+
+def test_a_fresh_process_imports_the_library_and_runs_the_stages_like_eager(mixtral_folder, tmp_path):
+    import subprocess
+    import sys
+
+    folder, model, kwargs = mixtral_folder
+    torch.save({"input_ids": kwargs["input_ids"]}, tmp_path / "ids.pt")
+    script = (
+        "import sys, torch\n"
+        "from hetcc.runtime.store import load_pipeline\n"
+        f"sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})\n"
+        "from runtime_models import run_in_process\n"
+        "assert 'transformers' not in sys.modules\n"
+        f"stages = load_pipeline({str(folder)!r}).stages\n"
+        "assert 'transformers.integrations.moe' in sys.modules\n"
+        f"inputs = torch.load({str(tmp_path / 'ids.pt')!r})\n"
+        "outputs = run_in_process(stages, dict(inputs, labels=inputs['input_ids']))\n"
+        f"torch.save(outputs[0], {str(tmp_path / 'loss.pt')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, timeout=300)
+    loss = torch.load(tmp_path / "loss.pt")
+    torch.testing.assert_close(loss, model(**kwargs).loss, rtol=1e-5, atol=1e-6)
+
+
+def _tamper(folder, tmp_path, edit):
+    import shutil
+
+    copy = tmp_path / "tampered"
+    shutil.copytree(folder, copy)
+    for k in range(2):
+        path = copy / f"stage{k}.graph.json"
+        graph = json.loads(path.read_text())
+        edit(graph)
+        path.write_text(json.dumps(graph))
+    return str(copy)
+
+
+@pytest.mark.parametrize(
+    ("libraries", "message"),
+    [({"os": "os"}, "not an importable operator library"),
+     ({"transformers": "subprocess"}, "not an importable operator library"),
+     ({"transformers": "transformers; import os"}, "not an importable operator library"),
+     ({"aten": "aten"}, "not an importable operator library"),
+     ({}, "disallowed function 'torch.ops.transformers.grouped_mm_fallback.default'")],
+    ids=["stdlib", "other-package", "not-a-module-name", "torch-namespace", "undeclared"],
+)  # fmt: skip
+def test_library_entries_outside_the_allow_list_are_refused(mixtral_folder, tmp_path, libraries, message):
+    folder, _, _ = mixtral_folder
+    tampered = _tamper(folder, tmp_path, lambda graph: graph.__setitem__("libraries", libraries))
+    with pytest.raises(PlanFormatError, match=message):
+        load_stages(tampered)
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["builtins.eval", "builtins.exec", "builtins.__import__", "builtins.open", "torch.save", "torch.load",
+     "torch.from_file", "operator.methodcaller", "operator.attrgetter", "subprocess.run"],
+)  # fmt: skip
+def test_functions_outside_the_allow_list_are_refused(tmp_path, target):
+    model = ResidualMLP()
+    gm = export(model, (torch.randn(4, 8),))
+    save_stages(split_stages(gm, stages_by_module(gm, MLP_RULES), 3), str(tmp_path))
+    path = tmp_path / "stage1.graph.json"
+    graph = json.loads(path.read_text())
+    node = next(n for n in graph["nodes"] if n["op"] == "call_function" and "relu" in n["target"])
+    node["target"] = target
+    path.write_text(json.dumps(graph))
+    with pytest.raises(PlanFormatError, match="disallowed function"):
+        load_stages(str(tmp_path))
+
+
+def test_private_attributes_and_methods_are_refused(tmp_path):
+    model = ResidualMLP()
+    gm = export(model, (torch.randn(4, 8),))
+    save_stages(split_stages(gm, stages_by_module(gm, MLP_RULES), 3), str(tmp_path))
+    path = tmp_path / "stage1.graph.json"
+    graph = json.loads(path.read_text())
+    node = next(n for n in graph["nodes"] if n["op"] == "call_function" and "relu" in n["target"])
+    node.update(op="call_method", target="__reduce_ex__")
+    path.write_text(json.dumps(graph))
+    with pytest.raises(PlanFormatError, match="private attribute"):
+        load_stages(str(tmp_path))
+    node.update(
+        op="call_function", target="builtins.getattr", args={"tuple": [node["args"]["tuple"][0], "__class__"]}
+    )
+    path.write_text(json.dumps(graph))
+    with pytest.raises(PlanFormatError, match="private attribute"):
+        load_stages(str(tmp_path))
