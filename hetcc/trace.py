@@ -12,6 +12,7 @@ import inspect
 import logging
 import sysconfig
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +58,9 @@ def trace(
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     try:
-        exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        with warnings.catch_warnings():  # nn.RNN/LSTM/GRU cache their weights in a list export warns about
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
+            exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as export_error:  # noqa: BLE001 - reported with the fallback's error below
         log.info("torch.export failed (%s); trying torch.fx.symbolic_trace", export_error)
         return _symbolic_trace_or_raise(model, args, kwargs, dynamic_shapes, export_error)
