@@ -72,10 +72,14 @@ def _grouped_mm_flops(args: tuple, kwargs: dict, out: Any) -> tuple[Any, str]:
 def _recurrent_flops(gates: int) -> FlopRule:
     """``aten.lstm`` / ``gru`` / ``rnn_*``: at every time step each layer and direction multiplies its
     input and its hidden state by its weights (``gates`` stacked gate matrices). The weights are the
-    op's third argument, so layers, directions and projections are all counted from their shapes."""
+    op's list of 2-D tensors (the ``.input`` and packed ``.data`` overloads alike; hidden states are 3-D),
+    so layers, directions and projections are all counted from their shapes. The first argument holds
+    every (step, sequence) pair once, padded or packed."""
 
     def rule(args: tuple, kwargs: dict, out: Any) -> tuple[Any, str]:
-        x, weights = args[0], [w for w in args[2] if isinstance(w, torch.Tensor) and w.dim() == 2]
+        lists = [arg for arg in args if isinstance(arg, (list, tuple))]
+        x = args[0]
+        weights = [w for arg in lists for w in arg if isinstance(w, torch.Tensor) and w.dim() == 2]
         steps_x_batch = to_number(x.numel()) // _dims(x)[-1]
         flop = sum((2 * steps_x_batch * to_number(w.numel()) for w in weights), 0)
         return (
@@ -289,6 +293,16 @@ _IO_OPS = (
     "rnn_relu",
     "_grouped_mm",
     "grouped_mm",
+    # in-place forms (export keeps a few, e.g. the router's top-k renormalisation ``div_``)
+    "add_",
+    "sub_",
+    "mul_",
+    "div_",
+    "masked_fill_",
+    "clamp_",
+    "copy_",
+    "fill_",
+    "zero_",
 )
 
 BYTE_RULES: dict[str, Callable[[torch.fx.Node], object]] = {

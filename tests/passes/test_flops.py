@@ -128,3 +128,15 @@ def test_grouped_expert_matmuls_count_the_routed_tokens_and_say_so_in_the_dump(t
     assert f"x{2 * config.num_hidden_layers} " in line and "routed rows" in line
     ops = [line.split()[0] for line in summary.splitlines()[1:] if line.strip()]
     assert len(ops) == len(set(ops))  # each guessed op is listed once, with its count
+
+
+
+def test_the_recurrent_rule_reads_the_packed_overload_too():
+    from hetcc.passes.flops import FLOP_RULES
+
+    data, batch_sizes = torch.randn(10, 8), torch.tensor([3, 3, 2, 1, 1])  # 10 real steps over 3 sequences
+    hidden = [torch.zeros(1, 3, 16), torch.zeros(1, 3, 16)]
+    params = [torch.randn(64, 8), torch.randn(64, 16), torch.randn(64), torch.randn(64)]
+    args = (data, batch_sizes, hidden, params, True, 1, 0.0, True, False)  # aten.lstm.data
+    flop, note = FLOP_RULES["aten.lstm"](args, {}, None)
+    assert flop == 2 * 10 * 64 * (8 + 16) and note.startswith("recurrent:")
