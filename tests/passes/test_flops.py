@@ -130,7 +130,6 @@ def test_grouped_expert_matmuls_count_the_routed_tokens_and_say_so_in_the_dump(t
     assert len(ops) == len(set(ops))  # each guessed op is listed once, with its count
 
 
-
 def test_the_recurrent_rule_reads_the_packed_overload_too():
     from hetcc.passes.flops import FLOP_RULES
 
