@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hetcc  # noqa: E402
-from hetcc.codegen import compute_module  # noqa: E402
+from hetcc.passes.codegen import compute_module  # noqa: E402
 
 
 def _cluster(calibration: hetcc.Calibration) -> hetcc.Cluster:
@@ -96,7 +96,7 @@ def main() -> None:
     print(compiled.explain())
     size = args.batch // args.microbatches
     microbatch = {"input_ids": ids[:size], "labels": ids[:size], "use_cache": False}
-    samples = _time_stages(compiled.pipeline().stages, microbatch, args.repeats)
+    samples = _time_stages(compiled.pipeline.stages, microbatch, args.repeats)
     print(f"\n{'stage':<6} {'blocks':<40} {'predicted ms':>12} {'measured ms':>12} {'error':>7}")
     worst = 0.0
     for stage, times in zip(compiled.plan.stages, samples):

@@ -66,7 +66,7 @@ def peak_gbps(device_name: str, override: float | None) -> float | None:
     """Peak memory bandwidth in GB/s: the flag, else hetcc's preset for this device name."""
     if override is not None:
         return override
-    from hetcc.presets import get_preset
+    from hetcc.hardware.presets import get_preset
 
     for needle, preset in DEVICE_PRESETS:
         if needle.lower() in device_name.lower():

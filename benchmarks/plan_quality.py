@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 
 import hetcc  # noqa: E402
 from examples import models  # noqa: E402
-from hetcc.passes.partition import solve  # noqa: E402
+from hetcc.solver.solve import solve  # noqa: E402
 
 
 def main() -> None:

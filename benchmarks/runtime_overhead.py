@@ -27,7 +27,7 @@ from hetcc.runtime.groups import Links
 from hetcc.runtime.interop import pipelining_schedule
 from hetcc.runtime.local import split_microbatches
 from hetcc.runtime.store import load_stages, save_stages
-from hetcc.schedules import stage_actions
+from hetcc.solver.schedules import stage_actions
 
 
 def build_mlp(width: int, depth: int) -> torch.nn.Sequential:

@@ -13,8 +13,9 @@ import math
 import random
 import time
 
-from hetcc.baselines import baselines
-from hetcc.passes.partition import PartitionProblem, ProblemDevice, solve
+from hetcc.solver.baselines import baselines
+from hetcc.solver.problem import PartitionProblem, ProblemDevice
+from hetcc.solver.solve import solve
 
 # (type, relative speed on matmul-heavy blocks, on memory-bound blocks, usable GiB)
 DEVICE_TYPES = [

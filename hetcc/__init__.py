@@ -1,11 +1,10 @@
-"""hetcc: compile one PyTorch model into unequal pipeline stages for a cluster of unequal devices."""
+"""hetcc: compile one PyTorch model into unequal pipeline stages for a cluster of unequal devices.
+
+Where each step lives is mapped in ``hetcc/README.md``.
+"""
 
 from hetcc import config, ir
-from hetcc.analysis import Analysis, analyze
-from hetcc.api import Compiled, compile, run_local
-from hetcc.calibrate import calibrate
-from hetcc.calibration import Calibration, apply_to_cluster
-from hetcc.cluster import Cluster, Device, Link
+from hetcc.api import Analysis, Compiled, analyze, compile, run_local
 from hetcc.errors import (
     AnalysisError,
     ClusterError,
@@ -15,9 +14,12 @@ from hetcc.errors import (
     RuntimeFailure,
     TraceError,
 )
-from hetcc.plan import Plan, Stage
-from hetcc.presets import DeviceType, get_preset
-from hetcc.trace import trace
+from hetcc.hardware.calibration import Calibration, apply_to_cluster
+from hetcc.hardware.cluster import Cluster, Device, Link
+from hetcc.hardware.measure import calibrate
+from hetcc.hardware.presets import DeviceType, get_preset
+from hetcc.passes.trace import trace
+from hetcc.plan import Plan, PlanStage
 
 __all__ = [
     "Analysis",
@@ -27,7 +29,7 @@ __all__ = [
     "calibrate",
     "Compiled",
     "Plan",
-    "Stage",
+    "PlanStage",
     "compile",
     "run_local",
     "Device",

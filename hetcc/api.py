@@ -1,41 +1,171 @@
-"""``hetcc.compile``: the whole compiler, one named step after another."""
+"""``hetcc.analyze`` and ``hetcc.compile``: the whole compiler, one named step after another.
+
+    analyze:  trace -> shapes -> flops -> memory -> blocks
+    compile:  analyze -> fuse -> cost -> partition -> comm -> codegen
+
+Each step is a function in ``hetcc/passes/<step>.py``. With ``dump_dir=`` (or ``HETCC_DUMP_DIR``) the IR
+after each step is written as numbered files; with ``HETCC_CHECK=1`` ``hetcc.verify`` checks it.
+"""
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import sympy
 import torch
 
 from hetcc import config, ir, verify
-from hetcc.analysis import Analysis, analyze
-from hetcc.baselines import baselines
-from hetcc.cluster import Cluster
 from hetcc.dump import Dumper
-from hetcc.errors import HetccError
+from hetcc.errors import AnalysisError, HetccError
+from hetcc.hardware.cluster import Cluster
 from hetcc.kernels import FUSION_META_KEY, write_kernel
-from hetcc.passes.blocks import collect_blocks
+from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
+from hetcc.passes.codegen import codegen, stage_source
+from hetcc.passes.comm import StageGraph, split_stages
 from hetcc.passes.cost import cost
-from hetcc.passes.fuse import fuse, install_code_comments
-from hetcc.passes.partition import PartitionProblem, PartitionSolution, solve
-from hetcc.plan import MemoryBreakdown, Plan, Stage
-from hetcc.problem import build_problem, state_multiplier
-from hetcc.simulate import simulate
+from hetcc.passes.flops import flops, format_flops
+from hetcc.passes.fuse import fuse
+from hetcc.passes.memory import memory
+from hetcc.passes.partition import optimizer as optimizer_entry
+from hetcc.passes.partition import partition
+from hetcc.passes.shapes import shapes
+from hetcc.passes.trace import trace
+from hetcc.plan import Plan
+from hetcc.runtime.interop import pipelining_schedule
+from hetcc.runtime.local import run_local as run_pipeline
+from hetcc.runtime.local import split_microbatches
+from hetcc.runtime.store import Pipeline, pipeline_meta, save_stages
+from hetcc.solver.problem import PartitionProblem, PartitionSolution
+
+# ------------------------------------------------------------------------------------ analyze
+
+
+@dataclass
+class Analysis:
+    """An annotated graph and its block chain. Sizes are per call of the traced example inputs."""
+
+    graph: torch.fx.GraphModule
+    blocks: list[Block]
+    tied_params: list[TiedParam]
+    frontend: str
+    dim_symbols: dict[str, Any] = field(default_factory=dict)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def total_flops(self, backward: bool = False):
+        return sum(((b.bwd_flops if backward else b.fwd_flops) for b in self.blocks), 0)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(b.param_bytes for b in self.blocks)
+
+    def evaluate(self, **dims: int) -> Analysis:
+        """The same analysis with symbolic dims (``torch.export.Dim`` names) set to numbers."""
+        unknown = sorted(set(dims) - set(self.dim_symbols))
+        if unknown:
+            raise AnalysisError(
+                f"unknown dynamic dim(s) {unknown}; this analysis has {sorted(self.dim_symbols) or 'none'}",
+                hint="name the torch.export.Dim objects passed in dynamic_shapes",
+            )
+        subs = {self.dim_symbols[name]: value for name, value in dims.items()}
+        evaluated = [_substitute_block(b, subs) for b in self.blocks]
+        return replace(
+            self, blocks=evaluated, dim_symbols={k: v for k, v in self.dim_symbols.items() if k not in dims}
+        )
+
+    def summary(self) -> str:
+        return format_blocks(self.blocks, self.tied_params)
+
+    def dump(self, folder: str | Path) -> None:
+        dumper = Dumper(folder)
+        dumper.write("traced.py", self.graph.code)
+        dumper.write("analysis.txt", ir.format(self.graph))
+        dumper.write("blocks.txt", self.summary())
+
+
+@contextmanager
+def _step(dumper: Dumper, name: str, render: Callable[[], str], check: Callable[[], None] | None):
+    """One named step: timed, dumped, then checked by ``hetcc.verify`` when ``config.check`` is on."""
+    with dumper.step(name, f"{name}.txt" if name != "trace" else "traced.py", render):
+        yield
+    if config.check and check is not None:
+        check()
+
+
+def analyze(
+    model: torch.nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+    dump_dir: str | Path | None = None,
+    *,
+    training: bool = True,
+    max_block_bytes: float | None = None,
+    dumper: Dumper | None = None,
+) -> Analysis:
+    """Trace ``model`` and annotate every node with shape, FLOPs, bytes, parameters and activations.
+
+    ``dumper`` continues a dump folder's numbering (``hetcc.compile`` passes its own).
+    """
+    dumper = dumper or Dumper(dump_dir)
+    with _step(
+        dumper, "trace", lambda: traced.gm.code, lambda: verify.check_graph(traced.gm, "trace", False)
+    ):
+        traced = trace(model, example_inputs, example_kwargs, dynamic_shapes)
+    gm = traced.gm
+    for name, run, render in (
+        ("shapes", shapes, lambda: ir.format(gm)),
+        ("flops", flops, lambda: format_flops(gm)),
+        ("memory", lambda g: memory(g, training=training), lambda: ir.format(gm)),
+    ):
+        with _step(dumper, name, render, lambda name=name: verify.check_graph(gm, name)):
+            run(gm)
+    limit = config.max_block_bytes if max_block_bytes is None else max_block_bytes
+    result = Analysis(gm, [], [], traced.frontend, traced.dim_symbols, dumper.timings_ms)
+    with _step(dumper, "blocks", result.summary, lambda: verify.check_graph(gm, "blocks")):
+        blocks(gm, max_block_bytes=limit)
+        result.blocks, result.tied_params = collect_blocks(gm)
+    if config.debug >= 1:
+        print(result.summary(), file=sys.stderr)
+    return result
+
+
+def _substitute_block(block: Block, subs: dict) -> Block:
+    changes = {}
+    for f in fields(Block):
+        value = getattr(block, f.name)
+        if isinstance(value, sympy.Basic):
+            changes[f.name] = _number(value.subs(subs))
+    cut = tuple(replace(c, bytes=_number(sympy.sympify(c.bytes).subs(subs))) for c in block.cut_tensors)
+    return replace(block, cut_tensors=cut, **changes)
+
+
+def _number(expr):
+    if isinstance(expr, sympy.Basic) and expr.is_number:
+        value = float(expr)
+        return int(value) if value.is_integer() else value
+    return expr
+
+
+# ------------------------------------------------------------------------------------ compile
 
 
 @dataclass
 class Compiled:
-    """What ``hetcc.compile`` returns: the plan, the problem it solved, and the annotated graph."""
+    """What ``hetcc.compile`` returns: the plan, the problem it solved, the annotated graph, and the
+    pipeline (one ``StageGraph`` per stage, with its send/recv ops) that runs it."""
 
     plan: Plan
     problem: PartitionProblem
     analysis: Analysis
     cluster: Cluster
     solution: PartitionSolution
+    pipeline: Pipeline
     optimizer: str = "adam"
-    _pipeline: Any = field(default=None, repr=False, compare=False)
 
     def explain(self) -> str:
         return self.plan.explain()
@@ -44,27 +174,9 @@ class Compiled:
     def graph(self) -> torch.fx.GraphModule:
         return self.analysis.graph
 
-    def pipeline(self):
-        """The plan as per-stage graphs with send/recv ops (``hetcc.runtime.Pipeline``), built once."""
-        if self._pipeline is None:
-            from hetcc.passes.comm import split_stages
-            from hetcc.runtime.store import Pipeline
-
-            stage_of = {name: s.index for s in self.plan.stages for name in s.nodes}
-            stages = split_stages(self.graph, stage_of, len(self.plan.stages))
-            for stage in stages:  # fused groups print the ops they replaced in stage<k>.py
-                install_code_comments(stage.module)
-            if config.check:
-                verify.check_pipeline(stages)
-            self._pipeline = Pipeline(stages, self._run_meta())
-        return self._pipeline
-
-    def _run_meta(self) -> dict[str, Any]:
-        vendors = [self.cluster.device(s.device).vendor for s in self.plan.stages]
-        return {
-            "schedule": self.plan.schedule, "microbatches": self.plan.microbatches,
-            "optimizer": {"name": self.optimizer}, "loss": "model", "vendors": vendors,
-        }  # fmt: skip
+    @property
+    def stages(self) -> list[StageGraph]:
+        return self.pipeline.stages
 
     def save_plan(self, folder: str | Path) -> Path:
         """Write ``plan.json``, ``problem.json`` and ``explain.txt`` (what a model without weights has)."""
@@ -79,20 +191,15 @@ class Compiled:
         """Write the plan (``save_plan``) and the runnable pipeline: ``stage<k>.py``
         (readable), ``stage<k>.graph.json`` and ``stage<k>.safetensors`` (loading never unpickles code).
         ``inputs`` (one step's batch by input name) are saved for ``hetcc run`` / ``hetcc.launch``."""
-        from hetcc.runtime.store import save_stages
-
         folder = self.save_plan(folder)
-        pipeline = self.pipeline()
-        save_stages(pipeline.stages, str(folder), pipeline.meta, inputs=inputs, targets=targets)
+        save_stages(self.pipeline.stages, str(folder), self.pipeline.meta, inputs=inputs, targets=targets)
         return folder
 
     def to_torch_pipeline(self, rank: int, loss_fn=None):
         """This rank's ``torch.distributed.pipelining`` stage and schedule for the same split (for users
         already on it; chain-shaped splits only)."""
-        from hetcc.runtime.interop import pipelining_schedule
-
         return pipelining_schedule(
-            self.pipeline().stages, rank, self.plan.microbatches, self.plan.schedule, loss_fn
+            self.pipeline.stages, rank, self.plan.microbatches, self.plan.schedule, loss_fn
         )
 
 
@@ -111,41 +218,53 @@ def compile(  # noqa: A001 - the public name DESIGN.md gives
     """Plan ``model`` over ``cluster``. ``example_inputs`` are one step's batch; dim 0 is split into
     ``microbatches`` equal microbatches, and every cost is per microbatch."""
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
-    state_multiplier(training, optimizer)  # reject an unknown optimizer before the slow steps
-    args, kwargs = first_microbatch(example_inputs, example_kwargs or {}, microbatches)
+    optimizer_entry(optimizer)  # reject an unknown optimizer before the slow steps
+    args, kwargs = _first_microbatch(example_inputs, example_kwargs or {}, microbatches)
     dumper = Dumper(dump_dir)
     analysis = analyze(model, args, kwargs, dump_dir=dump_dir, training=training, dumper=dumper)
     gm = analysis.graph
     if config.fuse:
-        with dumper.step("fuse", "fuse.txt", lambda: gm.code):
+        with _step(dumper, "fuse", lambda: gm.code, lambda: verify.check_graph(gm, "fuse")):
             fuse(gm)
             analysis.blocks, analysis.tied_params = collect_blocks(gm)
         _dump_kernels(gm, dumper)
-    with dumper.step("cost", "cost.txt", lambda: ir.format(gm)):
+    with _step(dumper, "cost", lambda: ir.format(gm), lambda: verify.check_graph(gm, "cost")):
         cost(gm, device_types=cluster.types, dtype=dtype, training=training)
-    if config.check:
-        verify.check_graph(gm, after="cost")
-    problem = build_problem(
-        analysis,
-        cluster,
-        microbatches=microbatches,
-        schedule=schedule,
-        training=training,
-        optimizer=optimizer,
-    )
-    compiled: Compiled | None = None
-    with dumper.step("partition", "partition.txt", lambda: compiled.explain()):
-        solution = solve(problem)
-        plan = _plan(problem, solution, analysis, training, optimizer)
-        _annotate_stages(gm, plan)
-        if config.check:
-            verify.check_stages(gm, plan)
-        compiled = Compiled(plan, problem, analysis, cluster, solution, optimizer)
+    result: dict[str, Any] = {}
+    with _step(dumper, "partition", lambda: result["plan"].explain(),
+               lambda: verify.check_stages(gm, result["plan"])):  # fmt: skip
+        plan, problem, solution = partition(
+            gm, analysis.blocks, analysis.tied_params, cluster, microbatches=microbatches,
+            schedule=schedule, training=training, optimizer=optimizer,
+        )  # fmt: skip
+        result["plan"] = plan
     dumper.write("plan.json", plan.to_json(), numbered=False)
     dumper.write("problem.json", problem.to_json(), numbered=False)
+    stage_of = {name: s.index for s in plan.stages for name in s.nodes}
+    with _step(dumper, "comm", lambda: _format_stages(result["stages"]),
+               lambda: verify.check_pipeline(result["stages"])):  # fmt: skip
+        result["stages"] = stages = split_stages(gm, stage_of, len(plan.stages))
+    with _step(dumper, "codegen", lambda: "\n".join(stage_source(s) for s in stages), None):
+        codegen(stages)
+    for stage in stages:
+        dumper.write(f"stage{stage.index}.py", stage_source(stage), numbered=False)
     if config.debug >= 1:
         print(plan.explain(), file=sys.stderr)
-    return compiled
+    vendors = [cluster.device(s.device).vendor for s in plan.stages]
+    meta = {
+        "schedule": plan.schedule, "microbatches": plan.microbatches, "optimizer": {"name": optimizer},
+        "loss": "model", "vendors": vendors,
+    }  # fmt: skip
+    return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
+
+
+def _format_stages(stages: list[StageGraph]) -> str:
+    lines = []
+    for stage in stages:
+        recvs = ", ".join(f"tag {e.tag} {e.value} from {e.src}" for e in stage.recvs) or "none"
+        sends = ", ".join(f"tag {e.tag} {e.value} to {e.dst}" for e in stage.sends) or "none"
+        lines.append(f"stage {stage.index}: inputs {list(stage.inputs)}; recv {recvs}; send {sends}")
+    return "\n".join(lines)
 
 
 def run_local(
@@ -159,11 +278,8 @@ def run_local(
     """Train ``steps`` steps with one local process per stage (gloo) and return ``RunResult``
     (``.losses`` per step, ``.outputs`` of the last step, ``.grads`` by the model's parameter names).
     ``inputs`` is one step's batch; schedule and microbatches come from the plan."""
-    from hetcc.runtime.local import run_local as run_pipeline
-    from hetcc.runtime.store import pipeline_meta
-
     if isinstance(compiled_or_dir, Compiled):
-        pipeline = compiled_or_dir.pipeline()
+        pipeline = compiled_or_dir.pipeline
         meta = pipeline.meta
     else:  # the ranks load the folder themselves: only its run settings are read here
         pipeline = str(compiled_or_dir)
@@ -174,79 +290,13 @@ def run_local(
     )  # fmt: skip
 
 
-def first_microbatch(args: tuple, kwargs: dict[str, Any], microbatches: int) -> tuple[tuple, dict]:
-    """Split every batched tensor input along dim 0 and keep the first of ``microbatches`` chunks."""
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise HetccError(f"microbatches must be a positive integer, got {microbatches!r}")
+def _first_microbatch(args: tuple, kwargs: dict[str, Any], microbatches: int) -> tuple[tuple, dict]:
+    """The first of ``microbatches`` equal chunks of the example batch (what hetcc traces)."""
     args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0]
-    if not tensors:
-        return args, kwargs
-    batch = tensors[0].shape[0]
-    if batch % microbatches:
-        raise HetccError(
-            f"the example batch has {batch} rows, which {microbatches} microbatches do not divide",
-            hint=f"pass a batch that is a multiple of {microbatches}, or change microbatches",
-        )
-    size = batch // microbatches
-
-    def chunk(value):
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
-            return value[:size].clone()  # its own storage: a view would carry the whole batch's
-        return value
-
-    return tuple(chunk(a) for a in args), {k: chunk(v) for k, v in kwargs.items()}
-
-
-def _plan(problem, solution, analysis: Analysis, training: bool, optimizer: str) -> Plan:
-    simulation = simulate(problem, solution.boundaries, solution.devices)
-    stages = tuple(
-        _stage(k, stage_plan, problem, analysis, training, optimizer, simulation.bubble_fraction[k])
-        for k, stage_plan in enumerate(solution.stages)
-    )
-    return Plan(
-        stages=stages,
-        step_time_s=solution.step_time_s,
-        lower_bound_s=solution.lower_bound_s,
-        gap=solution.gap,
-        baselines={name: s.step_time_s for name, s in baselines(problem).items()},
-        microbatches=problem.microbatches,
-        schedule=problem.schedule,
-        training=training,
-        simulated_step_s=simulation.step_time_s,
-        exact=solution.exact,
-    )
-
-
-def _stage(k, stage_plan, problem, analysis, training, optimizer, bubble: float) -> Stage:
-    start, stop = stage_plan.blocks
-    chain = analysis.blocks[start:stop]
-    multiplier = state_multiplier(training, optimizer)
-    params = stage_plan.state_bytes / multiplier
-    device = problem.devices[stage_plan.device]
-    memory = MemoryBreakdown(
-        params_bytes=params,
-        grads_bytes=params if training else 0.0,
-        optimizer_bytes=params * (multiplier - 2) if training else 0.0,
-        activations_bytes=stage_plan.inflight * stage_plan.act_bytes,
-    )
-    return Stage(
-        index=k,
-        device=device.name,
-        device_type=device.type,
-        blocks=tuple(b.name for b in chain),
-        nodes=tuple(n for b in chain for n in b.nodes),
-        fwd_flops=float(sum(b.fwd_flops for b in chain)),
-        bwd_flops=float(sum(b.bwd_flops for b in chain)) if training else 0.0,
-        fwd_s=stage_plan.fwd_s,
-        bwd_s=stage_plan.bwd_s,
-        compute_s=stage_plan.compute_s,
-        comm_s=stage_plan.comm_s,
-        inflight=stage_plan.inflight,
-        memory=memory,
-        device_memory_bytes=stage_plan.memory_capacity_bytes,
-        bubble=bubble,
-    )
+    if not isinstance(kwargs, dict):
+        raise HetccError(f"example_kwargs must be a dict of input name -> value, got {type(kwargs).__name__}")
+    first = split_microbatches({**dict(enumerate(args)), **kwargs}, microbatches)[0]
+    return tuple(first[i] for i in range(len(args))), {k: first[k] for k in kwargs}
 
 
 def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
@@ -259,11 +309,4 @@ def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
             write_kernel(group, dumper.folder)
 
 
-def _annotate_stages(gm: torch.fx.GraphModule, plan: Plan) -> None:
-    stage_of = {name: s.index for s in plan.stages for name in s.nodes}
-    for node in gm.graph.nodes:
-        if node.name in stage_of:
-            ir.annotate(node, stage=stage_of[node.name])
-
-
-__all__ = ["Compiled", "compile", "first_microbatch", "run_local"]
+__all__ = ["Analysis", "Compiled", "analyze", "compile", "run_local"]

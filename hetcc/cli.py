@@ -64,9 +64,9 @@ def _explain(args: argparse.Namespace) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from hetcc.passes.partition import PartitionProblem
-    from hetcc.schedules import format_grid
-    from hetcc.simulate import simulate
+    from hetcc.solver.problem import PartitionProblem
+    from hetcc.solver.schedules import format_grid
+    from hetcc.solver.simulate import simulate
 
     plan = _read_plan(args.build)
     problem = PartitionProblem.from_json((Path(args.build) / "problem.json").read_text())
@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _calibrate(args: argparse.Namespace) -> None:
-    from hetcc.calibrate import calibrate
+    from hetcc.hardware.measure import calibrate
 
     calibration = calibrate(args.device, dtypes=tuple(args.dtypes), quick=args.quick)
     calibration.save(args.out)

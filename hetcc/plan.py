@@ -26,7 +26,7 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True)
-class Stage:
+class PlanStage:
     index: int
     device: str
     device_type: str
@@ -50,7 +50,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class Plan:
-    stages: tuple[Stage, ...]
+    stages: tuple[PlanStage, ...]
     step_time_s: float  # the planner's objective (DESIGN.md)
     lower_bound_s: float
     gap: float  # step_time / lower_bound - 1
@@ -84,12 +84,12 @@ class Plan:
         return explain(self)
 
 
-def _stage_from_dict(data: dict) -> Stage:
-    known = {f.name for f in fields(Stage)}
+def _stage_from_dict(data: dict) -> PlanStage:
+    known = {f.name for f in fields(PlanStage)}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"unknown stage fields {sorted(unknown)}")
-    return Stage(
+    return PlanStage(
         **{
             **data,
             "blocks": tuple(data["blocks"]),

@@ -8,7 +8,8 @@ from models import gpt2, lm_kwargs, token_ids
 import hetcc
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.ir import info
-from hetcc.passes.partition import PartitionProblem, solve
+from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.solve import solve
 
 
 def _cluster(fast: str = "A100-80GB", slow: str = "T4", memory: str | None = None) -> hetcc.Cluster:

@@ -9,8 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hetcc.baselines import balanced_boundaries, baselines, uniform_boundaries
-from hetcc.passes.partition import PartitionProblem, ProblemDevice, solve
+from hetcc.solver.baselines import balanced_boundaries, baselines, uniform_boundaries
+from hetcc.solver.problem import PartitionProblem, ProblemDevice
+from hetcc.solver.solve import solve
 
 
 def problem_on(devices: list[ProblemDevice], n: int, **overrides) -> PartitionProblem:

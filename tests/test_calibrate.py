@@ -9,10 +9,10 @@ import pytest
 import torch
 import yaml
 
-from hetcc.calibrate import Calibration, apply, apply_to_cluster, calibrate, preset_for_device_name
-from hetcc.cluster import Cluster
 from hetcc.errors import ClusterError
-from hetcc.presets import PRESETS
+from hetcc.hardware.cluster import Cluster
+from hetcc.hardware.measure import Calibration, apply, apply_to_cluster, calibrate, preset_for_device_name
+from hetcc.hardware.presets import PRESETS
 
 A100, T4, CPU = PRESETS["A100-80GB"], PRESETS["T4"], PRESETS["cpu"]
 T, G = 1e12, 1e9

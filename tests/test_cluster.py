@@ -10,9 +10,9 @@ import pickle
 import pytest
 import yaml
 
-from hetcc.cluster import SAME_DEVICE, Cluster, Device, Link, parse_quantity
 from hetcc.errors import ClusterError
-from hetcc.presets import PRESETS, DeviceType, flops_key, get_preset
+from hetcc.hardware.cluster import SAME_DEVICE, Cluster, Device, Link, parse_quantity
+from hetcc.hardware.presets import PRESETS, DeviceType, flops_key, get_preset
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "clusters"
 T, GiB = 1e12, 2**30

@@ -86,7 +86,7 @@ def test_gpt2_with_tied_embeddings_and_fused_kernels_trains_like_eager_with_gpip
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     compiled = hetcc.compile(model, _cpu_cluster(3, "1.5 MiB"), example_kwargs=inputs, microbatches=MICROBATCHES,
                              schedule="gpipe", optimizer="sgd")  # fmt: skip
-    stages = compiled.pipeline().stages
+    stages = compiled.pipeline.stages
     assert len(stages) >= 2
     fused = [
         n for s in stages for n in s.module.graph.nodes if n.target is torch.ops.hetcc.fusion_group.default

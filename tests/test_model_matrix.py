@@ -20,7 +20,7 @@ from models import assert_chain_in_compute_order
 from torch.utils.flop_counter import FlopCounterMode
 
 import hetcc
-from hetcc.api import first_microbatch
+from hetcc.runtime.local import split_microbatches
 
 pytestmark = pytest.mark.slow
 MICROBATCHES = 2
@@ -52,10 +52,7 @@ def eager_training(case, steps: int):
     """Per step, the mean microbatch loss; gradients of the last step by every parameter name."""
     model = copy.deepcopy(case.model)
     optimizer = torch.optim.Adam(model.parameters(), lr=ADAM["lr"])
-    chunks = [
-        {k: (v.chunk(MICROBATCHES)[i] if isinstance(v, torch.Tensor) else v) for k, v in case.inputs.items()}
-        for i in range(MICROBATCHES)
-    ]
+    chunks = split_microbatches(case.inputs, MICROBATCHES)
     targets = case.targets.chunk(MICROBATCHES) if case.targets is not None else [None] * MICROBATCHES
     losses = []
     for _ in range(steps):
@@ -77,7 +74,7 @@ def eager_training(case, steps: int):
 
 
 def reference_flops(case) -> int:
-    _, kwargs = first_microbatch((), case.inputs, MICROBATCHES)
+    kwargs = split_microbatches(case.inputs, MICROBATCHES)[0]
     first = next(v for v in kwargs.values() if isinstance(v, torch.Tensor))
     tokens = first.shape[:2].numel()
     if case.expected_flops is not None:
@@ -93,7 +90,7 @@ def case(request):
 
 
 def test_analyse_plan_and_train_like_eager(case):
-    _, microbatch = first_microbatch((), case.inputs, MICROBATCHES)
+    microbatch = split_microbatches(case.inputs, MICROBATCHES)[0]
     analysis = hetcc.analyze(case.model, example_kwargs=microbatch)
     names = [b.name for b in analysis.blocks]
     assert names == assert_chain_in_compute_order(analysis.graph)

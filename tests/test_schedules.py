@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetcc.errors import PlanFormatError
-from hetcc.schedules import Action, format_grid, max_inflight, stage_actions, unit_step_timeline
+from hetcc.solver.schedules import Action, format_grid, max_inflight, stage_actions, unit_step_timeline
 
 shapes = st.tuples(st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 6), st.integers(1, 9))
 

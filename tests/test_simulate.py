@@ -7,9 +7,11 @@ import random
 
 import pytest
 
-from hetcc.baselines import baselines
-from hetcc.passes.partition import PartitionProblem, ProblemDevice, evaluate, solve
-from hetcc.simulate import simulate
+from hetcc.solver.baselines import baselines
+from hetcc.solver.objective import evaluate
+from hetcc.solver.problem import PartitionProblem, ProblemDevice
+from hetcc.solver.simulate import simulate
+from hetcc.solver.solve import solve
 
 
 def homogeneous(stages: int, microbatches: int, schedule: str, training: bool = True) -> PartitionProblem:

@@ -4,9 +4,9 @@ Nothing here imports Triton until a kernel is first compiled (``hetcc.kernels.ca
 """
 
 from hetcc.kernels.cache import choose_backend, describe_backend
-from hetcc.kernels.codegen import kernel_source, write_kernel
 from hetcc.kernels.group import FusionGroup, group_from_json, group_to_json
 from hetcc.kernels.op import FUSION_META_KEY, load_groups, register_group, register_groups_in
+from hetcc.kernels.source import kernel_source, write_kernel
 
 __all__ = [
     "FUSION_META_KEY",

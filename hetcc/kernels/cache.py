@@ -21,8 +21,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from hetcc.kernels.codegen import kernel_source
 from hetcc.kernels.group import FusionGroup
+from hetcc.kernels.source import kernel_source
 
 TRITON = "triton"
 FALLBACK = "eager-fallback"

@@ -86,7 +86,7 @@ class FusionGroup:
     @property
     def source(self) -> str:
         """The readable Triton source of this group's kernel(s)."""
-        from hetcc.kernels.codegen import kernel_source
+        from hetcc.kernels.source import kernel_source
 
         return kernel_source(self)
 

@@ -15,9 +15,7 @@ import torch
 import torch.fx
 
 from hetcc.errors import RuntimeFailure
-from hetcc.kernels.codegen import differentiable_inputs
-from hetcc.kernels.group import FusionGroup, group_from_json
-from hetcc.kernels.runtime import (
+from hetcc.kernels.execute import (
     compute_device,
     iteration_shape,
     recompute_backward,
@@ -25,6 +23,8 @@ from hetcc.kernels.runtime import (
     run_forward,
     uses_generated_backward,
 )
+from hetcc.kernels.group import FusionGroup, group_from_json
+from hetcc.kernels.source import differentiable_inputs
 
 FUSION_META_KEY = "hetcc_fusion"  # node.meta key of a fused node's FusionGroup
 _GROUPS: dict[str, FusionGroup] = {}

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch.fx
 
 from hetcc.errors import AnalysisError
-from hetcc.ir import Number, annotate, info, nbytes
+from hetcc.ir import Number, annotate, human, info, nbytes
 
 _LAYER_PATH = re.compile(r"(^|\.)\d+$")
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -268,3 +268,28 @@ def _summarize(name: str, nodes: list[torch.fx.Node], cut: list[CutTensor]) -> B
         cut_bytes=sum((c.bytes for c in cut), 0),
         cut_tensors=tuple(cut),
     )
+
+
+def format_blocks(chain: list[Block], tied: list[TiedParam]) -> str:
+    """The block chain as a table, then every cut's crossing tensors by name, then tied parameters."""
+    h = human
+    lines = [
+        f"{'block':<24} {'nodes':>6} {'fwd flop':>10} {'bwd flop':>10} {'params':>9} {'saved act':>10} {'cut':>9}"
+    ]
+    for b in chain:
+        lines.append(
+            f"{b.name:<24} {len(b.nodes):>6} {h(b.fwd_flops):>10} {h(b.bwd_flops):>10} "
+            f"{h(b.param_bytes, 'B'):>9} {h(b.act_bytes, 'B'):>10} {h(b.cut_bytes, 'B'):>9}"
+        )
+    lines.append(
+        f"total: {len(chain)} blocks, {h(sum((b.fwd_flops for b in chain), 0))} fwd flop, "
+        f"{h(sum((b.bwd_flops for b in chain), 0))} bwd flop, {h(sum(b.param_bytes for b in chain), 'B')} params"
+    )
+    lines.append("\ncuts (tensors alive across each boundary, per microbatch):")
+    for left, right in zip(chain, chain[1:]):
+        crossing = ", ".join(f"%{c.node} {h(c.bytes, 'B')} (to {c.last_block})" for c in left.cut_tensors)
+        lines.append(f"  {left.name} | {right.name}: {h(left.cut_bytes, 'B')} = {crossing or 'nothing'}")
+    if tied:
+        lines.append("\ntied parameters (held by every stage that uses them, counted once above):")
+        lines.extend(f"  {t.name} {h(t.bytes, 'B')} used by {', '.join(t.blocks)}" for t in tied)
+    return "\n".join(lines)

@@ -17,8 +17,8 @@ import torch
 import torch.fx
 
 from hetcc.errors import AnalysisError, ClusterError
+from hetcc.hardware.presets import DeviceType, flops_key
 from hetcc.ir import annotate, info, is_concrete
-from hetcc.presets import DeviceType, flops_key
 
 BACKWARD_MEMORY_PASSES = 2.0
 # When a device type has no peak for a dtype, the nearest format its matrix units run instead.

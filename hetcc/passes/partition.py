@@ -1,376 +1,173 @@
-"""The partition problem: blocks -> stages -> devices, from numbers alone (no torch).
+"""partition: from the analysed, costed block chain and a cluster to a ``Plan``.
 
-A chain of N blocks is cut into K contiguous stages, each run by its own device. The planner's
-step-time model (DESIGN.md, "The partition problem") is
+The pass is thin: it states the numbers-only ``PartitionProblem`` (``hetcc.solver``), solves it,
+replays the solution in the event-driven simulator, prices the baselines, and writes each node's stage.
 
-    T = sum_j (T_j + C_j) + (M - 1) * P,    P = max(max_j max(T_j, C_j), max_{j throttled} R_j / q_j)
-
-with T_j the forward+backward seconds of stage j's blocks on its device type (per microbatch) and C_j
-the seconds to move the cut activations to the next stage and, when training, their gradients back:
-``2 * (latency + x / bandwidth)`` (``latency + x / bandwidth`` for inference; 0 for the last stage).
-P is the steady-state period: no stage or link can take less, and a 1F1B stage that may hold only
-q_j < M microbatches cannot start them faster than their round trip R_j allows (see ``step_time``).
-Stage j fits when ``sum w + inflight_j * sum a <= memory``, inflight_j = M for GPipe and
-min(M, K - j) for 1F1B. Inference keeps one microbatch's activations alive (inflight 1).
-
-``solve`` returns the best plan (see ``partition_search`` for the exact method and the heuristic
-beyond ``config.exact_order_limit`` device orders); ``evaluate`` scores any plan (baselines use it);
-``lower_bound`` is a bound no plan can beat, so every plan reports its gap to it.
+State bytes per block = parameters × (1 weight + 1 gradient + optimizer states) when training. A tied
+parameter (GPT-2's wte/lm_head) is charged to every block that uses it, because every stage that runs
+one of those blocks holds a copy (it over-counts only when the same stage holds both users).
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, field
+from typing import Any
 
-import numpy as np
+import torch.fx
 
-from hetcc.errors import InfeasiblePlanError, PlanFormatError
-from hetcc.schedules import SCHEDULES
-
-# Relative slack on memory capacity, so that a plan filling a device exactly is not lost to rounding.
-MEMORY_RTOL = 1e-9
-
-
-@dataclass(frozen=True)
-class ProblemDevice:
-    """One device as the solver sees it: usable ``memory_bytes`` after runtime reserves."""
-
-    name: str
-    type: str
-    memory_bytes: float
-    node: str
-
-
-@dataclass
-class PartitionProblem:
-    """Everything the solver needs, in seconds and bytes (per microbatch where it says so)."""
-
-    blocks: list[str]
-    fwd_s: dict[str, list[float]]
-    bwd_s: dict[str, list[float]]
-    state_bytes: list[float]
-    act_bytes: list[float]
-    cut_bytes: list[float]
-    devices: list[ProblemDevice]
-    bandwidth_bps: list[list[float]]
-    latency_s: list[list[float]]
-    microbatches: int
-    schedule: str = "1f1b"
-    training: bool = True
-
-    def validate(self) -> None:
-        """Raise PlanFormatError naming the first inconsistent field."""
-        from hetcc.passes.partition_problem import validate_problem
-
-        validate_problem(self)
-
-    def block_cost_s(self, device_type: str) -> list[float]:
-        """Seconds per microbatch of each block on ``device_type`` (forward, plus backward if training)."""
-        if not self.training:
-            return list(self.fwd_s[device_type])
-        return [f + b for f, b in zip(self.fwd_s[device_type], self.bwd_s[device_type])]
-
-    def to_json(self) -> str:
-        data = asdict(self)
-        data["bandwidth_bps"] = [[_encode(v) for v in row] for row in self.bandwidth_bps]
-        data["latency_s"] = [[_encode(v) for v in row] for row in self.latency_s]
-        return json.dumps(data, indent=1)
-
-    @classmethod
-    def from_json(cls, text: str) -> PartitionProblem:
-        from hetcc.passes.partition_problem import problem_from_json
-
-        return problem_from_json(cls, text)
-
-
-def _encode(value: float) -> float | str:
-    return "inf" if value == math.inf else value
+from hetcc import ir
+from hetcc.errors import HetccError
+from hetcc.hardware.cluster import Cluster
+from hetcc.passes.blocks import Block, TiedParam
+from hetcc.passes.cost import block_times
+from hetcc.plan import MemoryBreakdown, Plan, PlanStage
+from hetcc.solver.baselines import baselines
+from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
+from hetcc.solver.simulate import simulate
+from hetcc.solver.solve import solve
 
 
 @dataclass(frozen=True)
-class StagePlan:
-    """One stage of a plan: its blocks ``[start, stop)``, its device and its costs per microbatch."""
+class Optimizer:
+    """One optimizer as both the planner (memory) and the runtime (``torch.optim``) see it."""
 
-    blocks: tuple[int, int]
-    device: int
-    device_name: str
-    fwd_s: float
-    bwd_s: float
-    compute_s: float
-    comm_s: float
-    state_bytes: float
-    act_bytes: float
-    inflight: int
-    memory_bytes: float
-    memory_capacity_bytes: float
-
-    @property
-    def fits(self) -> bool:
-        return self.memory_bytes <= self.memory_capacity_bytes * (1 + MEMORY_RTOL)
+    states: int  # state tensors per parameter, in units of the parameter's own bytes
+    torch_class: str | None  # in torch.optim; None: no optimizer step
+    defaults: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class PartitionSolution:
-    """A plan with its predicted step time, a lower bound no plan beats, and the gap between them.
-
-    ``period_s`` is P, the steady-state seconds per microbatch of the model (``step_time``): at least
-    ``bottleneck_s``, more when a 1F1B round trip limits the pipeline.
-    """
-
-    stages: tuple[StagePlan, ...]
-    step_time_s: float
-    period_s: float
-    lower_bound_s: float
-    gap: float
-    exact: bool = True
-    orders_searched: int = 1
-
-    @property
-    def boundaries(self) -> list[int]:
-        return [s.blocks[0] for s in self.stages] + [self.stages[-1].blocks[1]]
-
-    @property
-    def devices(self) -> list[int]:
-        return [s.device for s in self.stages]
-
-    @property
-    def bottleneck_s(self) -> float:
-        return max(max(s.compute_s, s.comm_s) for s in self.stages)
-
-    def to_dict(self) -> dict:
-        """Plain JSON-able data (infinite step times stay floats; json writes them as Infinity)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> PartitionSolution:
-        stages = tuple(StagePlan(**{**s, "blocks": tuple(s["blocks"])}) for s in data["stages"])
-        known = {f.name for f in fields(cls)} - {"stages"}
-        return cls(stages=stages, **{k: data[k] for k in known if k in data})
+OPTIMIZERS = {
+    "adam": Optimizer(2, "Adam"),
+    "adamw": Optimizer(2, "AdamW"),
+    "sgd": Optimizer(0, "SGD"),
+    "sgd_momentum": Optimizer(1, "SGD", {"momentum": 0.9}),
+    "none": Optimizer(0, None),
+}
 
 
-def inflight_microbatches(problem: PartitionProblem, stage: int, num_stages: int) -> int:
-    """Microbatches whose saved activations stage ``stage`` holds at its peak."""
-    if not problem.training:
-        return 1
-    if problem.schedule == "gpipe":
-        return problem.microbatches
-    return min(problem.microbatches, num_stages - stage)
+def optimizer(name: object) -> Optimizer:
+    """The table entry for ``name``; ``HetccError`` naming the known ones otherwise."""
+    found = OPTIMIZERS.get(name.lower()) if isinstance(name, str) else None
+    if found is None:
+        raise HetccError(f"unknown optimizer {name!r}", hint=f"use one of {', '.join(OPTIMIZERS)}")
+    return found
 
 
-def round_trip_slots(problem: PartitionProblem, stage: int, num_stages: int) -> int | None:
-    """q_j when stage ``stage`` must finish a backward before it may start another forward, else None.
-
-    That is a training 1F1B stage whose in-flight limit min(M, K - j) is below M. GPipe stages, stages
-    whose warm-up already covers all M microbatches, and inference never wait on a backward.
-    """
-    inflight = inflight_microbatches(problem, stage, num_stages)
-    if problem.training and problem.schedule == "1f1b" and inflight < problem.microbatches:
-        return inflight
-    return None
+def state_multiplier(training: bool, name: str) -> int:
+    """Bytes held per parameter byte: the weight, its gradient and the optimizer's states."""
+    return 2 + optimizer(name).states if training else 1
 
 
-def link_time_s(problem: PartitionProblem, src: int, dst: int, nbytes: float) -> float:
-    """C_j: activations forward and (training) gradients back over the src -> dst link."""
-    one_way = problem.latency_s[src][dst] + nbytes / problem.bandwidth_bps[src][dst]
-    return 2 * one_way if problem.training else one_way
+def partition(
+    gm: torch.fx.GraphModule,
+    chain: Sequence[Block],
+    tied: Sequence[TiedParam],
+    cluster: Cluster,
+    *,
+    microbatches: int,
+    schedule: str,
+    training: bool,
+    optimizer: str,
+) -> tuple[Plan, PartitionProblem, PartitionSolution]:
+    """Plan ``chain`` over ``cluster`` and annotate every node of ``gm`` with its stage."""
+    problem = build_problem(gm, chain, tied, cluster, microbatches=microbatches, schedule=schedule,
+                            training=training, optimizer=optimizer)  # fmt: skip
+    solution = solve(problem)
+    plan = _plan(problem, solution, chain, training, optimizer)
+    stage_of = {name: s.index for s in plan.stages for name in s.nodes}
+    for node in gm.graph.nodes:
+        if node.name in stage_of:
+            ir.annotate(node, stage=stage_of[node.name])
+    return plan, problem, solution
 
 
-def evaluate(
-    problem: PartitionProblem, boundaries: Sequence[int], devices: Sequence[int]
-) -> PartitionSolution:
-    """Score one plan: stage k runs blocks ``[boundaries[k], boundaries[k+1])`` on ``devices[k]``.
-
-    Memory that does not fit makes ``step_time_s`` infinite rather than raising, so baselines that
-    overflow a device can still be reported. ``period_s`` is the plan's P (see ``step_time``).
-    """
-    stages = _stage_plans(problem, boundaries, devices)
-    step, period = _objective_s(problem, stages)
-    bound = lower_bound(problem)
-    return PartitionSolution(stages, step, period, bound, _gap(step, bound))
-
-
-def _stage_plans(problem, boundaries, devices) -> tuple[StagePlan, ...]:
-    _check_plan(problem, boundaries, devices)
-    return tuple(_stage_plan(problem, boundaries, devices, k, len(devices)) for k in range(len(devices)))
-
-
-def _objective_s(problem: PartitionProblem, stages: tuple[StagePlan, ...]) -> tuple[float, float]:
-    """(T, P) of a plan; T is infinite when a stage does not fit."""
-    period = max(max(s.compute_s, s.comm_s) for s in stages)
-    round_trip = 0.0  # R_j, accumulated from the last stage backwards
-    for j in range(len(stages) - 1, -1, -1):
-        round_trip += stages[j].compute_s + stages[j].comm_s  # comm_s of the last stage is 0
-        slots = round_trip_slots(problem, j, len(stages))
-        if slots is not None:
-            period = max(period, round_trip / slots)
-    if not all(s.fits for s in stages):
-        return math.inf, period
-    return round_trip + (problem.microbatches - 1) * period, period
-
-
-def _gap(step_s: float, bound_s: float) -> float:
-    return step_s / bound_s - 1 if bound_s > 0 else (0.0 if step_s == 0 else math.inf)
-
-
-def _stage_plan(problem, boundaries, devices, k: int, num_stages: int) -> StagePlan:
-    start, stop = boundaries[k], boundaries[k + 1]
-    device = problem.devices[devices[k]]
-    fwd = math.fsum(problem.fwd_s[device.type][start:stop])
-    bwd = math.fsum(problem.bwd_s[device.type][start:stop]) if problem.training else 0.0
-    comm = 0.0
-    if k + 1 < num_stages:
-        comm = link_time_s(problem, devices[k], devices[k + 1], problem.cut_bytes[stop - 1])
-    state = math.fsum(problem.state_bytes[start:stop])
-    act = math.fsum(problem.act_bytes[start:stop])
-    inflight = inflight_microbatches(problem, k, num_stages)
-    return StagePlan(
-        blocks=(start, stop),
-        device=devices[k],
-        device_name=device.name,
+def build_problem(
+    gm: torch.fx.GraphModule,
+    chain: Sequence[Block],
+    tied: Sequence[TiedParam],
+    cluster: Cluster,
+    *,
+    microbatches: int,
+    schedule: str,
+    training: bool,
+    optimizer: str,
+) -> PartitionProblem:
+    """The partition problem for the chain of ``gm`` (costed with ``passes.cost``) on ``cluster``."""
+    type_names = [t.name for t in cluster.types]
+    fwd, bwd = block_times(gm, [b.nodes for b in chain], type_names)
+    multiplier = state_multiplier(training, optimizer)
+    params = [float(b.param_bytes) for b in chain]
+    index = {b.name: i for i, b in enumerate(chain)}
+    for param in tied:
+        for name in param.blocks[1:]:  # the first user's block already counts it
+            params[index[name]] += param.bytes
+    devices = [
+        ProblemDevice(d.name, d.type.name, float(cluster.usable_memory_bytes(d)), d.node)
+        for d in cluster.devices
+    ]
+    return PartitionProblem(
+        blocks=[b.name for b in chain],
         fwd_s=fwd,
         bwd_s=bwd,
-        compute_s=fwd + bwd,
-        comm_s=comm,
-        state_bytes=state,
-        act_bytes=act,
-        inflight=inflight,
-        memory_bytes=state + inflight * act,
-        memory_capacity_bytes=device.memory_bytes,
+        state_bytes=[p * multiplier for p in params],
+        act_bytes=[float(b.act_bytes) if training else 0.0 for b in chain],
+        cut_bytes=[float(b.cut_bytes) for b in chain[:-1]],
+        devices=devices,
+        bandwidth_bps=cluster.bandwidth_matrix_bps(),
+        latency_s=cluster.latency_matrix_s(),
+        microbatches=microbatches,
+        schedule=schedule,
+        training=training,
     )
 
 
-def _check_plan(problem: PartitionProblem, boundaries: Sequence[int], devices: Sequence[int]) -> None:
-    n = len(problem.blocks)
-    if len(boundaries) != len(devices) + 1 or not devices:
-        raise PlanFormatError(
-            f"a plan with {len(devices)} device(s) needs {len(devices) + 1} boundaries, got {len(boundaries)}",
-            hint="pass boundaries [0, ..., num_blocks] with one more entry than devices",
-        )
-    if boundaries[0] != 0 or boundaries[-1] != n or any(a >= b for a, b in zip(boundaries, boundaries[1:])):
-        raise PlanFormatError(
-            f"boundaries {list(boundaries)} must rise strictly from 0 to {n} (every stage non-empty)",
-            hint="give each stage at least one block",
-        )
-    if len(set(devices)) != len(devices) or not all(0 <= d < len(problem.devices) for d in devices):
-        raise PlanFormatError(
-            f"devices {list(devices)} must be distinct indices below {len(problem.devices)}",
-            hint="use each device at most once",
-        )
-
-
-def step_time(problem: PartitionProblem, boundaries: Sequence[int], devices: Sequence[int]) -> float:
-    """The objective T = S + (M - 1) * P of one plan; ``inf`` when a stage does not fit its memory.
-
-    S = sum_j (T_j + C_j) is the time one microbatch needs to cross the pipeline forward and back
-    (the fill and drain); every further microbatch adds one steady-state period P. P is the largest
-    of three rates, each a lower bound on the spacing of consecutive microbatches:
-
-    - a stage computes one microbatch at a time: P >= T_j;
-    - a link carries one transfer at a time in either direction: P >= C_j;
-    - round trips (1F1B, training, where q_j = min(M, K - j) < M): stage j starts the forward of
-      microbatch m + q_j only after the backward of m, so at most q_j microbatches are between their
-      forward's start and their backward's end at stage j. Each spends at least
-      R_j = sum_{i >= j} T_i + sum_{j <= i < K-1} C_i there (its forward and backward through every
-      later stage and over every later link, one after the other), so by Little's law stage j
-      completes at most q_j microbatches per R_j: P >= R_j / q_j.
-
-    GPipe gets no round-trip term: it starts all M forwards without waiting for a backward. Neither
-    does a 1F1B stage whose warm-up covers all M microbatches (K - j >= M); S already contains R_j.
-    The term matters over slow links, where R_0 / K exceeds every T_j and C_j: four 5.75 ms stages
-    over 25 Gb/s Ethernet (C = 1.75, 0.19, 1.75 ms), M = 8, simulate to 75.7 ms; the first two
-    terms alone predict 66.9 ms, all three 73.4 ms.
-    """
-    return _objective_s(problem, _stage_plans(problem, boundaries, devices))[0]
-
-
-def lower_bound(problem: PartitionProblem) -> float:
-    """A step time no plan can beat under this model.
-
-    Communication only adds (C_j >= 0) and P >= max_j T_j, so T >= sum_j T_j + (M - 1) * max_j T_j.
-    Two bounds on that:
-
-    - integrality: every block runs on some device, so sum_j T_j >= sum_i min_t c_t[i], and one stage
-      holds the costliest block, so max_j T_j >= max_i min_t c_t[i];
-    - balance: relax "each block on one device" to fractions x[i, d] >= 0 summing to 1 and let B be
-      the largest device load; min sum c x + (M - 1) * B is a lower bound. By LP duality, for any
-      weights lambda_d >= 0 with sum_d lambda_d = M - 1 it is at least
-      sum_i min_d (1 + lambda_d) * c_d[i]. Weights start proportional to device speed (giving
-      "total work over total speed" when costs are proportional across types) and are improved by
-      exponentiated-gradient steps; whichever weights are used, the value stays a valid bound.
-    """
-    types = sorted({d.type for d in problem.devices})
-    costs = np.array([problem.block_cost_s(t) for t in types], dtype=float)
-    counts = np.array([sum(d.type == t for d in problem.devices) for t in types], dtype=float)
-    return compute_bound_s(costs, counts, problem.microbatches - 1)
-
-
-def compute_bound_s(costs: np.ndarray, counts: np.ndarray, slope: int) -> float:
-    """``lower_bound`` for devices of types ``costs[t]`` (seconds per block), ``counts[t]`` of each."""
-    cheapest = costs.min(axis=0)
-    integral = float(cheapest.sum()) + slope * float(cheapest.max())
-    return max(integral, _balance_bound(costs, counts, slope))
-
-
-def _balance_bound(costs: np.ndarray, counts: np.ndarray, slope: int, rounds: int = 200) -> float:
-    """max over type weight shares of sum_i min_t (1 + slope * share_t / count_t) * c_t[i]."""
-    if slope == 0:
-        return float(costs.min(axis=0).sum())
-    speed = counts / np.maximum(costs.sum(axis=1), 1e-300)
-    share = speed / speed.sum()
-    columns = np.arange(costs.shape[1])
-    best = 0.0
-    for step in range(rounds):
-        scaled = (1 + slope * share / counts)[:, None] * costs
-        best = max(best, float(scaled.min(axis=0).sum()))
-        owner = scaled.argmin(axis=0)
-        per_device = np.bincount(owner, weights=costs[owner, columns], minlength=len(counts)) / counts
-        gradient = per_device / max(float(per_device.max()), 1e-300)
-        share = share * np.exp(gradient / math.sqrt(step + 1))
-        share = share / share.sum()
-    return best
-
-
-def solve(problem: PartitionProblem) -> PartitionSolution:
-    """The plan of least step time (exact per device order; see ``partition_search.search``)."""
-    from hetcc.passes.partition_search import search
-
-    problem.validate()
-    found = search(problem)
-    if found is None:
-        raise _infeasible_error(problem)
-    boundaries, devices, exact, orders = found
-    plan = evaluate(problem, boundaries, devices)
-    return replace(plan, exact=exact, orders_searched=orders)
-
-
-def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:
-    from hetcc.passes.partition_problem import tightest_shortfall
-
-    shortfall = tightest_shortfall(problem)
-    hints = ["activation recomputation", "more or larger devices"]
-    if problem.training and problem.schedule == "gpipe":
-        hints.insert(0, "schedule='1f1b' (holds fewer microbatches' activations)")
-    elif problem.training:
-        hints.insert(0, "more, smaller microbatches (1F1B holds at most K of them)")
-    return InfeasiblePlanError(
-        f"no partition of {len(problem.blocks)} blocks over {len(problem.devices)} device(s) fits in memory: "
-        f"{shortfall}",
-        hint="try " + ", ".join(hints),
+def _plan(problem, solution, chain: Sequence[Block], training: bool, optimizer: str) -> Plan:
+    simulation = simulate(problem, solution.boundaries, solution.devices)
+    stages = tuple(
+        _stage(k, stage_plan, problem, chain, training, optimizer, simulation.bubble_fraction[k])
+        for k, stage_plan in enumerate(solution.stages)
+    )
+    return Plan(
+        stages=stages,
+        step_time_s=solution.step_time_s,
+        lower_bound_s=solution.lower_bound_s,
+        gap=solution.gap,
+        baselines={name: s.step_time_s for name, s in baselines(problem).items()},
+        microbatches=problem.microbatches,
+        schedule=problem.schedule,
+        training=training,
+        simulated_step_s=simulation.step_time_s,
+        exact=solution.exact,
     )
 
 
-__all__ = [
-    "SCHEDULES",
-    "PartitionProblem",
-    "PartitionSolution",
-    "ProblemDevice",
-    "StagePlan",
-    "evaluate",
-    "lower_bound",
-    "round_trip_slots",
-    "solve",
-    "step_time",
-]
+def _stage(k, stage_plan, problem, chain, training, optimizer, bubble: float) -> PlanStage:
+    start, stop = stage_plan.blocks
+    blocks = chain[start:stop]
+    multiplier = state_multiplier(training, optimizer)
+    params = stage_plan.state_bytes / multiplier
+    device = problem.devices[stage_plan.device]
+    memory = MemoryBreakdown(
+        params_bytes=params,
+        grads_bytes=params if training else 0.0,
+        optimizer_bytes=params * (multiplier - 2) if training else 0.0,
+        activations_bytes=stage_plan.inflight * stage_plan.act_bytes,
+    )
+    return PlanStage(
+        index=k,
+        device=device.name,
+        device_type=device.type,
+        blocks=tuple(b.name for b in blocks),
+        nodes=tuple(n for b in blocks for n in b.nodes),
+        fwd_flops=float(sum(b.fwd_flops for b in blocks)),
+        bwd_flops=float(sum(b.bwd_flops for b in blocks)) if training else 0.0,
+        fwd_s=stage_plan.fwd_s,
+        bwd_s=stage_plan.bwd_s,
+        compute_s=stage_plan.compute_s,
+        comm_s=stage_plan.comm_s,
+        inflight=stage_plan.inflight,
+        memory=memory,
+        device_memory_bytes=stage_plan.memory_capacity_bytes,
+        bubble=bubble,
+    )

@@ -28,6 +28,8 @@ def shapes(gm: torch.fx.GraphModule, ctx=None) -> torch.fx.GraphModule:
         tensor = _first_tensor(value)
         if tensor is not None:
             annotate(node, shape=tuple(to_number(s) for s in tensor.shape), dtype=tensor.dtype)
+        else:  # every node gets a record, a tensor-less one (an assert, a size) too
+            annotate(node)
     return gm
 
 

@@ -1,7 +1,7 @@
 """Run one stage's part of a pipeline schedule on this rank.
 
-The executor runs the stage's compute-only module (``hetcc.codegen.compute_module``) and does the
-stage's transfers itself, around each action of ``hetcc.schedules.stage_actions``:
+The executor runs the stage's compute-only module (``hetcc.passes.codegen.compute_module``) and does the
+stage's transfers itself, around each action of ``hetcc.solver.schedules.stage_actions``:
 
 - ``F m``: receive the stage's inputs of microbatch ``m`` (blocking, with the timeout), compute, and
   start the sends (non-blocking, so a rank never waits for its consumer: with gloo a large send can
@@ -22,27 +22,27 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hetcc.codegen import compute_module
-from hetcc.errors import PlanFormatError, RuntimeFailure
+from hetcc.errors import RuntimeFailure
+from hetcc.passes.codegen import compute_module
 from hetcc.passes.comm import CommEdge, StageGraph
+from hetcc.passes.partition import optimizer
 from hetcc.runtime.groups import Links
-from hetcc.schedules import Action
+from hetcc.solver.schedules import Action
 
 # Fault injection for tests of failure handling: "RANK:STEP" makes that rank exit at that step.
 FAULT_ENV = "HETCC_FAULT_EXIT_AT"
 
-_OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
-
 
 def build_optimizer(spec: Mapping | None, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
-    """An optimizer from a JSON-able spec such as ``{"name": "adam", "lr": 1e-3}`` (None: no step)."""
+    """An optimizer from a JSON-able spec such as ``{"name": "adam", "lr": 1e-3}`` (None: no step);
+    the names are the planner's (``passes.partition.OPTIMIZERS``)."""
     if spec is None or not params:
         return None
     options = dict(spec)
-    name = str(options.pop("name", "sgd")).lower()
-    if name not in _OPTIMIZERS:
-        raise PlanFormatError(f"unknown optimizer {name!r}", hint=f"use one of {sorted(_OPTIMIZERS)}")
-    return _OPTIMIZERS[name](params, **options)
+    entry = optimizer(options.pop("name", "sgd"))
+    if entry.torch_class is None:
+        return None
+    return getattr(torch.optim, entry.torch_class)(params, **{**entry.defaults, **options})
 
 
 @dataclass

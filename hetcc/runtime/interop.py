@@ -13,14 +13,14 @@ from collections.abc import Callable
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from hetcc.codegen import compute_module
 from hetcc.errors import PlanFormatError
+from hetcc.passes.codegen import compute_module
 from hetcc.passes.comm import StageGraph
 
 _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-class ChainStage(torch.nn.Module):
+class PipeliningModule(torch.nn.Module):
     """A compute-only stage that takes its received tensors in the previous stage's send order."""
 
     def __init__(self, stage: StageGraph, previous: StageGraph | None):
@@ -48,7 +48,7 @@ def pipelining_schedule(
     """This rank's ``torch.distributed.pipelining`` schedule for a chain-shaped split."""
     _check_chain(stages)
     previous = stages[rank - 1] if rank > 0 else None
-    module = ChainStage(stages[rank], previous).to(device)
+    module = PipeliningModule(stages[rank], previous).to(device)
     stage = PipelineStage(module, rank, len(stages), torch.device(device))
     return _SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn)
 

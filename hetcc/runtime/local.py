@@ -23,12 +23,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hetcc import config
-from hetcc.errors import PlanFormatError, RuntimeFailure
+from hetcc.errors import HetccError, PlanFormatError, RuntimeFailure
 from hetcc.passes.comm import StageGraph
 from hetcc.runtime.executor import StageExecutor
 from hetcc.runtime.groups import Links
 from hetcc.runtime.store import Pipeline, load_pipeline, save_stages
-from hetcc.schedules import stage_actions
+from hetcc.solver.schedules import stage_actions
 
 
 @dataclass
@@ -123,19 +123,23 @@ def named_inputs(pipeline: Pipeline, inputs: Mapping[str, Any] | tuple | list) -
     return dict(zip(names, inputs))
 
 
-def split_microbatches(inputs: dict[str, Any], microbatches: int) -> list[dict[str, Any]]:
-    """Split every tensor input into equal chunks along dim 0; other values go to every chunk."""
+def split_microbatches(inputs: Mapping[Any, Any], microbatches: int) -> list[dict[Any, Any]]:
+    """One step's batch as ``microbatches`` equal chunks of every tensor along dim 0 (clones: a view
+    would carry the whole batch's storage); scalars, 0-d tensors and other values go to every chunk."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise HetccError(f"microbatches must be a positive integer, got {microbatches!r}")
     for name, value in inputs.items():
-        if isinstance(value, torch.Tensor) and (value.dim() == 0 or value.shape[0] % microbatches):
-            raise PlanFormatError(
-                f"input {name!r} of shape {tuple(value.shape)} does not split into {microbatches} equal microbatches",
-                hint="make the batch size a multiple of the microbatch count",
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] % microbatches:
+            raise HetccError(
+                f"input {name!r} has {value.shape[0]} rows (shape {tuple(value.shape)}) and does not split "
+                f"into {microbatches} equal microbatches along dim 0",
+                hint=f"pass a batch whose size is a multiple of {microbatches}, or change microbatches",
             )
     chunks = [dict(inputs) for _ in range(microbatches)]
     for name, value in inputs.items():
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
             for chunk, part in zip(chunks, value.chunk(microbatches)):
-                chunk[name] = part
+                chunk[name] = part.clone()
     return chunks
 
 

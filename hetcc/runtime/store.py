@@ -20,10 +20,10 @@ import safetensors.torch
 import torch
 import torch.fx as fx
 
-from hetcc.codegen import stage_source
 from hetcc.errors import PlanFormatError
 from hetcc.kernels import FUSION_META_KEY, load_groups, write_kernel
 from hetcc.kernels.op import registered_group
+from hetcc.passes.codegen import stage_source
 from hetcc.passes.comm import CommEdge, StageGraph, TiedGroup
 from hetcc.runtime.graph_json import graph_from_json, graph_to_json
 from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor, new_anchor

@@ -13,7 +13,7 @@ from fusion_helpers import export_and_fuse, forward_backward, fused_groups
 from test_fusion_numerics import Chain
 
 from hetcc.kernels import cache
-from hetcc.kernels.runtime import run_eager, run_forward
+from hetcc.kernels.execute import run_eager, run_forward
 
 
 def gelu_chain():

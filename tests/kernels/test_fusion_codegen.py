@@ -12,10 +12,10 @@ from test_fusion_numerics import Chain
 
 from hetcc.errors import RuntimeFailure
 from hetcc.kernels import cache, op
-from hetcc.kernels.codegen import kernel_source, write_kernel
+from hetcc.kernels.execute import run_forward
 from hetcc.kernels.group import group_from_json
 from hetcc.kernels.op import load_groups
-from hetcc.kernels.runtime import run_forward
+from hetcc.kernels.source import kernel_source, write_kernel
 
 
 def group_of(fn, *args, modules=()):

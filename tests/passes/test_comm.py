@@ -21,8 +21,8 @@ from runtime_models import (  # noqa: E402
     tiny_gpt2,
 )
 
-from hetcc.codegen import compute_module, stage_source  # noqa: E402
 from hetcc.errors import PlanFormatError  # noqa: E402
+from hetcc.passes.codegen import compute_module, stage_source  # noqa: E402
 from hetcc.passes.comm import split_stages  # noqa: E402
 
 

@@ -3,9 +3,9 @@ import torch
 
 import hetcc
 from hetcc.errors import AnalysisError, ClusterError
+from hetcc.hardware.presets import get_preset
 from hetcc.ir import info
 from hetcc.passes.cost import block_times, cost
-from hetcc.presets import get_preset
 
 
 class MLP(torch.nn.Module):

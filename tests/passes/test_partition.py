@@ -11,16 +11,11 @@ from hypothesis import strategies as st
 
 from hetcc import config
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
-from hetcc.passes.partition import (
-    PartitionProblem,
-    PartitionSolution,
-    ProblemDevice,
-    evaluate,
-    lower_bound,
-    solve,
-    step_time,
-)
-from hetcc.passes.partition_search import _all_sequences, count_sequences, interchangeable_groups
+from hetcc.solver.bound import lower_bound
+from hetcc.solver.objective import evaluate, step_time
+from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
+from hetcc.solver.search import _all_sequences, count_sequences, interchangeable_groups
+from hetcc.solver.solve import solve
 
 TYPES = ("fast", "mid", "slow")
 

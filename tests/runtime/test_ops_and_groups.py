@@ -7,7 +7,7 @@ import torch
 from runtime_models import MLP_RULES, ResidualMLP, export, stages_by_module
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hetcc.errors import PlanFormatError, RuntimeFailure
+from hetcc.errors import HetccError, PlanFormatError, RuntimeFailure
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.groups import link_backend, link_backends, world_backend
 from hetcc.runtime.interop import pipelining_schedule
@@ -78,5 +78,5 @@ def test_inputs_that_do_not_split_into_the_traced_microbatch_fail_before_spawnin
     stages = split_stages(gm, stages_by_module(gm, MLP_RULES), 3)
     with pytest.raises(PlanFormatError, match=r"shape \(3, 8\) but stage 0 was traced with \(4, 8\)"):
         run_local(stages, {"x": torch.randn(6, 8)}, microbatches=2)
-    with pytest.raises(PlanFormatError, match="does not split into 4 equal microbatches"):
+    with pytest.raises(HetccError, match="does not split into 4 equal microbatches"):
         run_local(stages, {"x": torch.randn(6, 8)}, microbatches=4)

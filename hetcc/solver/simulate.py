@@ -1,6 +1,6 @@
 """Event-driven replay of one training (or inference) step of a plan, to check the planner's model.
 
-Each stage runs its schedule's actions (``hetcc.schedules.stage_actions``) in order, one at a time:
+Each stage runs its schedule's actions (``hetcc.solver.schedules.stage_actions``) in order, one at a time:
 F(m) starts once stage s-1's activation for m has arrived, B(m) once stage s+1's gradient has. After
 a compute, its output is sent asynchronously (the stage does not wait for the send): a link between
 two consecutive stages carries one transfer at a time, both directions sharing it, which is what the
@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
-from hetcc.passes.partition import PartitionProblem, evaluate
-from hetcc.schedules import stage_actions
+from hetcc.solver.objective import evaluate
+from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.schedules import stage_actions
 
 
 @dataclass(frozen=True)

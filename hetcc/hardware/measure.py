@@ -4,7 +4,7 @@
 a training step runs: forward, input- and weight-gradient layouts, square and wide), streaming
 pointwise ops (bytes read + written per second) and an add on 1-element tensors (the per-kernel overhead). Each figure is a median over
 repeated calls after a warm-up, so one slow call (a page fault, a neighbour's burst) does not move it.
-The result is a ``Calibration`` (``hetcc.calibration``): saved per machine as YAML/JSON, and turned
+The result is a ``Calibration`` (``hetcc.hardware.calibration``): saved per machine as YAML/JSON, and turned
 into a calibrated ``DeviceType`` by ``apply`` or a calibrated ``Cluster`` by ``apply_to_cluster``.
 
 torch is imported only when measuring, so reading calibration files needs no torch.
@@ -26,9 +26,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hetcc.calibration import Calibration, apply, apply_to_cluster
 from hetcc.errors import ClusterError
-from hetcc.presets import PRESETS, flops_key, type_key
+from hetcc.hardware.calibration import Calibration, apply, apply_to_cluster
+from hetcc.hardware.presets import PRESETS, flops_key, type_key
 
 __all__ = ["Calibration", "apply", "apply_to_cluster", "calibrate", "preset_for_device_name"]
 

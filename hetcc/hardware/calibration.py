@@ -41,10 +41,10 @@ from typing import Any, NoReturn
 
 import yaml
 
-from hetcc.cluster import Cluster
 from hetcc.errors import ClusterError, did_you_mean
-from hetcc.file_format import load_file, parse_quantity
-from hetcc.presets import DTYPE_KEYS, PRESETS, DeviceType, PeakTable, type_key
+from hetcc.hardware.cluster import Cluster
+from hetcc.hardware.presets import DTYPE_KEYS, PRESETS, DeviceType, PeakTable, type_key
+from hetcc.hardware.quantities import load_file, parse_quantity
 
 FORMAT_VERSION = 1
 # File key -> quantity unit for the measured figures.
@@ -113,7 +113,9 @@ class Calibration:
         if suffix == ".json":
             text = json.dumps(self.to_dict(), indent=2) + "\n"
         else:
-            header = f"# hetcc calibration of {self.device_type}: see hetcc.calibration for the format\n"
+            header = (
+                f"# hetcc calibration of {self.device_type}: see hetcc.hardware.calibration for the format\n"
+            )
             text = header + yaml.safe_dump(self.to_dict(), sort_keys=False)
         path.write_text(text, encoding="utf-8")
         return path

@@ -1,7 +1,7 @@
 """The cluster model: devices, the links between them, and how any pair of devices is connected.
 
 A ``Cluster`` is built from a YAML/JSON file (``Cluster.from_file``; the format and its reader live in
-``hetcc.cluster_file``) or directly from ``Device`` and ``Link`` records. Pair resolution:
+``hetcc.hardware.cluster_file``) or directly from ``Device`` and ``Link`` records. Pair resolution:
 device-pair override > the node's intra_link > node-pair override > inter_node_link; hetcc never
 guesses a link, so construction fails when some pair of devices has none.
 """
@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetcc.errors import ClusterError, did_you_mean
-from hetcc.file_format import parse_quantity as parse_quantity  # re-exported: cluster files' unit reader
-from hetcc.presets import DeviceType
+from hetcc.hardware.presets import DeviceType
+from hetcc.hardware.quantities import (
+    parse_quantity as parse_quantity,  # re-exported: cluster files' unit reader
+)
 
 LINK_KINDS = ("nvlink", "xgmi", "pcie", "infiniband", "ethernet", "loopback")
 # Typical one-way latency of a small message, used when a link gives no `latency`.
@@ -161,18 +163,18 @@ class Cluster:
     # ---- construction ------------------------------------------------------------------------
     @classmethod
     def from_spec(cls, spec: Mapping[str, object], source: str = "<spec>") -> Cluster:
-        """Build a cluster from a parsed file (format: ``hetcc.cluster_file``); errors name ``source``.
+        """Build a cluster from a parsed file (format: ``hetcc.hardware.cluster_file``); errors name ``source``.
 
         Relative ``calibration`` paths in ``spec`` are taken from the current directory.
         """
-        from hetcc.cluster_file import read_spec
+        from hetcc.hardware.cluster_file import read_spec
 
         return read_spec(spec, source)
 
     @classmethod
     def from_file(cls, path: object) -> Cluster:
-        """Load a ``.yaml``/``.yml``/``.json`` cluster file (format: ``hetcc.cluster_file``)."""
-        from hetcc.cluster_file import read_file
+        """Load a ``.yaml``/``.yml``/``.json`` cluster file (format: ``hetcc.hardware.cluster_file``)."""
+        from hetcc.hardware.cluster_file import read_file
 
         return read_file(path)
 

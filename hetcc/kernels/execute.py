@@ -11,9 +11,9 @@ import torch
 
 from hetcc.errors import RuntimeFailure
 from hetcc.kernels.cache import TRITON, choose_backend, compiled
-from hetcc.kernels.codegen import differentiable_inputs, strided_inputs
 from hetcc.kernels.group import FusionGroup
 from hetcc.kernels.lowering import PASS_THROUGH, rule
+from hetcc.kernels.source import differentiable_inputs, strided_inputs
 
 _GPU_BLOCK = 1024
 _INTERPRETER_BLOCK = 1 << 16  # the interpreter pays per program, not per lane: few, wide blocks

@@ -25,8 +25,9 @@ from collections import Counter
 import numpy as np
 
 from hetcc import config
-from hetcc.passes.partition import PartitionProblem, compute_bound_s
-from hetcc.passes.partition_dp import Chain, SequenceOptimum, screen_sequence, solve_sequence
+from hetcc.solver.bound import compute_bound_s
+from hetcc.solver.dp import Chain, SequenceOptimum, screen_sequence, solve_sequence
+from hetcc.solver.problem import PartitionProblem
 
 LOCAL_SEARCH_EVALUATIONS = 400  # sequences solved by the heuristic's local search at most
 

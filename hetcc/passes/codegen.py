@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from hetcc.passes.comm import CommEdge, StageGraph
+from hetcc.passes.fuse import install_code_comments
 from hetcc.runtime.ops import ANCHOR_NAME
 
 _SEND = torch.ops.hetcc.send.default
@@ -58,6 +59,14 @@ def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:
     for node in graph.nodes:
         node.args = tuple(swap(a) for a in node.args)
         node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+
+
+def codegen(stages: list[StageGraph]) -> list[StageGraph]:
+    """Make each stage's ``module.code`` the readable program it runs: fused groups print, above their
+    call, the Triton kernel and backend they use and the ops they replaced."""
+    for stage in stages:
+        install_code_comments(stage.module)
+    return stages
 
 
 def stage_source(stage: StageGraph) -> str:

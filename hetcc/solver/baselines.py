@@ -19,7 +19,8 @@ import math
 
 import numpy as np
 
-from hetcc.passes.partition import PartitionProblem, PartitionSolution, evaluate
+from hetcc.solver.objective import evaluate
+from hetcc.solver.problem import PartitionProblem, PartitionSolution
 
 
 def baselines(problem: PartitionProblem) -> dict[str, PartitionSolution]:

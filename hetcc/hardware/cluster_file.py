@@ -20,7 +20,7 @@ A cluster file lists nodes (hosts), the devices on each, and the links::
       - {name: MyCard, base: A100-40GB, memory: 48 GB}
     calibration: cpu.yaml           # optional: `hetcc calibrate` file(s), relative to this file; or a list
 
-Device types are presets (``hetcc.presets``, matched ignoring case and dashes) or ``custom_types``; a
+Device types are presets (``hetcc.hardware.presets``, matched ignoring case and dashes) or ``custom_types``; a
 custom type needs ``vendor``, ``peak_flops``, ``memory`` and ``memory_bandwidth`` unless it has a
 ``base``. A device entry expands ``count`` devices (default 1) named ``<type>-<k>`` (k counts that
 type across the cluster) or, given ``name``, ``<name><i>`` (``name`` itself when count is 1). Device
@@ -29,8 +29,8 @@ entries may override ``memory`` (kept per device) and ``peak_flops`` (per dtype)
 device>``). Links need ``kind`` and ``bandwidth``; ``latency`` defaults per kind (DEFAULT_LATENCY_S).
 A node with several devices needs an ``intra_link``, and every two nodes need ``inter_node_link`` or
 a ``links`` entry. A ``calibration`` file replaces the efficiency profile of the device type it names
-(``hetcc.calibration.apply``); naming a type the cluster lacks is an error. Quantities are numbers in
-SI base units or strings with a unit ("80 GiB", "25 Gb/s", "2 us"; see ``hetcc.file_format``).
+(``hetcc.hardware.calibration.apply``); naming a type the cluster lacks is an error. Quantities are numbers in
+SI base units or strings with a unit ("80 GiB", "25 Gb/s", "2 us"; see ``hetcc.hardware.quantities``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from hetcc.cluster import (
+from hetcc.errors import ClusterError, did_you_mean
+from hetcc.hardware.cluster import (
     DEFAULT_LATENCY_S,
     DEFAULT_MEMORY_RESERVE,
     LINK_KINDS,
@@ -50,9 +51,16 @@ from hetcc.cluster import (
     Link,
     PairKey,
 )
-from hetcc.errors import ClusterError, did_you_mean
-from hetcc.file_format import load_file, parse_quantity
-from hetcc.presets import DTYPE_KEYS, PRESETS, VENDOR_EFFICIENCY, VENDORS, DeviceType, get_preset, type_key
+from hetcc.hardware.presets import (
+    DTYPE_KEYS,
+    PRESETS,
+    VENDOR_EFFICIENCY,
+    VENDORS,
+    DeviceType,
+    get_preset,
+    type_key,
+)
+from hetcc.hardware.quantities import load_file, parse_quantity
 
 
 def read_spec(spec: object, source: str = "<spec>", base_dir: pathlib.Path | None = None) -> Cluster:
@@ -122,7 +130,10 @@ class _SpecReader:
 
     def calibrated(self, cluster: Cluster, obj: object) -> Cluster:
         """``cluster`` with the calibration file(s) under ``calibration`` applied to their types."""
-        from hetcc.calibration import Calibration, apply_to_cluster  # it imports hetcc.cluster
+        from hetcc.hardware.calibration import (  # it imports hetcc.hardware.cluster
+            Calibration,
+            apply_to_cluster,
+        )
 
         single = isinstance(obj, str)
         paths = [obj] if single else self.items(obj, "calibration", nonempty=True)

@@ -32,15 +32,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hetcc.passes.partition import MEMORY_RTOL, PartitionProblem, inflight_microbatches, round_trip_slots
+from hetcc.solver.problem import MEMORY_RTOL, PartitionProblem, inflight_microbatches, round_trip_slots
 
 PROBES_PER_ROUND = 32
 _BOUND_RTOL = 1e-12  # slack on b so a term equal to a candidate value is never lost to rounding
 
 
 @dataclass(frozen=True)
-class Stage:
-    """Stage j of a device sequence: its type row, memory window, link cost per end block, slots."""
+class SequenceSlot:
+    """Position j of a device sequence (pipeline stage j): its type row, memory window, link cost per end block, slots."""
 
     type_row: int
     hi_memory: np.ndarray  # (N+1,) last end i whose [a, i) fits the device (a itself if none)
@@ -81,7 +81,7 @@ class Chain:
         self._log2[2:] = np.floor(np.log2(np.arange(2, self.n + 2))).astype(np.int64)
         self._log2_levels = [1 << k for k in range(int(self._log2[self.n + 1]) + 1)]  # spans 1, 2, 4, ...
 
-    def stages(self, devices: list[int]) -> list[Stage]:
+    def stages(self, devices: list[int]) -> list[SequenceSlot]:
         """Stage records for running the chain on ``devices`` in this order (K = len(devices))."""
         k = len(devices)
         out = []
@@ -95,7 +95,7 @@ class Chain:
             )
             slots = round_trip_slots(self.problem, j, k)
             out.append(
-                Stage(
+                SequenceSlot(
                     self.type_row[device.type],
                     self._memory_window(device.memory_bytes, q),
                     self._comm(link),
@@ -127,7 +127,7 @@ class Chain:
             self._windows[key] = starts + fits.sum(axis=1)  # the fitting ends are a prefix of (a, N]
         return self._windows[key]
 
-    def term_values(self, stages: list[Stage]) -> np.ndarray:
+    def term_values(self, stages: list[SequenceSlot]) -> np.ndarray:
         """Sorted distinct values a stage term can take on this sequence: the candidate bottlenecks."""
         rows = sorted({s.type_row for s in stages})
         links = {id(s.comm_s): s.comm_s for s in stages}
@@ -148,7 +148,9 @@ class Chain:
     def _slack(self, bounds_s: np.ndarray) -> np.ndarray:
         return bounds_s + _BOUND_RTOL * (np.abs(bounds_s) + self.prefix_s[:, -1].max())
 
-    def min_sums(self, stages: list[Stage], bounds_s: np.ndarray, trip_bounds_s=None, keep: bool = False):
+    def min_sums(
+        self, stages: list[SequenceSlot], bounds_s: np.ndarray, trip_bounds_s=None, keep: bool = False
+    ):
         """S(b) for every b in ``bounds_s``: least sum with each term <= b and each throttled R_j <= b * q_j.
 
         ``trip_bounds_s`` (default: ``bounds_s``) replaces b in the round-trip limits. With ``keep`` (one
@@ -188,7 +190,7 @@ class Chain:
                 np.copyto(g, math.inf, where=g > (trip_slack * stage.slots)[:, None])
         return (g[:, 0], kept[::-1]) if keep else g[:, 0]
 
-    def _window_indices(self, stages: list[Stage], slack: np.ndarray):
+    def _window_indices(self, stages: list[SequenceSlot], slack: np.ndarray):
         """Per stage and bound row: window ends hi[a], and flat sparse-table indices of the two
         power-of-two halves covering (a, hi] (``empty`` where the window has no end)."""
         rows, width = len(slack), self.n + 1
@@ -208,7 +210,7 @@ class Chain:
         first = np.minimum(starts + 1, width - 1)  # any in-range index where the window is empty
         return hi, base + first, base + hi - (1 << level) + 1, length <= 0
 
-    def plan(self, stages: list[Stage], bound_s: float, trip_bound_s: float | None = None):
+    def plan(self, stages: list[SequenceSlot], bound_s: float, trip_bound_s: float | None = None):
         """(S, boundaries) of the least-sum plan within the limits of ``min_sums``; (inf, None) if none."""
         trip = None if trip_bound_s is None else [trip_bound_s]
         sums, kept = self.min_sums(stages, np.array([bound_s]), trip, keep=True)
@@ -220,11 +222,13 @@ class Chain:
             boundaries.append(int(start + 1 + np.argmin(h[start + 1 : hi[start] + 1])))
         return float(sums[0]), boundaries
 
-    def backtrack(self, stages: list[Stage], bound_s: float, trip_bound_s: float | None = None) -> list[int]:
+    def backtrack(
+        self, stages: list[SequenceSlot], bound_s: float, trip_bound_s: float | None = None
+    ) -> list[int]:
         """Boundaries of the least-sum plan within the limits of ``min_sums``."""
         return self.plan(stages, bound_s, trip_bound_s)[1]
 
-    def period_s(self, stages: list[Stage], boundaries: list[int]) -> float:
+    def period_s(self, stages: list[SequenceSlot], boundaries: list[int]) -> float:
         """P of a plan on this sequence, from the same prefix sums the DP uses."""
         period, round_trip = 0.0, 0.0
         for j in range(len(stages) - 1, -1, -1):
@@ -268,7 +272,7 @@ def solve_sequence(chain: Chain, devices: list[int], incumbent_s: float = math.i
 
 
 def _between_candidates(
-    chain: Chain, stages: list[Stage], known: dict, values: np.ndarray, slope: int, best_s
+    chain: Chain, stages: list[SequenceSlot], known: dict, values: np.ndarray, slope: int, best_s
 ):
     """Intervals (v_a, v_{a+1}) where a round trip may put the optimum's P, most promising first.
 
@@ -292,7 +296,7 @@ def _between_candidates(
     return [(a, ceiling) for _, a, ceiling in sorted(out)]
 
 
-def _descend(chain: Chain, stages: list[Stage], term_s: float, trip_s: float, best_s: float):
+def _descend(chain: Chain, stages: list[SequenceSlot], term_s: float, trip_s: float, best_s: float):
     """Best plan with terms <= ``term_s`` and term_s < P <= ``trip_s`` beating ``best_s``, or None.
 
     Each round solves with round-trip limit ``trip_s``; its plan's own P is a real value; any better
