@@ -203,7 +203,7 @@ class Compiled:
         )
 
 
-def compile(  # noqa: A001 - the public name DESIGN.md gives
+def compile(  # noqa: A001 - the public API name
     model: torch.nn.Module,
     cluster: Cluster | str | Path,
     example_inputs: tuple = (),
@@ -276,7 +276,8 @@ def run_local(
     optimizer: dict[str, Any] | None = None,
 ):
     """Train ``steps`` steps with one local process per stage (gloo) and return ``RunResult``
-    (``.losses`` per step, ``.outputs`` of the last step, ``.grads`` by the model's parameter names).
+    (``.losses`` per step, ``.outputs`` of the last step, ``.grads`` by the model's parameter names,
+    ``.stats`` per rank: transfers through the send/recv ops and fused-kernel launches by backend).
     ``inputs`` is one step's batch; schedule and microbatches come from the plan."""
     if isinstance(compiled_or_dir, Compiled):
         pipeline = compiled_or_dir.pipeline

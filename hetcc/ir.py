@@ -156,6 +156,6 @@ def format_node(node: torch.fx.Node) -> str:
     return "  ".join([head] + [f for f in fields if f])
 
 
-def format(gm: torch.fx.GraphModule) -> str:  # noqa: A001 - DESIGN.md names it hetcc.ir.format
+def format(gm: torch.fx.GraphModule) -> str:  # noqa: A001 - the public name hetcc.ir.format
     """The annotated graph, one node per line."""
     return "\n".join(format_node(node) for node in gm.graph.nodes)

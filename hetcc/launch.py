@@ -4,7 +4,8 @@
 
 Rank k runs stage k. Inputs (and targets) come from ``inputs.safetensors`` / ``targets.safetensors`` in
 the folder; schedule, microbatches, optimizer and loss default to ``pipeline.json``'s ``meta``. The last
-rank prints one ``step <i> loss <value>`` line per step (and writes them to ``--losses-out``).
+rank prints one ``step <i> loss <value>`` line per step (and writes them to ``--losses-out``); with
+``--stats-out DIR`` every rank writes its counters (``RunResult.stats``) to ``DIR/stats_rank<k>.json``.
 """
 
 from __future__ import annotations
@@ -54,13 +55,20 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
+    if args.stats_out:
+        _write_json(os.path.join(args.stats_out, f"stats_rank{rank}.json"), result["stats"])
     if pipeline.stages[rank].is_last:
         for step, loss in enumerate(result["losses"]):
             print(f"step {step} loss {loss!r}", flush=True)
         if args.losses_out:
-            with open(args.losses_out, "w") as f:
-                json.dump(result["losses"], f)
+            _write_json(args.losses_out, result["losses"])
     return 0
+
+
+def _write_json(path: str, value) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(value, f)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", choices=("gpipe", "1f1b"), help="default: pipeline.json meta")
     parser.add_argument("--microbatches", type=int, help="default: pipeline.json meta")
     parser.add_argument("--losses-out", help="last rank writes the per-step losses here as JSON")
+    parser.add_argument("--stats-out", help="folder: every rank writes stats_rank<k>.json (RunResult.stats)")
     return parser
 
 

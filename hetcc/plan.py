@@ -51,7 +51,7 @@ class PlanStage:
 @dataclass(frozen=True)
 class Plan:
     stages: tuple[PlanStage, ...]
-    step_time_s: float  # the planner's objective (DESIGN.md)
+    step_time_s: float  # the planner's objective (hetcc.solver.objective)
     lower_bound_s: float
     gap: float  # step_time / lower_bound - 1
     baselines: dict[str, float]  # name -> step time in s (inf when it does not fit in memory)

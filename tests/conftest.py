@@ -10,6 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HETCC_CHECK", "1")  # hetcc.verify's invariant checks after every pass
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "runtime"))  # runtime_models: tests above runtime/ use it
 
 
 @pytest.fixture

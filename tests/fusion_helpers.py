@@ -1,4 +1,5 @@
-"""Shared by the fusion tests: export a module, fuse a copy, and run a training step on either."""
+"""Shared by the fusion tests: export a module, fuse a copy, run a training step on either, and check
+from the launch counters which code the fused groups ran."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import copy
 
 import torch
 
+from hetcc.kernels import launch_stats, reset_launch_stats
 from hetcc.passes.fuse import FUSION_META_KEY, fuse
 
 
@@ -33,3 +35,24 @@ def forward_backward(gm: torch.fx.GraphModule, args: tuple, seed: int = 0):
     loss.backward()
     grads = [leaf.grad for leaf in leaves if leaf.requires_grad] + [p.grad for p in gm.parameters()]
     return [o.detach() for o in outputs], grads
+
+
+def forward_backward_counted(gm: torch.fx.GraphModule, args: tuple, seed: int = 0):
+    """``forward_backward`` and how its fused groups ran (``hetcc.kernels.launch_stats``)."""
+    reset_launch_stats()
+    result = forward_backward(gm, args, seed)
+    return result, launch_stats()
+
+
+def assert_generated_kernels_ran(groups: list, launches: dict[str, int]) -> None:
+    """One training step ran each group's generated forward kernel once through the interpreter, and its
+    backward once: the generated kernel for a pointwise group, autograd over the original ops for a row
+    group (``backward == "recompute"``). Nothing fell back to eager."""
+    generated = sum(group.backward == "generated" for group in groups)
+    expected = dict.fromkeys(launches, 0)
+    expected |= {
+        "fused_interpreter": len(groups),
+        "backward_interpreter": generated,
+        "backward_recompute": len(groups) - generated,
+    }
+    assert launches == expected

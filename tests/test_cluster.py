@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from hetcc.errors import ClusterError
-from hetcc.hardware.cluster import SAME_DEVICE, Cluster, Device, Link, parse_quantity
+from hetcc.hardware.cluster import SAME_DEVICE, Cluster, Device, Link
 from hetcc.hardware.presets import PRESETS, DeviceType, flops_key, get_preset
+from hetcc.hardware.quantities import parse_quantity
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples" / "clusters"
 T, GiB = 1e12, 2**30
@@ -419,13 +420,22 @@ BAD_FILES = {
         "custom_types: [{name: Card, vendor: nvidia, memory: 8 GB}]\nnodes:\n  - {name: n, devices: [{type: Card}]}\n",
         ["custom_types[0]", "custom type 'Card' lacks peak_flops, memory_bandwidth"],
     ),
+    "vendor_typo": (
+        "custom_types: [{name: C, vendor: nvida, peak_flops: {fp32: 1e12}, memory: 1 GB, memory_bandwidth: 1 GB/s}]\n"
+        "nodes:\n  - {name: n, devices: [{type: C}]}\n",
+        ["custom_types[0].vendor", "unknown vendor 'nvida'; did you mean 'nvidia'?", "vendors: nvidia, amd, cpu"],
+    ),
+    "peak_flops_dtype_typo": (
+        "nodes:\n  - {name: n, devices: [{type: T4, peak_flops: {fp33: 9 TFLOP/s}}]}\n",
+        ["nodes[0].devices[0].peak_flops.fp33", "unknown key; did you mean 'fp32'?"],
+    ),
     "bad_efficiency": (
         "nodes:\n  - {name: n, devices: [{type: T4, matmul_efficiency: 1.5}]}\n",
         ["nodes[0].devices[0].matmul_efficiency", "expected a number in (0, 1]; got 1.5"],
     ),
     "memory_reserve_out_of_range": (
         "memory_reserve: 1.5\nnodes:\n  - {name: n, devices: [{type: T4}]}\n",
-        ["memory_reserve", "expected a fraction in [0, 1); got 1.5"],
+        ["memory_reserve", "expected a number in [0, 1); got 1.5"],
     ),
     "no_devices": ("nodes:\n  - {name: n, devices: []}\n", ["nodes[0].devices", "expected a non-empty list"]),
     "not_a_mapping": ("- just a list\n", ["expected a mapping with keys name, memory_reserve, nodes"]),

@@ -12,8 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import bert, gpt2, llama, token_ids
+from runtime_models import planned_transfers
 
 import hetcc
+from hetcc.kernels import FUSION_META_KEY
 
 pytestmark = pytest.mark.slow
 MICROBATCHES = 2
@@ -78,8 +80,33 @@ def test_llama_compiled_over_three_devices_trains_like_eager_with_1f1b():
     optimizer = {"name": "adam", "lr": 1e-3}
     result = hetcc.run_local(compiled, inputs, steps=3, optimizer=optimizer)
     _check(result, *_eager(model, inputs, None, None, 3, optimizer))
+    _check_transfers(result, compiled.pipeline.stages, steps=3)
 
 
+def _fused_groups(stage):
+    return [n.meta[FUSION_META_KEY] for n in stage.module.graph.nodes if FUSION_META_KEY in n.meta]
+
+
+def _check_transfers(result, stages, steps: int):
+    """Every transfer the plan has went through the stage's send/recv ops (each rank's counters)."""
+    planned = planned_transfers(stages, MICROBATCHES, steps)
+    assert [{key: stats[key] for key in plan} for stats, plan in zip(result.stats, planned)] == planned
+    assert all(stats["grads_filled"] == stats["grads_dropped"] == 0 for stats in result.stats)
+
+
+def _check_interpreted_kernels(result, stages, steps: int):
+    """Every fused group ran its generated kernel through the interpreter, forward and (pointwise
+    groups) backward, once per microbatch; none fell back to its original ops."""
+    runs = MICROBATCHES * steps
+    for stage, stats in zip(stages, result.stats, strict=True):
+        groups = _fused_groups(stage)
+        generated = sum(group.backward == "generated" for group in groups)
+        assert stats["fused_interpreter"] == len(groups) * runs and stats["fused_eager"] == 0, stats
+        assert stats["backward_interpreter"] == generated * runs, stats
+        assert stats["backward_recompute"] == (len(groups) - generated) * runs, stats
+
+
+@pytest.mark.usefixtures("interpreter")
 def test_gpt2_with_tied_embeddings_and_fused_kernels_trains_like_eager_with_gpipe():
     model = gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ids = token_ids(4, 16)
@@ -87,15 +114,16 @@ def test_gpt2_with_tied_embeddings_and_fused_kernels_trains_like_eager_with_gpip
     compiled = hetcc.compile(model, _cpu_cluster(3, "1.5 MiB"), example_kwargs=inputs, microbatches=MICROBATCHES,
                              schedule="gpipe", optimizer="sgd")  # fmt: skip
     stages = compiled.pipeline.stages
-    assert len(stages) >= 2
-    fused = [
-        n for s in stages for n in s.module.graph.nodes if n.target is torch.ops.hetcc.fusion_group.default
-    ]
-    assert fused, "the MLP's gelu chain and the residual + layer norm should run as generated kernels"
+    assert len(stages) == 3, "1.5 MiB per device should need all three"
+    groups = [group for stage in stages for group in _fused_groups(stage)]
+    assert groups, "the MLP's gelu chain and the residual + layer norm should run as generated kernels"
+    assert {group.backward for group in groups} == {"generated", "recompute"}
     assert "# fused_" in stages[0].module.code
     optimizer = {"name": "sgd", "lr": 0.1}
     result = hetcc.run_local(compiled, inputs, steps=1, optimizer=optimizer)
     _check(result, *_eager(model, inputs, None, None, 1, optimizer))
+    _check_transfers(result, stages, steps=1)
+    _check_interpreted_kernels(result, stages, steps=1)
 
 
 def test_bert_compiled_saved_and_run_from_its_folder_with_gpipe(tmp_path):
@@ -115,3 +143,4 @@ def test_bert_compiled_saved_and_run_from_its_folder_with_gpipe(tmp_path):
     optimizer = {"name": "sgd", "lr": 0.1}
     result = hetcc.run_local(folder, inputs, targets=targets, loss_fn=bert_loss, steps=1, optimizer=optimizer)
     _check(result, *_eager(model, inputs, targets, bert_loss, 1, optimizer))
+    _check_transfers(result, compiled.pipeline.stages, steps=1)

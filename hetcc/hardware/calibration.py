@@ -4,7 +4,7 @@ the datasheet efficiency profile of that type in a cluster.
 A calibration file (YAML or JSON, one per device type and machine) looks like::
 
     version: 1
-    device_type: A100-80GB              # the type the figures are for: matched like a preset name
+    device_type: A100-80GB              # the type the figures are for, matched ignoring case/punctuation
     device_name: NVIDIA A100-SXM4-80GB  # provenance, optional: what the hardware calls itself, host,
     host: node0                         # torch version, threads used, and when it was measured
     torch_version: 2.13.0
@@ -14,44 +14,59 @@ A calibration file (YAML or JSON, one per device type and machine) looks like::
     memory_bandwidth_bps: 1.7e12                 # bytes/s (or "1.7 TB/s")
     kernel_overhead_s: 4.1e-06                   # seconds (or "4.1 us")
 
+``Calibration.load`` checks a file against that format (``_FILE``, a ``hetcc.hardware.schema`` record), so
+errors name the file, the field and the closest valid key.
+
 Rule for ``apply`` (the achievable rates become the measured ones):
 
 * GPUs (datasheet peaks): ``matmul_efficiency`` = the best measured share of peak over the measured
   dtypes (at most 1); each measured dtype's peak is set to measured / efficiency, so
   ``achievable_flops(k) == matmul_flops[k]`` for every measured k (for the dtype that sets the
   efficiency, or a single measured dtype, the datasheet peak is kept). Unmeasured dtypes keep their
-  datasheet peak at the new efficiency; measured dtypes the type has no peak for are ignored.
+  datasheet peak at the new efficiency; measured dtypes the type has no peak for are ignored (an
+  error when that leaves none).
   ``memory_efficiency`` = measured / peak bandwidth. A figure above its datasheet peak (boost clocks)
   raises the peak to the figure at efficiency 1.
 * CPUs (vendor "cpu": the peaks are placeholders): the measured figures become the peaks and
   bandwidth at efficiency 1.0; unmeasured dtypes keep their old achievable rate as their peak.
 * Both: ``kernel_overhead_s`` = the measured overhead.
+
+``calibrated_types`` applies calibrations to the device types they name, and ``apply_to_cluster`` to a
+cluster's types; a cluster file's ``calibration:`` key does the latter while the file is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import math
 import pathlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, Protocol, TypeVar
 
 import yaml
 
 from hetcc.errors import ClusterError, did_you_mean
-from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.presets import DTYPE_KEYS, PRESETS, DeviceType, PeakTable, type_key
-from hetcc.hardware.quantities import load_file, parse_quantity
+from hetcc.hardware.schema import Count, Nullable, Quantity, Record, Table, Text, Where, load_file
 
 FORMAT_VERSION = 1
-# File key -> quantity unit for the measured figures.
-_MEASURED = {"memory_bandwidth_bps": "bytes/s", "kernel_overhead_s": "seconds"}
-_TEXT = ("device_name", "host", "torch_version", "date")
-_KEYS = ("version", "device_type", *_TEXT, "threads", "matmul_flops", *_MEASURED)
-_REQUIRED = ("device_type", "matmul_flops", *_MEASURED)
+_FILE = Record(
+    {
+        "version": Count(),
+        "device_type": Text(),
+        **dict.fromkeys(("device_name", "host", "torch_version", "date"), Text(empty=True)),
+        "threads": Nullable(Count()),
+        "matmul_flops": Table(
+            DTYPE_KEYS, Quantity("flop/s"), "dtype to FLOP/s, e.g. {fp32: 1.2e11}", nonempty=True
+        ),
+        "memory_bandwidth_bps": Quantity("bytes/s"),
+        "kernel_overhead_s": Quantity("seconds"),
+    },
+    required=("device_type", "matmul_flops", "memory_bandwidth_bps", "kernel_overhead_s"),
+    missing_hint="write calibration files with `hetcc calibrate`",
+)
 
 
 @dataclass(frozen=True)
@@ -124,7 +139,7 @@ class Calibration:
     def load(cls, path: str | pathlib.Path) -> Calibration:
         """Read a file written by ``save`` (or by hand); errors name the file and the field."""
         path = pathlib.Path(path)
-        return _FileReader(str(path)).calibration(load_file(path, "calibration file"))
+        return _read(load_file(path, "calibration file"), Where(str(path)))
 
     # ---- printing --------------------------------------------------------------------------------
     def describe(self) -> str:
@@ -187,61 +202,14 @@ def _rate(value: float, unit: str) -> str:
     return f"{value:.4g} {unit}"
 
 
-class _FileReader:
-    """Turns a parsed calibration file into a Calibration; every error names the file and the field."""
-
-    def __init__(self, source: str):
-        self.source = source
-
-    def fail(self, field: str, reason: str, hint: str | None = None) -> NoReturn:
-        raise ClusterError(f"{self.source}: {field + ': ' if field else ''}{reason}", hint=hint)
-
-    def calibration(self, data: object) -> Calibration:
-        if not isinstance(data, Mapping):
-            self.fail("", f"expected a mapping with keys {', '.join(_KEYS)}; got {type(data).__name__}")
-        for key in data:
-            if key not in _KEYS:
-                self.fail(
-                    str(key), f"unknown key{did_you_mean(key, _KEYS)}", hint=f"valid keys: {', '.join(_KEYS)}"
-                )
-        for key in _REQUIRED:
-            if key not in data:
-                self.fail(
-                    "", f"missing required key {key!r}", hint="write calibration files with `hetcc calibrate`"
-                )
-        if data.get("version", FORMAT_VERSION) != FORMAT_VERSION:
-            self.fail(
-                "version", f"unsupported version {data['version']!r}; this hetcc reads {FORMAT_VERSION}"
-            )
-        fields: dict[str, Any] = {k: self.text(data[k], k) for k in ("device_type", *_TEXT) if k in data}
-        fields |= {k: self.quantity(data[k], unit, k) for k, unit in _MEASURED.items()}
-        fields["matmul_flops"] = self.flops(data["matmul_flops"])
-        if "threads" in data:
-            fields["threads"] = data["threads"]
-        try:
-            return Calibration(**fields)
-        except ClusterError as error:
-            self.fail("", str(error).removeprefix(f"calibration of {fields['device_type']!r}: "))
-
-    def text(self, value: object, field: str) -> str:
-        if isinstance(value, (datetime.date, datetime.datetime)):  # YAML reads an unquoted date as one
-            return value.isoformat()
-        if not isinstance(value, str):
-            self.fail(field, f"expected a string; got {value!r}")
-        return value
-
-    def quantity(self, value: object, unit: str, field: str) -> float:
-        try:
-            return parse_quantity(value, unit)
-        except ClusterError as error:
-            self.fail(field, str(error).partition("\n  hint: ")[0], hint=error.hint)
-
-    def flops(self, value: object) -> dict[str, float]:
-        if not isinstance(value, Mapping) or not value:
-            self.fail(
-                "matmul_flops", f"expected a mapping of dtype to FLOP/s, e.g. {{fp32: 1.2e11}}; got {value!r}"
-            )
-        return {str(k): self.quantity(v, "flop/s", f"matmul_flops.{k}") for k, v in value.items()}
+def _read(data: object, where: Where) -> Calibration:
+    """The Calibration a parsed file holds, checked against its format (``_FILE``)."""
+    fields = _FILE(data, where)
+    version = fields.pop("version", FORMAT_VERSION)
+    if version != FORMAT_VERSION:
+        where.at("version").fail(f"unsupported version {version!r}; this hetcc reads {FORMAT_VERSION}")
+    with where.blame():
+        return Calibration(**fields)
 
 
 # ---- applying --------------------------------------------------------------------------------------
@@ -249,7 +217,7 @@ def apply(device_type: DeviceType, calibration: Calibration) -> DeviceType:
     """``device_type`` with its efficiency profile replaced by ``calibration`` (module docstring: rule).
 
     The name is kept: a calibrated A100-80GB is still an A100-80GB. The calibration's own
-    ``device_type`` is not checked here; ``apply_to_cluster`` matches by name.
+    ``device_type`` is not checked here; ``calibrated_types`` matches by name.
     """
     if device_type.vendor == "cpu":
         peaks = {k: v * device_type.matmul_efficiency for k, v in device_type.peak_flops.items()}
@@ -287,19 +255,21 @@ def _calibrated_peaks(device_type: DeviceType, calibration: Calibration) -> tupl
     return peaks, efficiency
 
 
-def apply_to_cluster(cluster: Cluster, calibrations: Iterable[Calibration]) -> Cluster:
-    """A copy of ``cluster`` whose device types named by a calibration are calibrated (``apply``).
+def calibrated_types(
+    types: Sequence[DeviceType], calibrations: Iterable[Calibration]
+) -> dict[str, DeviceType]:
+    """``{name: calibrated type}`` for each of ``types`` a calibration names (``apply``).
 
-    Names match ignoring case and punctuation ("a100_80gb" calibrates "A100-80GB"); types without a
-    calibration are unchanged. Two calibrations of one type, or one naming no type of the cluster,
-    are errors: either is a mix-up of files, and silently ignoring it would price with guesses.
+    Names match ignoring case and punctuation ("a100_80gb" calibrates "A100-80GB"). Two calibrations
+    of one type, or one naming none of ``types``, are errors: either is a mix-up of files, and
+    silently ignoring it would price with guesses.
     """
-    types = {type_key(t.name): t for t in cluster.types}
+    by_key = {type_key(t.name): t for t in types}
     chosen: dict[str, Calibration] = {}
     for calibration in calibrations:
         key = type_key(calibration.device_type)
-        if key not in types:
-            names = [t.name for t in cluster.types]
+        if key not in by_key:
+            names = [t.name for t in types]
             raise ClusterError(
                 f"calibration of {calibration.device_type!r} (host {calibration.host or '?'}) matches no "
                 f"device type of the cluster{did_you_mean(calibration.device_type, names)}",
@@ -307,8 +277,27 @@ def apply_to_cluster(cluster: Cluster, calibrations: Iterable[Calibration]) -> C
             )
         if key in chosen:
             raise ClusterError(
-                f"two calibrations of device type {types[key].name!r}",
+                f"two calibrations of device type {by_key[key].name!r}",
                 hint="keep one calibration per device type",
             )
         chosen[key] = calibration
-    return cluster.replace_types({types[k].name: apply(types[k], c) for k, c in chosen.items()})
+    return {by_key[k].name: apply(by_key[k], c) for k, c in chosen.items()}
+
+
+class _HasTypes(Protocol):
+    """What calibrating needs of a cluster (a ``Cluster`` or its ``ClusterParts``): a protocol, so that
+    this module need not import them (the cluster file reader imports this module)."""
+
+    @property
+    def types(self) -> tuple[DeviceType, ...]: ...
+
+    def replace_types(self: _T, types: Mapping[str, DeviceType]) -> _T: ...
+
+
+_T = TypeVar("_T", bound=_HasTypes)
+
+
+def apply_to_cluster(cluster: _T, calibrations: Iterable[Calibration]) -> _T:
+    """A copy of ``cluster`` whose device types named by a calibration are calibrated (``calibrated_types``);
+    types without a calibration are unchanged."""
+    return cluster.replace_types(calibrated_types(cluster.types, calibrations))

@@ -1,11 +1,12 @@
 """Measure a local device so the cost model prices nodes at real speeds instead of datasheet guesses.
 
 ``calibrate()`` times three things on one device of this host: matmuls (FLOP/s per dtype of the GEMMs
-a training step runs: forward, input- and weight-gradient layouts, square and wide), streaming
-pointwise ops (bytes read + written per second) and an add on 1-element tensors (the per-kernel overhead). Each figure is a median over
-repeated calls after a warm-up, so one slow call (a page fault, a neighbour's burst) does not move it.
-The result is a ``Calibration`` (``hetcc.hardware.calibration``): saved per machine as YAML/JSON, and turned
-into a calibrated ``DeviceType`` by ``apply`` or a calibrated ``Cluster`` by ``apply_to_cluster``.
+a training step runs: forward, input- and weight-gradient layouts, square and wide), memory-bound
+pointwise ops (bytes read + written per second) and an add on 1-element tensors (the per-kernel
+overhead). Each figure is a median over repeated calls after a warm-up, so one slow call (a page
+fault, a neighbour's burst) does not move it. The result is a ``Calibration``
+(``hetcc.hardware.calibration``): saved per machine as YAML/JSON, and turned into a calibrated
+``DeviceType`` by ``apply`` or a calibrated ``Cluster`` by ``apply_to_cluster``.
 
 torch is imported only when measuring, so reading calibration files needs no torch.
 """

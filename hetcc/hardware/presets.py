@@ -2,7 +2,8 @@
 
 A ``DeviceType`` holds dense peak FLOP/s per dtype, memory capacity and bandwidth, and an efficiency
 profile (the share of peak a large GEMM or a streaming kernel reaches, and a per-kernel overhead).
-The cost model turns these into time; ``hetcc calibrate`` replaces the efficiencies with measured ones.
+The cost model turns these into time; ``hetcc calibrate`` measures the rates a device reaches, which
+replace the profile (``hetcc.hardware.calibration.apply``).
 
 Peaks are dense (no 2:4 sparsity) and taken from vendor datasheets. Memory capacities are binary
 (an "80 GB" A100 has 80 GiB of HBM); bandwidths are decimal (bytes/s), as the datasheets state them.

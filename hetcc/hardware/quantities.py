@@ -1,5 +1,5 @@
-"""What hetcc's hand-written YAML/JSON files (clusters, calibrations) share: strict parsing whose errors
-name the file and line, and quantities with units such as "80 GiB", "25 Gb/s", "2 us".
+"""Quantities with units, as hetcc's hand-written files (clusters, calibrations) write them: "80 GiB",
+"25 Gb/s", "2 us", "312 TFLOP/s".
 
 Numbers are taken as SI base units (bytes, bytes/s, seconds, FLOP/s). Strings carry a unit: "80 GB"
 (1e9), "80 GiB" (2**30), "300 GB/s", "25 Gb/s" and "25 Gbps" (bits: /8), "2 us", "0.5 ms",
@@ -8,12 +8,8 @@ Numbers are taken as SI base units (bytes, bytes/s, seconds, FLOP/s). Strings ca
 
 from __future__ import annotations
 
-import json
 import math
-import pathlib
 import re
-
-import yaml
 
 from hetcc.errors import ClusterError, did_you_mean
 
@@ -64,41 +60,3 @@ def _split(text: str, how: str) -> tuple[float, str | None]:
     if not match:
         raise ClusterError(f"cannot read {text!r} as a quantity", hint=how)
     return float(match.group(1)), match.group(2)
-
-
-class _StrictYamlLoader(yaml.SafeLoader):
-    """SafeLoader that rejects a key given twice in one mapping (PyYAML keeps the last silently)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, str) and key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-def load_file(path: pathlib.Path, what: str) -> object:
-    """Parse a .yaml/.yml/.json file; errors name the file (``what`` says which kind) and the line."""
-    suffix = path.suffix.lower()
-    if suffix not in (".yaml", ".yml", ".json"):
-        raise ClusterError(f"{path}: a {what} must end in .yaml, .yml or .json")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as error:
-        raise ClusterError(f"{path}: cannot read the {what}: {error.strerror or error}") from None
-    try:
-        return json.loads(text) if suffix == ".json" else yaml.load(text, Loader=_StrictYamlLoader)  # noqa: S506
-    except json.JSONDecodeError as error:
-        raise ClusterError(
-            f"{path}: invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
-        ) from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ClusterError(
-            f"{path}: invalid YAML{where}: {getattr(error, 'problem', None) or error}"
-        ) from None

@@ -4,6 +4,7 @@ Nothing here imports Triton until a kernel is first compiled (``hetcc.kernels.ca
 """
 
 from hetcc.kernels.cache import choose_backend, describe_backend
+from hetcc.kernels.execute import launch_stats, reset_launch_stats
 from hetcc.kernels.group import FusionGroup, group_from_json, group_to_json
 from hetcc.kernels.op import FUSION_META_KEY, load_groups, register_group, register_groups_in
 from hetcc.kernels.source import kernel_source, write_kernel
@@ -16,8 +17,10 @@ __all__ = [
     "group_from_json",
     "group_to_json",
     "kernel_source",
+    "launch_stats",
     "load_groups",
     "register_group",
     "register_groups_in",
+    "reset_launch_stats",
     "write_kernel",
 ]

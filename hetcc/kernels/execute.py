@@ -1,10 +1,14 @@
 """Running a FusionGroup: its generated Triton kernels, or its original ops with torch (the fallback and
 the recompute backward). Shapes come from the runtime inputs, so one compiled kernel serves every
 shape with the same structure; only rank, dtypes and which inputs are flat are fixed by the group.
+
+Every run is counted in process-local counters (``launch_stats``), which the runtime reports per rank as
+provenance: they show which code a fused group ran, not only that its numbers were right.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -12,12 +16,31 @@ import torch
 from hetcc.errors import RuntimeFailure
 from hetcc.kernels.cache import TRITON, choose_backend, compiled
 from hetcc.kernels.group import FusionGroup
-from hetcc.kernels.lowering import PASS_THROUGH, rule
+from hetcc.kernels.lowering import MAX_ROW_ELEMENTS, PASS_THROUGH, rule
 from hetcc.kernels.source import differentiable_inputs, strided_inputs
 
 _GPU_BLOCK = 1024
 _INTERPRETER_BLOCK = 1 << 16  # the interpreter pays per program, not per lane: few, wide blocks
-_MAX_ROW = 1 << 16
+
+# What ``launch_stats`` reports: forward runs of a fused group by backend, backward runs by the generated
+# kernel or by re-running the group's ops under autograd.
+LAUNCH_STATS = (
+    "fused_triton", "fused_interpreter", "fused_eager",
+    "backward_triton", "backward_interpreter", "backward_recompute",
+)  # fmt: skip
+_launches: Counter[str] = Counter()
+
+
+def launch_stats() -> dict[str, int]:
+    """Fused-group runs in this process since the last reset: ``fused_triton`` / ``fused_interpreter``
+    launched the generated forward kernel on a GPU / through TRITON_INTERPRET=1, ``fused_eager`` ran the
+    original ops (the fallback); ``backward_triton`` / ``backward_interpreter`` launched the generated
+    backward kernel, ``backward_recompute`` differentiated the original ops (row groups, fallback)."""
+    return {key: _launches[key] for key in LAUNCH_STATS}
+
+
+def reset_launch_stats() -> None:
+    _launches.clear()
 
 
 def iteration_shape(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> torch.Size:
@@ -79,6 +102,7 @@ def recompute_backward(
         wanted = [x for x in leaves if x.requires_grad]
         if not pairs or not wanted:
             return [None] * len(leaves)
+        _launches["backward_recompute"] += 1
         found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
     by_leaf = dict(zip(map(id, wanted), found))
     return [by_leaf.get(id(x)) for x in leaves]
@@ -88,10 +112,12 @@ def run_forward(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torc
     """Forward on the backend the inputs' device allows (see ``choose_backend``)."""
     device = compute_device(inputs)
     if choose_backend(device.type)[0] != TRITON:
+        _launches["fused_eager"] += 1
         return run_eager(group, inputs)
     shape = iteration_shape(group, inputs)
     outputs = [torch.empty(shape, dtype=d, device=device) for d in group.output_dtypes]
-    _launch(group, compiled(group).forward, shape, inputs, [*_prepared(group, inputs, shape), *outputs])
+    args = [*_prepared(group, inputs, shape), *outputs]
+    _launch(group, compiled(group).forward, shape, inputs, args, stat="fused")
     return outputs
 
 
@@ -115,7 +141,7 @@ def run_backward(
         for i in wanted
     }
     args = [*_prepared(group, inputs, shape), *grad_outs, *buffers.values()]
-    _launch(group, compiled(group).backward, shape, inputs, args)
+    _launch(group, compiled(group).backward, shape, inputs, args, stat="backward")
     return [
         buffers[i].sum_to_size(x.shape).to(x.device, x.dtype) if i in buffers else None
         for i, x in enumerate(inputs)
@@ -134,20 +160,22 @@ def _prepared(group: FusionGroup, inputs: Sequence[torch.Tensor], shape: torch.S
 
 
 def _launch(
-    group: FusionGroup, kernel, shape: torch.Size, inputs: Sequence[torch.Tensor], args: list
+    group: FusionGroup, kernel, shape: torch.Size, inputs: Sequence[torch.Tensor], args: list, stat: str
 ) -> None:
+    """Launch ``kernel`` over ``shape``, counted under ``<stat>_triton`` or ``<stat>_interpreter``."""
     numel = shape.numel()
     if numel == 0:
         return
     interpreted = compute_device(inputs).type == "cpu"
+    _launches[f"{stat}_{'interpreter' if interpreted else 'triton'}"] += 1
     strides = [s for i in strided_inputs(group) for s in inputs[i].expand(shape).stride()]
     sizes = list(shape) if strided_inputs(group) else []
     if group.kind == "row":
         n_cols = shape[-1]
         block = _next_power_of_2(n_cols)
-        if block > _MAX_ROW:
+        if block > MAX_ROW_ELEMENTS:
             raise RuntimeFailure(
-                f"fusion group {group.name}: rows of {n_cols} elements exceed the row kernel's limit {_MAX_ROW}",
+                f"fusion group {group.name}: rows of {n_cols} elements exceed the row kernel's limit {MAX_ROW_ELEMENTS}",
                 hint="fuse with a smaller last dimension or leave this reduction unfused",
             )
         kernel[(numel // n_cols,)](*args, n_cols, *sizes, *strides, BLOCK=block)

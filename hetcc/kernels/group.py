@@ -83,13 +83,6 @@ class FusionGroup:
         read = sum(spec.nbytes for spec in self.inputs)
         return read + sum(_numel(self.shape) * dtype.itemsize for dtype in self.output_dtypes)
 
-    @property
-    def source(self) -> str:
-        """The readable Triton source of this group's kernel(s)."""
-        from hetcc.kernels.source import kernel_source
-
-        return kernel_source(self)
-
     def summary(self) -> str:
         """One line: name, kind, op chain and backward mode (used in printed code and dumps)."""
         chain = " -> ".join(_short(op) for op in self.ops)

@@ -313,6 +313,7 @@ BOOLEAN_OK = frozenset({"gt", "lt", "ge", "le", "where", "cast", "identity", "dr
 PASS_THROUGH = frozenset({"identity", "dropout", "cast"})
 # Row ops that end a group (they write the whole row); ``row_mean`` feeds per-row scalars onward.
 ROW_FINAL = frozenset({"softmax", "layer_norm", "rms_norm"})
+MAX_ROW_ELEMENTS = 1 << 16  # one row program holds a whole row: longer rows stay unfused
 
 
 @functools.cache

@@ -34,7 +34,7 @@ def write_kernel(group: FusionGroup, folder: str | Path) -> Path:
     (the group, for ``hetcc.kernels.op.load_groups``); returns the ``.py`` path."""
     path = Path(folder) / "kernels" / f"{group.name}.py"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(group.source)
+    path.write_text(kernel_source(group))
     path.with_suffix(".json").write_text(group_to_json(group))
     return path
 

@@ -67,7 +67,7 @@ class Block:
     cut_tensors: tuple[CutTensor, ...]
 
 
-def blocks(gm: torch.fx.GraphModule, ctx=None, *, max_block_bytes: float = math.inf) -> torch.fx.GraphModule:
+def blocks(gm: torch.fx.GraphModule, *, max_block_bytes: float = math.inf) -> torch.fx.GraphModule:
     """Annotate every node's ``block``; ``collect_blocks(gm)`` then summarises the chain."""
     nodes = list(gm.graph.nodes)
     compute = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]

@@ -1,9 +1,10 @@
-"""Stage code: the compute-only module a runtime executes, and the readable ``stage<k>.py`` source.
+"""Stage code: the readable ``stage<k>.py`` source, the module a rank executes, and a compute-only view.
 
-A ``StageGraph.module`` holds ``hetcc.recv``/``hetcc.send`` ops where tensors arrive and leave. The
-executor (and ``torch.distributed.pipelining``) instead wants the computation alone, with the
-communication outside it, so transfers can be scheduled, overlapped and timed out: ``compute_module``
-turns every ``recv`` into an input and every ``send`` into an output. Both share the parameters.
+A ``StageGraph.module`` holds ``hetcc.recv``/``hetcc.send`` ops where tensors arrive and leave; the
+runtime executes that module (``module_for_device``), so ``stage<k>.py`` prints the program that runs.
+``torch.distributed.pipelining`` instead moves tensors itself and wants the computation alone:
+``compute_module`` turns every ``recv`` into an input and every ``send`` into an output. All of them
+share the stage's parameters.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.fx as fx
 
 from hetcc.passes.comm import CommEdge, StageGraph
 from hetcc.passes.fuse import install_code_comments
-from hetcc.runtime.ops import ANCHOR_NAME
+from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor
 
 _SEND = torch.ops.hetcc.send.default
 _RECV = torch.ops.hetcc.recv.default
@@ -46,6 +47,22 @@ def compute_module(stage: StageGraph, device: torch.device | str | None = None) 
     if device is not None:
         _retarget_devices(graph, torch.device(device))
     return fx.GraphModule(stage.module, graph, class_name=f"Stage{stage.index}Compute")
+
+
+def module_for_device(stage: StageGraph, device: torch.device | str) -> fx.GraphModule:
+    """The module a rank on ``device`` executes: ``stage.module`` itself on CPU, elsewhere a copy of its
+    graph whose traced device constants (``to(device=cpu)``, factory ops) name ``device``, with the same
+    parameters and an anchor on ``device``. Moving the parameters is the caller's ``.to(device)``."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return stage.module
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(stage.module.graph, {}))
+    _retarget_devices(graph, device)
+    module = fx.GraphModule(stage.module, graph, class_name=f"Stage{stage.index}")
+    if hasattr(stage.module, ANCHOR_NAME):
+        attach_anchor(module, device)
+    return module
 
 
 def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:

@@ -136,7 +136,7 @@ def _trainable_values(gm: fx.GraphModule) -> set[fx.Node]:
     trainable: set[fx.Node] = set()
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            attr = _fetch_attr(gm, node.target)
+            attr = operator.attrgetter(node.target)(gm)
             if isinstance(attr, torch.nn.Parameter) and attr.requires_grad:
                 trainable.add(node)
         elif any(arg in trainable for arg in node.all_input_nodes) or (
@@ -206,13 +206,6 @@ def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
     if shape is None or not all(isinstance(d, int) for d in shape):
         return None
     return tuple(shape)
-
-
-def _fetch_attr(gm: fx.GraphModule, qualname: str):
-    obj = gm
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 class _Cut:
@@ -295,7 +288,7 @@ class _StageBuilder:
         return node
 
     def _own(self, qualname: str) -> None:
-        self.originals.setdefault(qualname, _fetch_attr(self.source, qualname))
+        self.originals.setdefault(qualname, operator.attrgetter(qualname)(self.source))
 
     def output(self, node: fx.Node, cut: _Cut) -> None:
         self.cut = cut

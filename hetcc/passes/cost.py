@@ -27,7 +27,6 @@ _DTYPE_FALLBACK = {"bf16": "fp16", "fp16": "fp32", "fp8": "fp16", "tf32": "fp32"
 
 def cost(
     gm: torch.fx.GraphModule,
-    ctx=None,
     *,
     device_types: Sequence[DeviceType],
     dtype: object | None = None,

@@ -23,10 +23,10 @@ import torch.fx
 from hetcc import config, ir
 from hetcc.kernels.cache import describe_backend
 from hetcc.kernels.group import FusionGroup, build_group, group_shape
-from hetcc.kernels.lowering import ROW_FINAL, Lowered, lower, rule
+from hetcc.kernels.lowering import MAX_ROW_ELEMENTS, ROW_FINAL, Lowered, lower, rule
 from hetcc.kernels.op import FUSION_META_KEY, register_group
+from hetcc.kernels.source import kernel_source
 
-MAX_ROW_ELEMENTS = 1 << 16  # row ops with longer rows stay unfused (one program holds a whole row)
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
@@ -43,13 +43,13 @@ class _Group:
         self.merged = False  # folded into another group
 
 
-def fuse(gm: torch.fx.GraphModule, ctx: Any = None) -> torch.fx.GraphModule:
+def fuse(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Replace every group of >= 2 fusible ops in ``gm`` by one fused node; returns ``gm``."""
     lowered = {n: low for n in gm.graph.nodes if (low := lower(n)) is not None}
     for members in find_groups(gm.graph, lowered):
         group = _replace(gm.graph, members)
         if config.debug >= 3:
-            print(group.source)
+            print(kernel_source(group))
     gm.graph.lint()
     install_code_comments(gm)  # recompiles
     return gm

@@ -47,7 +47,7 @@ class _SavedTensorMeter(FakeInterpreter):
         return result
 
 
-def memory(gm: torch.fx.GraphModule, ctx=None, *, training: bool = True) -> torch.fx.GraphModule:
+def memory(gm: torch.fx.GraphModule, *, training: bool = True) -> torch.fx.GraphModule:
     """Annotate parameter bytes (on get_attr / call_module nodes) and saved-activation bytes."""
     _SavedTensorMeter(gm, training).run_fake()
     seen: set[int] = set()

@@ -11,7 +11,7 @@ from hetcc.errors import AnalysisError
 from hetcc.ir import annotate, to_number
 
 
-def shapes(gm: torch.fx.GraphModule, ctx=None) -> torch.fx.GraphModule:
+def shapes(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Record shape/dtype of the first tensor each node produces (tracing filled ``meta["val"]``)."""
     for node in gm.graph.nodes:
         if node.op == "get_attr":

@@ -1,4 +1,5 @@
-"""hetcc's runtime: send/recv ops, process groups, the schedule executor, local runs, saved pipelines.
+"""hetcc's runtime: send/recv ops and their transports, process groups, the schedule executor, local runs,
+saved pipelines.
 
 Names are imported on first use: ``hetcc.passes.comm`` imports ``hetcc.runtime.ops`` while the
 executor imports the pass, so eager imports here would be circular.

@@ -1,14 +1,15 @@
 """Run one stage's part of a pipeline schedule on this rank.
 
-The executor runs the stage's compute-only module (``hetcc.passes.codegen.compute_module``) and does the
-stage's transfers itself, around each action of ``hetcc.solver.schedules.stage_actions``:
+The executor runs the stage's own module (``stage.module``, the program ``stage<k>.py`` prints), whose
+``hetcc::send``/``hetcc::recv`` ops move tensors through this rank's ``LinkTransport``; it only
+interprets the actions of ``hetcc.solver.schedules.stage_actions``:
 
-- ``F m``: receive the stage's inputs of microbatch ``m`` (blocking, with the timeout), compute, and
-  start the sends (non-blocking, so a rank never waits for its consumer: with gloo a large send can
-  block until the matching recv is posted, and 1F1B would otherwise deadlock).
-- ``B m``: receive the gradients of what was sent, run autograd, start sending the gradients of what
-  was received. The last stage starts from ``loss_m / M``, so gradients are the mean over
-  microbatches: full-batch gradients when the loss is a mean over equal microbatches.
+- ``F m``: run the module on microbatch ``m``: its recvs block (with the timeout) and its sends start
+  non-blocking. A non-last stage keeps the send tokens; the last stage computes the loss.
+- ``B m``: autograd backward from the tokens (each with gradient 1), whose ops receive the gradients of
+  what was sent and send back the gradients of what was received; the last stage starts from
+  ``loss_m / M``, so gradients are the mean over microbatches: full-batch gradients when the loss is a
+  mean over equal microbatches. Then the transport settles the gradients autograd did not move.
 
 After the last action the sends are waited for, tied parameters' gradients are summed over the
 stages that hold them (all-reduce on their group), and the optimizer steps.
@@ -23,10 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from hetcc.errors import RuntimeFailure
-from hetcc.passes.codegen import compute_module
-from hetcc.passes.comm import CommEdge, StageGraph
+from hetcc.passes.codegen import module_for_device
+from hetcc.passes.comm import StageGraph
 from hetcc.passes.partition import optimizer
 from hetcc.runtime.groups import Links
+from hetcc.runtime.ops import use_transport
+from hetcc.runtime.transport import LinkTransport
 from hetcc.solver.schedules import Action
 
 # Fault injection for tests of failure handling: "RANK:STEP" makes that rank exit at that step.
@@ -54,7 +57,7 @@ class StepResult:
 
 
 class StageExecutor:
-    """One stage on one rank: runs F/B actions, exchanges tensors, reduces tied grads, steps."""
+    """One stage on one rank: runs F/B actions through the stage module, reduces tied grads, steps."""
 
     def __init__(
         self,
@@ -67,10 +70,11 @@ class StageExecutor:
     ):
         self.stage, self.links, self.microbatches, self.loss_fn = stage, links, microbatches, loss_fn
         self.device = torch.device(device)
-        self.compute = compute_module(stage, self.device).to(self.device)
-        self.params = _unique_parameters(self.compute)
+        self.module = module_for_device(stage, self.device).to(self.device)
+        self.transport = LinkTransport(links, stage, microbatches)
+        self.params = _unique_parameters(self.module)
         self.optimizer = build_optimizer(optimizer, self.params)
-        self.saved: dict[int, tuple[list[torch.Tensor], tuple]] = {}
+        self.roots: dict[int, list[torch.Tensor]] = {}  # microbatch -> where its backward starts
         self.step_index = 0
 
     def step(self, inputs: list[dict], targets: list | None, actions: list[Action]) -> StepResult:
@@ -79,12 +83,13 @@ class StageExecutor:
         for param in self.params:
             param.grad = None
         result = StepResult()
-        for action in actions:
-            if action.kind == "F":
-                target = targets[action.microbatch] if targets is not None else None
-                self._forward(action.microbatch, inputs[action.microbatch], target, result)
-            else:
-                self._backward(action.microbatch)
+        with use_transport(self.transport):
+            for action in actions:
+                m = self.transport.microbatch = action.microbatch
+                if action.kind == "F":
+                    self._forward(m, inputs[m], targets[m] if targets is not None else None, result)
+                else:
+                    self._backward(m)
         self.links.wait_sends()
         self._reduce_tied_grads()
         if self.optimizer is not None:
@@ -96,51 +101,26 @@ class StageExecutor:
         """Gradients keyed by the model's parameter names (a tied parameter once)."""
         grads = {}
         for local, name in self.stage.param_names.items():
-            grad = self.compute.get_parameter(local).grad
+            grad = self.module.get_parameter(local).grad
             if grad is not None and name not in grads:
                 grads[name] = grad.detach().cpu().clone()
         return grads
 
     def _forward(self, m: int, inputs: dict, target, result: StepResult) -> None:
-        args = [_to(inputs[name], self.device) for name in self.stage.inputs]
-        received = [self._recv(edge, m, grad=False) for edge in self.stage.recvs]
-        outputs = self.compute(*args, *received)
+        outputs = self.module(*(_to(inputs[name], self.device) for name in self.stage.inputs))
+        roots = outputs  # the send tokens of a non-last stage
         if self.stage.is_last:
             loss = self._loss(outputs, _to(target, self.device))
             result.losses.append(loss.detach())
             result.outputs.append(tuple(_detach(o) for o in outputs))
-            self.saved[m] = (received, (loss,))
-            return
-        for edge, tensor in zip(self.stage.sends, outputs):
-            self.links.isend(tensor, edge.dst, self._tag(edge, m, False), f"F{m} {edge.value}")
-        self.saved[m] = (received, outputs)
+            roots = (loss / self.microbatches,)
+        self.roots[m] = [root for root in roots if root.requires_grad]
 
     def _backward(self, m: int) -> None:
-        received, outputs = self.saved.pop(m)
-        if self.stage.is_last:
-            (outputs[0] / self.microbatches).backward()
-        else:
-            grads = [self._recv(edge, m, grad=True) for edge in self.stage.sends if _differentiable(edge)]
-            sent = [out for edge, out in zip(self.stage.sends, outputs) if _differentiable(edge)]
-            pairs = [(out, grad) for out, grad in zip(sent, grads) if out.requires_grad]
-            if pairs:
-                torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
-        for edge, tensor in zip(self.stage.recvs, received):
-            if _differentiable(edge):
-                grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
-                self.links.isend(grad, edge.src, self._tag(edge, m, True), f"B{m} grad of {edge.value}")
-
-    def _recv(self, edge: CommEdge, m: int, *, grad: bool) -> torch.Tensor:
-        peer = edge.dst if grad else edge.src
-        what = f"{'B' if grad else 'F'}{m} {'grad of ' if grad else ''}{edge.value} (stage {peer})"
-        tensor = self.links.recv(peer, self._tag(edge, m, grad), edge.shape, edge.dtype, what)
-        if not grad and _differentiable(edge):
-            tensor.requires_grad_()
-        return tensor
-
-    def _tag(self, edge: CommEdge, m: int, grad: bool) -> int:
-        """Wire tag unique per (edge, direction, microbatch) within a step."""
-        return (edge.tag * 2 + int(grad)) * self.microbatches + m
+        roots = self.roots.pop(m)
+        if roots:
+            torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])
+        self.transport.settle_gradients()
 
     def _loss(self, outputs: tuple, target) -> torch.Tensor:
         if self.loss_fn is not None:
@@ -158,7 +138,7 @@ class StageExecutor:
             if self.stage.index not in group.stages:
                 continue
             local = next(name for stage, name in group.members if stage == self.stage.index)
-            param = self.compute.get_parameter(local)
+            param = self.module.get_parameter(local)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             self.links.all_reduce(param.grad, index, f"gradient sum of tied parameter {group.name}")
@@ -166,10 +146,6 @@ class StageExecutor:
 
 def _unique_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(dict.fromkeys(p for p in module.parameters() if p.requires_grad))
-
-
-def _differentiable(edge: CommEdge) -> bool:
-    return edge.requires_grad
 
 
 def _to(value, device: torch.device):

@@ -1,9 +1,10 @@
-"""Hand hetcc's compute-only stages to ``torch.distributed.pipelining``.
+"""Hand hetcc's stages to ``torch.distributed.pipelining``, which moves the tensors itself.
 
 pipelining runs a chain: stage 0 takes the model inputs, every later stage takes exactly what the
-previous one returned. ``pipelining_stage`` checks that a split is such a chain (no skip connection
-over a stage, no model input after stage 0) and wraps the stage so its arguments arrive in the order
-the previous stage sends them.
+previous one returned. ``pipelining_schedule`` checks that a split is such a chain (no skip connection
+over a stage, no model input after stage 0) and wraps this rank's stage in a ``PipeliningModule``: the
+stage's computation without its send/recv ops (``hetcc.passes.codegen.compute_module``), taking its
+arguments in the order the previous stage sends them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ _SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 class PipeliningModule(torch.nn.Module):
-    """A compute-only stage that takes its received tensors in the previous stage's send order."""
+    """``compute_module(stage)`` taking its received tensors in the previous stage's send order, and
+    returning a single output bare (a tensor, not a 1-tuple) to the next stage or the loss function."""
 
     def __init__(self, stage: StageGraph, previous: StageGraph | None):
         super().__init__()

@@ -24,21 +24,40 @@ import torch.multiprocessing as mp
 
 from hetcc import config
 from hetcc.errors import HetccError, PlanFormatError, RuntimeFailure
+from hetcc.kernels import launch_stats, reset_launch_stats
 from hetcc.passes.comm import StageGraph
 from hetcc.runtime.executor import StageExecutor
 from hetcc.runtime.groups import Links
+from hetcc.runtime.ops import reset_transfer_stats, transfer_stats
 from hetcc.runtime.store import Pipeline, load_pipeline, save_stages
 from hetcc.solver.schedules import stage_actions
 
 
 @dataclass
 class RunResult:
-    """``losses``: one per step (mean over microbatches); ``outputs``: the last step's flat model outputs
-    concatenated over microbatches; ``grads``: after the last backward, by model parameter name."""
+    """What a run produced, and which code produced it.
+
+    ``losses``: one per step (mean over microbatches); ``outputs``: the last step's flat model outputs
+    concatenated over microbatches; ``grads``: after the last backward, by model parameter name.
+
+    ``stats``: one dict per rank, counted over all steps:
+
+    - ``sends`` / ``recvs``: tensors the stage's ``hetcc::send``/``hetcc::recv`` ops moved, activations
+      and gradients (a gradient is sent by ``recv``'s backward, received by ``send``'s);
+      ``bytes_sent`` / ``bytes_received``: their sizes.
+    - ``grads_filled`` / ``grads_dropped``: gradients exchanged outside the ops so every peer's wait is
+      matched: zeros sent for a received tensor autograd never differentiated, a gradient received and
+      dropped for a sent tensor that needed none (``LinkTransport.settle_gradients``).
+    - ``fused_triton`` / ``fused_interpreter`` / ``fused_eager``: fused-group forwards by backend:
+      generated kernel on a GPU, generated kernel through ``TRITON_INTERPRET=1``, original ops.
+    - ``backward_triton`` / ``backward_interpreter``: generated backward kernel launches;
+      ``backward_recompute``: group backwards that differentiated the original ops instead.
+    """
 
     losses: list[float] = field(default_factory=list)
     outputs: tuple = ()
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
+    stats: list[dict[str, int]] = field(default_factory=list)
 
 
 def run_local(
@@ -87,7 +106,8 @@ def run_rank(
     timeout_s: float | None = None,
     device: torch.device | str = "cpu",
 ) -> dict[str, Any]:
-    """Run this rank's stage for ``steps`` steps (torch.distributed already initialised)."""
+    """Run this rank's stage for ``steps`` steps (torch.distributed already initialised); returns
+    ``losses`` and ``outputs`` (last stage only), ``grads`` and ``stats`` as ``RunResult`` has them."""
     stage = pipeline.stages[rank]
     timeout_s = config.comm_timeout_s if timeout_s is None else timeout_s
     vendors = pipeline.meta.get("vendors") or ["cpu"] * len(pipeline.stages)
@@ -100,12 +120,15 @@ def run_rank(
     target_chunks = list(targets.chunk(microbatches)) if isinstance(targets, torch.Tensor) else None
     actions = stage_actions(schedule, len(pipeline.stages), microbatches)[rank]
     losses, last = [], None
+    reset_transfer_stats()
+    reset_launch_stats()
     for _ in range(steps):
         last = executor.step(chunks, target_chunks, actions)
         if stage.is_last:
             losses.append(float(torch.stack(last.losses).mean()))
     outputs = _concat_outputs(last.outputs) if stage.is_last else ()
-    return {"losses": losses, "outputs": outputs, "grads": executor.named_grads()}
+    stats = {**transfer_stats(), **launch_stats()}
+    return {"losses": losses, "outputs": outputs, "grads": executor.named_grads(), "stats": stats}
 
 
 def named_inputs(pipeline: Pipeline, inputs: Mapping[str, Any] | tuple | list) -> dict[str, Any]:
@@ -248,4 +271,5 @@ def _collect(results: str, num_stages: int, exit_codes: list[int | None]) -> Run
         for name, grad in report["grads"].items():
             grads.setdefault(name, grad)
     last = reports[-1]
-    return RunResult(losses=list(last["losses"]), outputs=tuple(last["outputs"]), grads=grads)
+    stats = [dict(report["stats"]) for report in reports]
+    return RunResult(losses=list(last["losses"]), outputs=tuple(last["outputs"]), grads=grads, stats=stats)

@@ -6,16 +6,20 @@ from the peer, and the backward of ``recv`` sends the gradient of the received t
 carries the peer stage, a tag naming the cut edge, and the shape and dtype, so ``stage<k>.py`` shows
 what crosses where.
 
-The ops move data through the *current transport* (``use_transport``): the distributed runtime or
-``LocalTransport``, an in-process mailbox used to run all stages in one process. ``recv`` takes an
-``anchor``: a 0-d tensor that requires grad (the stage's ``hetcc_anchor`` buffer), because autograd
-only records an op that has a differentiable input; without it, the gradient of a received tensor
-would never reach the backward of ``recv``.
+The ops move data through the *current transport* (``use_transport``): the distributed runtime's
+``hetcc.runtime.transport.LinkTransport`` or ``LocalTransport``, an in-process mailbox used to run all
+stages in one process. ``recv`` takes an ``anchor``: a 0-d tensor that requires grad (the stage's
+``hetcc_anchor`` buffer), because autograd only records an op that has a differentiable input; without
+it, the gradient of a received tensor would never reach the backward of ``recv``.
+
+Every tensor the ops move is counted in process-local counters (``transfer_stats``), which the runtime
+reports per rank as provenance: they show that the transfers of a run went through these ops.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -29,6 +33,10 @@ ANCHOR_NAME = "hetcc_anchor"
 class Transport(Protocol):
     """Moves one tensor per (tag, direction); ``grad`` marks the backward direction."""
 
+    def carries_gradient(self, tag: int) -> bool:
+        """Whether the gradient of edge ``tag`` crosses the cut (the peer sends or waits for it)."""
+        ...
+
     def send(self, tensor: torch.Tensor, peer: int, tag: int, *, grad: bool) -> None: ...
 
     def recv(
@@ -37,6 +45,30 @@ class Transport(Protocol):
 
 
 _current: list[Transport] = []
+
+# What ``transfer_stats`` reports; the last two count gradients exchanged outside the ops
+# (``LinkTransport.settle_gradients``).
+TRANSFER_STATS = ("sends", "recvs", "bytes_sent", "bytes_received", "grads_filled", "grads_dropped")
+_transfers: Counter[str] = Counter()
+
+
+def transfer_stats() -> dict[str, int]:
+    """Tensors (forward and gradient) and bytes the ops moved in this process since the last reset."""
+    return {key: _transfers[key] for key in TRANSFER_STATS}
+
+
+def reset_transfer_stats() -> None:
+    _transfers.clear()
+
+
+def count_settled_gradient(*, sent: bool) -> None:
+    """Count a gradient the runtime sent (zeros) or received (and dropped) outside the ops."""
+    _transfers["grads_filled" if sent else "grads_dropped"] += 1
+
+
+def _count(tensor: torch.Tensor, *, sent: bool) -> None:
+    _transfers["sends" if sent else "recvs"] += 1
+    _transfers["bytes_sent" if sent else "bytes_received"] += tensor.numel() * tensor.element_size()
 
 
 @contextlib.contextmanager
@@ -65,6 +97,10 @@ class LocalTransport:
     def __init__(self) -> None:
         self.mailbox: dict[tuple[int, bool], list[torch.Tensor]] = {}
 
+    def carries_gradient(self, tag: int) -> bool:
+        """Every floating-point edge's gradient: in one process nothing waits for one that is not sent."""
+        return True
+
     def send(self, tensor: torch.Tensor, peer: int, tag: int, *, grad: bool) -> None:
         self.mailbox.setdefault((tag, grad), []).append(tensor.detach().clone())
 
@@ -83,6 +119,7 @@ class LocalTransport:
 def send(tensor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """Send ``tensor`` to stage ``peer``; returns a 0-d token that keeps the send in the graph."""
     _transport().send(tensor, peer, tag, grad=False)
+    _count(tensor, sent=True)
     return tensor.new_zeros(())
 
 
@@ -97,9 +134,11 @@ def _send_setup(ctx, inputs, output) -> None:
 
 
 def _send_backward(ctx, grad_token):
-    if not ctx.differentiable:
+    transport = _transport()
+    if not (ctx.differentiable and transport.carries_gradient(ctx.tag)):
         return None, None, None, None, None
-    grad = _transport().recv(ctx.peer, ctx.tag, ctx.shape, ctx.dtype, grad=True)
+    grad = transport.recv(ctx.peer, ctx.tag, ctx.shape, ctx.dtype, grad=True)
+    _count(grad, sent=False)
     return grad, None, None, None, None
 
 
@@ -109,7 +148,9 @@ send.register_autograd(_send_backward, setup_context=_send_setup)
 @torch.library.custom_op("hetcc::recv", mutates_args=())
 def recv(anchor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """Receive the tensor of edge ``tag`` from stage ``peer`` (``anchor`` only ties it to autograd)."""
-    return _transport().recv(peer, tag, shape, dtype, grad=False)
+    tensor = _transport().recv(peer, tag, shape, dtype, grad=False)
+    _count(tensor, sent=False)
+    return tensor
 
 
 @recv.register_fake
@@ -122,22 +163,24 @@ def _recv_setup(ctx, inputs, output) -> None:
 
 
 def _recv_backward(ctx, grad):
-    if ctx.dtype.is_floating_point:
+    transport = _transport()
+    if ctx.dtype.is_floating_point and transport.carries_gradient(ctx.tag):
         grad = grad if grad is not None else torch.zeros(ctx.shape, dtype=ctx.dtype)
-        _transport().send(grad, ctx.peer, ctx.tag, grad=True)
+        transport.send(grad, ctx.peer, ctx.tag, grad=True)
+        _count(grad, sent=True)
     return None, None, None, None, None
 
 
 recv.register_autograd(_recv_backward, setup_context=_recv_setup)
 
 
-def new_anchor() -> torch.Tensor:
+def new_anchor(device: torch.device | str | None = None) -> torch.Tensor:
     """The 0-d tensor a stage passes to every ``recv`` so received tensors join autograd."""
-    return torch.zeros((), requires_grad=True)
+    return torch.zeros((), device=device, requires_grad=True)
 
 
-def attach_anchor(module: torch.nn.Module) -> None:
+def attach_anchor(module: torch.nn.Module, device: torch.device | str | None = None) -> None:
     """(Re)register the stage's anchor as a non-persistent buffer (never saved with the weights)."""
     if hasattr(module, ANCHOR_NAME):
         delattr(module, ANCHOR_NAME)
-    module.register_buffer(ANCHOR_NAME, new_anchor(), persistent=False)
+    module.register_buffer(ANCHOR_NAME, new_anchor(device), persistent=False)

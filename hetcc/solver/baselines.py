@@ -48,22 +48,28 @@ def uniform_boundaries(num_blocks: int, num_stages: int) -> list[int]:
 
 
 def balanced_boundaries(weights: list[float], num_stages: int) -> list[int]:
-    """Contiguous non-empty split into ``num_stages`` parts minimising the largest part's weight.
+    """Contiguous non-empty split into ``num_stages`` parts minimising the largest part's weight."""
+    prefix = np.concatenate([[0.0], np.cumsum(weights)])
+    part = prefix[None, :] - prefix[:, None]  # part[a, i] = weight of blocks [a, i)
+    return min_max_split([part] * num_stages)[1]
+
+
+def min_max_split(stage_costs: list[np.ndarray]) -> tuple[float, list[int]]:
+    """The contiguous non-empty split of N blocks into ``len(stage_costs)`` stages minimising the
+    largest ``stage_costs[j][a, i]`` (stage j holding blocks ``[a, i)``), and that maximum.
 
     A DP over cut positions (O(K N^2), vectorised); among equal maxima it keeps the earliest cut.
     """
-    n = len(weights)
-    prefix = np.concatenate([[0.0], np.cumsum(weights)])
-    part = prefix[None, :] - prefix[:, None]  # part[a, i] = weight of blocks [a, i)
+    n = stage_costs[0].shape[0] - 1
     allowed = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)
     best = np.full(n + 1, math.inf)
-    best[0] = 0.0
+    best[0] = -math.inf
     choices = []
-    for _ in range(num_stages):
-        total = np.where(allowed, np.maximum(best[:, None], part), math.inf)
+    for cost in stage_costs:
+        total = np.where(allowed, np.maximum(best[:, None], cost), math.inf)
         choices.append(total.argmin(axis=0))
         best = total.min(axis=0)
     bounds = [n]
     for choice in reversed(choices):
         bounds.append(int(choice[bounds[-1]]))
-    return bounds[::-1]
+    return float(best[n]), bounds[::-1]

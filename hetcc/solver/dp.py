@@ -2,7 +2,7 @@
 
 The objective is ``T = S + (M - 1) * P`` with ``S = sum_j (T_j + C_j)`` and the period
 ``P = max(max_j max(T_j, C_j), max_{j throttled} R_j / q_j)``, where ``R_j`` is the suffix sum
-``sum_{i >= j} (T_i + C_i)`` (see ``partition.step_time``). For a bound ``b`` let ``S(b)`` be the least
+``sum_{i >= j} (T_i + C_i)`` (see ``objective.step_time``). For a bound ``b`` let ``S(b)`` be the least
 sum over plans with every stage term ``<= b`` and every throttled ``R_j <= b * q_j``; then
 ``min T = min_b S(b) + (M - 1) * b`` (``b`` = the optimum's own P gives ``S(b) <= S*``, and every other
 ``b`` gives a real plan no worse than its bound).
@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hetcc.solver.objective import step_terms
 from hetcc.solver.problem import MEMORY_RTOL, PartitionProblem, inflight_microbatches, round_trip_slots
 
 PROBES_PER_ROUND = 32
@@ -229,15 +230,13 @@ class Chain:
         return self.plan(stages, bound_s, trip_bound_s)[1]
 
     def period_s(self, stages: list[SequenceSlot], boundaries: list[int]) -> float:
-        """P of a plan on this sequence, from the same prefix sums the DP uses."""
-        period, round_trip = 0.0, 0.0
-        for j in range(len(stages) - 1, -1, -1):
-            start, stop = boundaries[j], boundaries[j + 1]
-            compute = self.prefix_s[stages[j].type_row][stop] - self.prefix_s[stages[j].type_row][start]
-            comm = float(stages[j].comm_s[stop])
-            round_trip += compute + comm
-            period = max(period, compute, comm, round_trip / stages[j].slots)
-        return period
+        """P of a plan on this sequence (``objective.step_terms``) from the prefix sums the DP uses."""
+        spans = list(zip(boundaries, boundaries[1:]))
+        compute = [
+            self.prefix_s[s.type_row][b] - self.prefix_s[s.type_row][a] for s, (a, b) in zip(stages, spans)
+        ]
+        comm = [float(s.comm_s[b]) for s, (_, b) in zip(stages, spans)]
+        return step_terms(compute, comm, [s.slots for s in stages])[1]
 
 
 def solve_sequence(chain: Chain, devices: list[int], incumbent_s: float = math.inf) -> SequenceOptimum | None:

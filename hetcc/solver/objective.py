@@ -1,4 +1,4 @@
-"""The planner's step-time model: what one plan costs (DESIGN.md, "The partition problem").
+"""The planner's step-time model: what one plan costs.
 
     T = sum_j (T_j + C_j) + (M - 1) * P,    P = max(max_j max(T_j, C_j), max_{j throttled} R_j / q_j)
 
@@ -51,16 +51,26 @@ def _stage_plans(problem, boundaries, devices) -> tuple[StageCost, ...]:
 
 def _objective_s(problem: PartitionProblem, stages: tuple[StageCost, ...]) -> tuple[float, float]:
     """(T, P) of a plan; T is infinite when a stage does not fit."""
-    period = max(max(s.compute_s, s.comm_s) for s in stages)
-    round_trip = 0.0  # R_j, accumulated from the last stage backwards
-    for j in range(len(stages) - 1, -1, -1):
-        round_trip += stages[j].compute_s + stages[j].comm_s  # comm_s of the last stage is 0
-        slots = round_trip_slots(problem, j, len(stages))
-        if slots is not None:
-            period = max(period, round_trip / slots)
+    k = len(stages)
+    slots = [round_trip_slots(problem, j, k) or math.inf for j in range(k)]
+    fill_drain, period = step_terms([s.compute_s for s in stages], [s.comm_s for s in stages], slots)
     if not all(s.fits for s in stages):
         return math.inf, period
-    return round_trip + (problem.microbatches - 1) * period, period
+    return fill_drain + (problem.microbatches - 1) * period, period
+
+
+def step_terms(
+    compute_s: Sequence[float], comm_s: Sequence[float], slots: Sequence[float]
+) -> tuple[float, float]:
+    """(S, P) of stages with T_j = ``compute_s[j]``, C_j = ``comm_s[j]`` (0 for the last) and round-trip
+    slots q_j = ``slots[j]`` (inf where no round trip limits the stage): S = sum_j (T_j + C_j) and
+    P = max_j max(T_j, C_j, R_j / q_j), R_j accumulated from the last stage backwards. The one
+    place the formula lives: the DP scores its plans with it too."""
+    period, round_trip = 0.0, 0.0
+    for j in range(len(compute_s) - 1, -1, -1):
+        round_trip += compute_s[j] + comm_s[j]
+        period = max(period, compute_s[j], comm_s[j], round_trip / slots[j])
+    return round_trip, period
 
 
 def _gap(step_s: float, bound_s: float) -> float:

@@ -6,12 +6,12 @@ orders); the winner is scored by ``solver.objective.evaluate`` against ``solver.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import numpy as np
 
 from hetcc.errors import InfeasiblePlanError
+from hetcc.solver.baselines import min_max_split
 from hetcc.solver.objective import evaluate
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, inflight_microbatches
 from hetcc.solver.search import search
@@ -45,9 +45,9 @@ def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:
 def tightest_shortfall(problem: PartitionProblem) -> str:
     """Describe the smallest memory overflow found: which blocks, which device, how many bytes short.
 
-    A block that fits no device alone is named directly. Otherwise, devices are taken largest first
-    (1F1B's early stages hold the most microbatches) and, for each number of stages, a DP finds the
-    cut that minimises the largest overflow; the best such stage is reported.
+    Devices are taken largest first (1F1B's early stages hold the most microbatches) and, for each
+    number of stages, a DP finds the cut that minimises the largest overflow; the worst stage of the
+    best such cut is reported.
     """
     order = sorted(range(len(problem.devices)), key=lambda d: -problem.devices[d].memory_bytes)
     best = None
@@ -72,24 +72,12 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
     )
 
 
-def _min_max_overflow(problem, caps: list[float], inflight: list[int]):
-    """DP over cuts for a fixed device sequence minimising max_j (memory_j - cap_j)."""
-    n = len(problem.blocks)
+def _min_max_overflow(problem: PartitionProblem, caps: list[float], inflight: list[int]):
+    """The cut of a fixed device sequence minimising max_j (memory_j - cap_j): (overflow, stages)
+    with each stage's block range and the bytes it uses."""
     w = np.concatenate([[0.0], np.cumsum(problem.state_bytes)])
     a = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
-    best = np.full(n + 1, math.inf)
-    best[0] = -math.inf
-    choice = []
-    for cap, q in zip(caps, inflight):
-        used = (w[None, :] - w[:, None]) + q * (a[None, :] - a[:, None])  # [start, stop)
-        over = np.where(np.triu(np.ones((n + 1, n + 1), bool), 1), used - cap, math.inf)
-        total = np.maximum(best[:, None], over)
-        choice.append(total.argmin(axis=0))
-        best = total.min(axis=0)
-    stages, stop = [], n
-    for j in range(len(caps) - 1, -1, -1):
-        start = int(choice[j][stop])
-        used = (w[stop] - w[start]) + inflight[j] * (a[stop] - a[start])
-        stages.append(((start, stop), float(used)))
-        stop = start
-    return float(best[n]), stages[::-1]
+    used = [(w[None, :] - w[:, None]) + q * (a[None, :] - a[:, None]) for q in inflight]  # [start, stop)
+    overflow, bounds = min_max_split([u - cap for u, cap in zip(used, caps)])
+    stages = [((b0, b1), float(u[b0, b1])) for u, b0, b1 in zip(used, bounds, bounds[1:])]
+    return overflow, stages

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from fusion_helpers import export_and_fuse, forward_backward, fused_groups
+from fusion_helpers import export_and_fuse, forward_backward, forward_backward_counted, fused_groups
 from test_fusion_numerics import Chain
 
-from hetcc.kernels import cache
+from hetcc.kernels import cache, launch_stats, reset_launch_stats
 from hetcc.kernels.execute import run_eager, run_forward
 
 
@@ -29,10 +29,12 @@ def test_cpu_without_interpreter_runs_original_ops_and_equals_eager_exactly():
     assert cache.choose_backend("cpu") == (cache.FALLBACK, "CPU without TRITON_INTERPRET=1")
     assert "backend=eager-fallback (CPU without TRITON_INTERPRET=1)" in fused.code
     before = cache.cache_size()
-    expected, got = forward_backward(reference, ARGS), forward_backward(fused, ARGS)
+    expected = forward_backward(reference, ARGS)
+    got, launches = forward_backward_counted(fused, ARGS)
     for want, have in zip(expected[0] + expected[1], got[0] + got[1]):
         torch.testing.assert_close(have, want, atol=0, rtol=0)
     assert cache.cache_size() == before  # nothing was compiled
+    assert {k: n for k, n in launches.items() if n} == {"fused_eager": 1, "backward_recompute": 1}
 
 
 @pytest.mark.usefixtures("interpreter")
@@ -41,7 +43,9 @@ def test_interpreter_choice_shows_in_printed_code_and_matches_fallback():
     assert "backend=triton (CPU through TRITON_INTERPRET=1)" in fused.code
     (group,) = fused_groups(fused)
     inputs = [ARGS[0], ARGS[1]]
+    reset_launch_stats()
     torch.testing.assert_close(run_forward(group, inputs), run_eager(group, inputs), atol=1e-6, rtol=1e-5)
+    assert launch_stats()["fused_interpreter"] == 1 and launch_stats()["fused_eager"] == 0
 
 
 def test_without_triton_every_device_falls_back(monkeypatch):

@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fusion_helpers import export_and_fuse, forward_backward, fused_groups
+from fusion_helpers import (
+    assert_generated_kernels_ran,
+    export_and_fuse,
+    forward_backward,
+    forward_backward_counted,
+    fused_groups,
+)
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2}
 
@@ -26,7 +32,9 @@ class Chain(torch.nn.Module):
 def assert_matches_eager(module: torch.nn.Module, args: tuple, dtype: torch.dtype, groups: int = 1):
     reference, fused = export_and_fuse(module, args)
     assert len(fused_groups(fused)) == groups, fused.code
-    expected, fused_out = forward_backward(reference, args), forward_backward(fused, args)
+    expected = forward_backward(reference, args)
+    fused_out, launches = forward_backward_counted(fused, args)
+    assert_generated_kernels_ran(fused_groups(fused), launches)
     tol = TOLERANCE[dtype]
     for want, got in zip(expected[0] + expected[1], fused_out[0] + fused_out[1]):
         if want is None:

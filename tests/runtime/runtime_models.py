@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,40 @@ class SmallCNN(torch.nn.Module):
 
     def forward(self, x):
         return self.fc(torch.relu(self.bn(self.conv(x))).flatten(1))
+
+
+class GatedBody(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        mask = (x > 0).float()  # float, from the input alone: no gradient crosses its edge
+        h = self.a(x * mask)
+        gate = (h > 0).float()  # float, from a trainable value through a comparison
+        return h, mask, gate
+
+
+class GatedHead(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.b = torch.nn.Linear(width, width)
+
+    def forward(self, h, mask, gate):
+        return torch.where(gate > 0.5, self.b(h) * mask, 0.0)  # gate is only compared
+
+
+class GatedMLP(torch.nn.Module):
+    """Cut edges whose gradients autograd does not move by itself: ``gate`` is differentiable by the
+    split's rule (a float computed from a trainable value), yet neither side ever differentiates it, and
+    ``mask`` is not differentiable, yet the consumer's autograd computes a gradient for it."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.body, self.head = GatedBody(width), GatedHead(width)
+
+    def forward(self, x):
+        return self.head(*self.body(x))
 
 
 def tiny_gpt2():
@@ -65,10 +100,32 @@ def stages_by_module(gm: torch.fx.GraphModule, rules: list[tuple[str, int]]) -> 
 
 MLP_RULES = [("a", 0), ("b", 1), ("c", 2)]
 CNN_RULES = [("conv", 0), ("bn", 0), ("fc", 1)]
+GATED_RULES = [("body", 0), ("head", 1)]
 GPT2_RULES = [
     ("transformer.wte", 0), ("transformer.wpe", 0), ("transformer.drop", 0), ("transformer.h.0", 0),
     ("transformer.h.1", 1), ("transformer.ln_f", 2), ("lm_head", 2),
 ]  # fmt: skip
+
+
+def planned_transfers(stages, microbatches: int, steps: int) -> list[dict[str, int]]:
+    """Per rank, what the split's edges move when every transfer goes through the send/recv ops: each
+    edge's tensor once per microbatch, and a differentiable edge's gradient once more, the other way."""
+    per_edge = microbatches * steps
+    planned = []
+    for stage in stages:
+        sent = [*stage.sends, *(edge for edge in stage.recvs if edge.requires_grad)]
+        received = [*stage.recvs, *(edge for edge in stage.sends if edge.requires_grad)]
+        planned.append({
+            "sends": len(sent) * per_edge,
+            "recvs": len(received) * per_edge,
+            "bytes_sent": sum(map(_edge_bytes, sent)) * per_edge,
+            "bytes_received": sum(map(_edge_bytes, received)) * per_edge,
+        })  # fmt: skip
+    return planned
+
+
+def _edge_bytes(edge) -> int:
+    return math.prod(edge.shape) * edge.dtype.itemsize
 
 
 def run_in_process(stages, inputs: dict, backward: bool = False):

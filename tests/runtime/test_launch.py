@@ -11,7 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from runtime_models import MLP_RULES, ResidualMLP, eager_reference, export, stages_by_module
+from runtime_models import (
+    MLP_RULES,
+    ResidualMLP,
+    eager_reference,
+    export,
+    planned_transfers,
+    stages_by_module,
+)
 
 from hetcc import config
 from hetcc.errors import RuntimeFailure
@@ -43,6 +50,7 @@ def test_torchrun_launch_of_a_saved_folder_matches_eager(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "-m", "hetcc.launch", str(tmp_path), "--steps", "2", "--losses-out", str(losses_file),
+        "--stats-out", str(tmp_path / "stats"),
     ]  # fmt: skip
     env = {**os.environ, "HETCC_COMM_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
@@ -53,6 +61,9 @@ def test_torchrun_launch_of_a_saved_folder_matches_eager(tmp_path):
     expected, _, _ = eager_reference(model, {"x": x}, y, F.mse_loss, 2, 2, optimizer)
     for got, want in zip(json.loads(losses_file.read_text()), expected, strict=True):
         assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    for rank, planned in enumerate(planned_transfers(stages, microbatches=2, steps=2)):
+        stats = json.loads((tmp_path / "stats" / f"stats_rank{rank}.json").read_text())
+        assert {key: stats[key] for key in planned} == planned
 
 
 def test_a_dead_rank_becomes_runtime_failure_on_the_others(monkeypatch):

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from runtime_models import MLP_RULES, ResidualMLP, export, stages_by_module
+from runtime_models import GPT2_RULES, MLP_RULES, ResidualMLP, export, stages_by_module, tiny_gpt2
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hetcc.errors import HetccError, PlanFormatError, RuntimeFailure
+from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.groups import link_backend, link_backends, world_backend
 from hetcc.runtime.interop import pipelining_schedule
 from hetcc.runtime.local import run_local
-from hetcc.runtime.ops import LocalTransport, new_anchor, use_transport
+from hetcc.runtime.ops import LocalTransport, new_anchor, transfer_stats, use_transport
 
 
 def test_backward_of_send_receives_and_backward_of_recv_sends_the_gradient():
@@ -25,6 +26,28 @@ def test_backward_of_send_receives_and_backward_of_recv_sends_the_gradient():
         token.backward()  # the producer's backward receives it
     torch.testing.assert_close(x.grad, 8 * x.detach())
     assert transport.mailbox == {(7, False): [], (7, True): []}
+
+
+def test_ops_count_every_tensor_they_move_forward_and_backward():
+    before = transfer_stats()
+    test_backward_of_send_receives_and_backward_of_recv_sends_the_gradient()
+    moved = {key: transfer_stats()[key] - before[key] for key in before}
+    assert moved == {
+        "sends": 2, "recvs": 2, "bytes_sent": 24, "bytes_received": 24, "grads_filled": 0, "grads_dropped": 0,
+    }  # fmt: skip
+
+
+def test_module_for_a_gpu_rank_names_its_device_and_shares_the_stage_parameters():
+    ids = torch.randint(0, 64, (2, 8))
+    gm = export(tiny_gpt2(), kwargs={"input_ids": ids, "labels": ids.clone(), "use_cache": False})
+    last = split_stages(gm, stages_by_module(gm, GPT2_RULES), 3)[2]
+    assert module_for_device(last, "cpu") is last.module  # a CPU rank runs the stage module itself
+    moved = module_for_device(last, "meta")
+    assert "device(type='meta')" in moved.code and "device(type='cpu')" not in moved.code
+    assert "device(type='cpu')" in last.module.code and "hetcc.recv" in moved.code
+    params = dict(moved.named_parameters())
+    assert params and all(params[name] is p for name, p in last.module.named_parameters())
+    assert moved.hetcc_anchor.device.type == "meta" and moved.hetcc_anchor.requires_grad
 
 
 def test_ops_have_fake_kernels_with_the_declared_shape():

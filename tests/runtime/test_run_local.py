@@ -2,7 +2,8 @@
 
 Each fixture is one spawned run shared by several assertions. Losses must agree to 1e-5 relative and
 every gradient to 1e-4; grads are checked after step 1 (one-step runs) and after step 3 (three-step
-runs, which also checks that the optimizer steps on every stage matched eager's).
+runs, which also checks that the optimizer steps on every stage matched eager's). Every rank's transfer
+counters must show that the split's edges moved through the stage's send/recv ops.
 """
 
 from __future__ import annotations
@@ -12,16 +13,20 @@ import torch
 import torch.nn.functional as F
 from runtime_models import (
     CNN_RULES,
+    GATED_RULES,
     GPT2_RULES,
     MLP_RULES,
+    GatedMLP,
     ResidualMLP,
     SmallCNN,
     eager_reference,
     export,
+    planned_transfers,
     stages_by_module,
     tiny_gpt2,
 )
 
+from hetcc import config
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.local import run_local
 
@@ -39,10 +44,11 @@ def _run(
         microbatches=MICROBATCHES, optimizer=optimizer,
     )  # fmt: skip
     reference = eager_reference(model, inputs, targets, loss_fn, steps, MICROBATCHES, optimizer)
-    return result, reference
+    return result, reference, stages
 
 
-def _check(result, reference, output_index=0):
+def _check(result, reference, stages, output_index=0):
+    _check_transfers(result, stages)
     losses, grads, outputs = reference
     assert len(result.losses) == len(losses)
     for got, want in zip(result.losses, losses):
@@ -51,6 +57,12 @@ def _check(result, reference, output_index=0):
     for name, grad in grads[-1].items():
         torch.testing.assert_close(result.grads[name], grad, rtol=0, atol=1e-4, msg=name)
     torch.testing.assert_close(result.outputs[output_index], outputs, rtol=1e-5, atol=1e-5)
+
+
+def _check_transfers(result, stages):
+    planned = planned_transfers(stages, MICROBATCHES, len(result.losses))
+    assert [{key: stats[key] for key in plan} for stats, plan in zip(result.stats, planned)] == planned
+    assert all(stats["grads_filled"] == stats["grads_dropped"] == 0 for stats in result.stats)
 
 
 @pytest.fixture(scope="module", params=[("gpipe", 1), ("1f1b", 3)], ids=["gpipe-1step", "1f1b-3steps"])
@@ -100,6 +112,26 @@ def gpt2_run(request):
 
 
 def test_gpt2_with_tied_embeddings_matches_eager(gpt2_run):
-    result, reference = gpt2_run
+    result, reference, stages = gpt2_run
     assert "transformer.wte.weight" in result.grads and "lm_head.weight" not in result.grads
-    _check(result, reference, output_index=1)  # outputs: (loss per microbatch, logits)
+    _check(result, reference, stages, output_index=1)  # outputs: (loss per microbatch, logits)
+
+
+def test_gradients_autograd_never_computes_are_settled_outside_the_ops():
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with config.patch(comm_timeout_s=30.0):  # a wait left unmatched fails in 30 s, not 120
+        result, reference, stages = _run(
+            GatedMLP(), {"x": x[:4]}, {"x": x}, GATED_RULES, 2, targets=y, loss_fn=F.mse_loss,
+            schedule="1f1b", steps=2, optimizer={"name": "sgd", "lr": 0.1},
+        )  # fmt: skip
+    assert sorted(edge.requires_grad for edge in stages[0].sends) == [False, True, True]  # mask; h, gate
+    losses, grads, outputs = reference
+    for got, want in zip(result.losses, losses, strict=True):
+        assert abs(got - want) <= 1e-5 * abs(want), (result.losses, losses)
+    for name, grad in grads[-1].items():
+        torch.testing.assert_close(result.grads[name], grad, rtol=0, atol=1e-4, msg=name)
+    # Per step and microbatch: the gate's zero gradient is sent by rank 1 and dropped by rank 0.
+    settled = [(stats["grads_filled"], stats["grads_dropped"]) for stats in result.stats]
+    assert settled == [(0, 4), (4, 0)]
+    assert result.stats[0]["recvs"] == result.stats[1]["sends"] == 4  # the gradient of h only
