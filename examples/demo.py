@@ -27,7 +27,7 @@ def main() -> None:
     print(compiled.analysis.summary().split("\ncuts")[0])
     print("\n== plan ==")
     print(compiled.explain())
-    print("\nIR after every pass: build/demo/ir/ (00_traced.py ... 07_partition.txt, plan.json)")
+    print("\nIR after every pass: build/demo/ir/ (00_traced.py ... 09_codegen.txt, plan.json, stage<k>.py)")
 
 
 if __name__ == "__main__":
