@@ -223,24 +223,27 @@ def _fused_record(group: FusionGroup, members, input_nodes) -> ir.NodeInfo:
 def install_code_comments(gm: torch.fx.GraphModule) -> None:
     """Make ``gm.code`` print, above each fused node, its group summary, backend and replaced ops.
 
-    Idempotent; recompiles ``gm``. The hook lives on the graph's codegen, which copies share: call this
-    again on a module copied or split from a fused one so its comments come from its own nodes.
+    Uses fx's public ``Graph.on_generate_code`` hook. Idempotent; recompiles ``gm``. A copied or split
+    graph shares the hook of the one it came from: calling this on the copy replaces the inherited hook
+    with one that reads the copy's own nodes.
     """
-    current = gm.graph._codegen._body_transformer
-    own = getattr(current, "hetcc_graph", None)
-    if own is not None and own() is gm.graph:
-        gm.recompile()
-        return
-    previous = current.hetcc_previous if own is not None else current
     graph_ref = weakref.ref(gm.graph)
 
-    def transform(body: list[str]) -> list[str]:
-        body = previous(body) if previous else body
-        graph = graph_ref()
-        return body if graph is None else _with_comments(body, graph)
+    def wrap(current):
+        own = getattr(current, "hetcc_graph", None)
+        if own is not None and own() is gm.graph:
+            return current
+        previous = current.hetcc_previous if own is not None else current
 
-    transform.hetcc_graph, transform.hetcc_previous = graph_ref, previous
-    gm.graph.on_generate_code(lambda _: transform)
+        def transform(body: list[str]) -> list[str]:
+            body = previous(body) if previous else body
+            graph = graph_ref()
+            return body if graph is None else _with_comments(body, graph)
+
+        transform.hetcc_graph, transform.hetcc_previous = graph_ref, previous
+        return transform
+
+    gm.graph.on_generate_code(wrap)
     gm.recompile()
 
 
