@@ -130,3 +130,22 @@ def test_inference_plans_hold_no_gradients_or_activations():
     )
     assert not math.isnan(plan.simulated_step_s)
     assert dataclasses.replace(plan) == plan
+
+
+def test_the_planner_prices_exactly_the_state_the_runtime_optimizer_keeps():
+    from hetcc.errors import HetccError
+    from hetcc.passes.partition import OPTIMIZERS, state_multiplier
+    from hetcc.runtime.executor import build_optimizer
+
+    for name, entry in OPTIMIZERS.items():
+        param = torch.nn.Parameter(torch.ones(4))
+        built = build_optimizer({"name": name, "lr": 0.1}, [param])
+        assert (built is None) == (entry.torch_class is None), name
+        if built is not None:
+            param.grad = torch.ones(4)
+            built.step()
+            state = [t for t in built.state[param].values() if torch.is_tensor(t) and t.shape == param.shape]
+            assert len(state) == entry.states, name  # per-parameter tensors the memory plan charges
+        assert state_multiplier(True, name) == 2 + entry.states
+    with pytest.raises(HetccError, match="unknown optimizer 'lion'"):
+        build_optimizer({"name": "lion"}, [torch.nn.Parameter(torch.ones(1))])
