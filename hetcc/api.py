@@ -31,8 +31,8 @@ from hetcc.passes.cost import cost
 from hetcc.passes.flops import flops, format_flops
 from hetcc.passes.fuse import fuse
 from hetcc.passes.memory import memory
+from hetcc.passes.partition import PlanSettings, partition
 from hetcc.passes.partition import optimizer as optimizer_entry
-from hetcc.passes.partition import partition
 from hetcc.passes.shapes import shapes
 from hetcc.passes.trace import trace
 from hetcc.plan import Plan
@@ -233,10 +233,8 @@ def compile(  # noqa: A001 - the public API name
     result: dict[str, Any] = {}
     with _step(dumper, "partition", lambda: result["plan"].explain(),
                lambda: verify.check_stages(gm, result["plan"])):  # fmt: skip
-        plan, problem, solution = partition(
-            gm, analysis.blocks, analysis.tied_params, cluster, microbatches=microbatches,
-            schedule=schedule, training=training, optimizer=optimizer,
-        )  # fmt: skip
+        settings = PlanSettings(microbatches, schedule, training, optimizer)
+        plan, problem, solution = partition(gm, analysis.blocks, analysis.tied_params, cluster, settings)
         result["plan"] = plan
     dumper.write("plan.json", plan.to_json(), numbered=False)
     dumper.write("problem.json", problem.to_json(), numbered=False)

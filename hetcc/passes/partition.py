@@ -59,22 +59,24 @@ def state_multiplier(training: bool, name: str) -> int:
     return 2 + optimizer(name).states if training else 1
 
 
+@dataclass(frozen=True)
+class PlanSettings:
+    """How the plan will run: what the user passed to ``hetcc.compile``."""
+
+    microbatches: int
+    schedule: str
+    training: bool
+    optimizer: str
+
+
 def partition(
-    gm: torch.fx.GraphModule,
-    chain: Sequence[Block],
-    tied: Sequence[TiedParam],
-    cluster: Cluster,
-    *,
-    microbatches: int,
-    schedule: str,
-    training: bool,
-    optimizer: str,
-) -> tuple[Plan, PartitionProblem, PartitionSolution]:
+    gm: torch.fx.GraphModule, chain: Sequence[Block], tied: Sequence[TiedParam], cluster: Cluster,
+    settings: PlanSettings,
+) -> tuple[Plan, PartitionProblem, PartitionSolution]:  # fmt: skip
     """Plan ``chain`` over ``cluster`` and annotate every node of ``gm`` with its stage."""
-    problem = build_problem(gm, chain, tied, cluster, microbatches=microbatches, schedule=schedule,
-                            training=training, optimizer=optimizer)  # fmt: skip
+    problem = build_problem(gm, chain, tied, cluster, settings)
     solution = solve(problem)
-    plan = _plan(problem, solution, chain, training, optimizer)
+    plan = _plan(problem, solution, chain, settings.training, settings.optimizer)
     stage_of = {name: s.index for s in plan.stages for name in s.nodes}
     for node in gm.graph.nodes:
         if node.name in stage_of:
@@ -83,20 +85,14 @@ def partition(
 
 
 def build_problem(
-    gm: torch.fx.GraphModule,
-    chain: Sequence[Block],
-    tied: Sequence[TiedParam],
-    cluster: Cluster,
-    *,
-    microbatches: int,
-    schedule: str,
-    training: bool,
-    optimizer: str,
-) -> PartitionProblem:
+    gm: torch.fx.GraphModule, chain: Sequence[Block], tied: Sequence[TiedParam], cluster: Cluster,
+    settings: PlanSettings,
+) -> PartitionProblem:  # fmt: skip
     """The partition problem for the chain of ``gm`` (costed with ``passes.cost``) on ``cluster``."""
+    training = settings.training
     type_names = [t.name for t in cluster.types]
     fwd, bwd = block_times(gm, [b.nodes for b in chain], type_names)
-    multiplier = state_multiplier(training, optimizer)
+    multiplier = state_multiplier(training, settings.optimizer)
     params = [float(b.param_bytes) for b in chain]
     index = {b.name: i for i, b in enumerate(chain)}
     for param in tied:
@@ -116,8 +112,8 @@ def build_problem(
         devices=devices,
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
         latency_s=cluster.latency_matrix_s(),
-        microbatches=microbatches,
-        schedule=schedule,
+        microbatches=settings.microbatches,
+        schedule=settings.schedule,
         training=training,
     )
 
