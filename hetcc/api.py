@@ -9,6 +9,7 @@ after each step is written as numbered files; with ``HETCC_CHECK=1`` ``hetcc.ver
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -230,22 +231,19 @@ def compile(  # noqa: A001 - the public API name
         _dump_kernels(gm, dumper)
     with _step(dumper, "cost", lambda: ir.format(gm), lambda: verify.check_graph(gm, "cost")):
         cost(gm, device_types=cluster.types, dtype=dtype, training=training)
-    result: dict[str, Any] = {}
-    with _step(dumper, "partition", lambda: result["plan"].explain(),
-               lambda: verify.check_stages(gm, result["plan"])):  # fmt: skip
-        settings = PlanSettings(microbatches, schedule, training, optimizer)
+    settings = PlanSettings(microbatches, schedule, training, optimizer)
+    with _step(dumper, "partition", lambda: plan.explain(), lambda: verify.check_stages(gm, plan)):
         plan, problem, solution = partition(gm, analysis.blocks, analysis.tied_params, cluster, settings)
-        result["plan"] = plan
-    dumper.write("plan.json", plan.to_json(), numbered=False)
-    dumper.write("problem.json", problem.to_json(), numbered=False)
-    stage_of = {name: s.index for s in plan.stages for name in s.nodes}
-    with _step(dumper, "comm", lambda: _format_stages(result["stages"]),
-               lambda: verify.check_pipeline(result["stages"])):  # fmt: skip
-        result["stages"] = stages = split_stages(gm, stage_of, len(plan.stages))
-    with _step(dumper, "codegen", lambda: "\n".join(stage_source(s) for s in stages), None):
+    with _step(dumper, "comm", lambda: _format_stages(stages), lambda: verify.check_pipeline(stages)):
+        stages = split_stages(gm, plan.stage_of, len(plan.stages))
+    sources = functools.cache(lambda: [stage_source(s) for s in stages])  # only made when dumped
+    with _step(dumper, "codegen", lambda: "\n".join(sources()), None):
         codegen(stages)
-    for stage in stages:
-        dumper.write(f"stage{stage.index}.py", stage_source(stage), numbered=False)
+    if dumper.folder is not None:  # beside the numbered steps: the plan, its problem, each stage's program
+        dumper.write("plan.json", plan.to_json(), numbered=False)
+        dumper.write("problem.json", problem.to_json(), numbered=False)
+        for stage, source in zip(stages, sources()):
+            dumper.write(f"stage{stage.index}.py", source, numbered=False)
     if config.debug >= 1:
         print(plan.explain(), file=sys.stderr)
     vendors = [cluster.device(s.device).vendor for s in plan.stages]

@@ -62,6 +62,11 @@ class Plan:
     exact: bool = True  # whether the device-order search was exhaustive
     notes: tuple[str, ...] = field(default=())
 
+    @property
+    def stage_of(self) -> dict[str, int]:
+        """Node name -> the stage that runs it."""
+        return {name: s.index for s in self.stages for name in s.nodes}
+
     def speedup(self, baseline: str) -> float:
         return self.baselines[baseline] / self.step_time_s
 

@@ -8,6 +8,7 @@ from models import gpt2, lm_kwargs, token_ids
 import hetcc
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.ir import info
+from hetcc.passes.codegen import stage_source
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.solve import solve
 
@@ -91,8 +92,14 @@ def test_dump_folder_holds_every_pass_and_the_plan(compiled):
         "plan.json",
         "problem.json",
         "04_blocks.txt",
+        "08_comm.txt",
+        "09_codegen.txt",
     } <= names
     assert "predicted step" in (folder / "07_partition.txt").read_text()
+    result, _ = compiled
+    for stage in result.stages:  # each stage's program, as the codegen step printed it
+        source = (folder / f"stage{stage.index}.py").read_text()
+        assert source == stage_source(stage) and source in (folder / "09_codegen.txt").read_text()
     kernels = list((folder / "kernels").glob("*.py"))  # the generated Triton source of each fused group
     assert kernels and "@triton.jit" in kernels[0].read_text()
     assert "hetcc.fusion_group" in (folder / "05_fuse.txt").read_text()

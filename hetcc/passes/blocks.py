@@ -22,6 +22,7 @@ reported once as a ``TiedParam``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import defaultdict
@@ -158,12 +159,7 @@ def _holds_parameters(node: torch.fx.Node) -> bool:
 
 def _join_parameter_free(compute: list[torch.fx.Node], names: list[str]) -> list[str]:
     """A run of nodes that reads no parameter joins the run before it (the first run, the one after)."""
-    runs: list[list[int]] = []  # node indices of each run, in order
-    for i, name in enumerate(names):
-        if i and name == names[i - 1]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
+    runs = [list(run) for _, run in itertools.groupby(range(len(names)), key=names.__getitem__)]
     holds = [any(_holds_parameters(compute[i]) for i in run) for run in runs]
     if not any(holds):
         return names

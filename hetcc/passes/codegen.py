@@ -9,8 +9,6 @@ share the stage's parameters.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.fx as fx
 
@@ -103,18 +101,6 @@ def stage_source(stage: StageGraph) -> str:
     if stage.is_last:
         lines.append(f"# returns: the model's {stage.num_outputs} flat output(s)")
     return "\n".join(lines) + "\n" + stage.module.code.strip("\n").rstrip() + "\n"
-
-
-def write_stage_sources(stages: list[StageGraph], directory: str) -> list[str]:
-    """Write ``stage<k>.py`` for every stage into ``directory``; returns the paths."""
-    os.makedirs(directory, exist_ok=True)
-    paths = []
-    for stage in stages:
-        path = os.path.join(directory, f"stage{stage.index}.py")
-        with open(path, "w") as f:
-            f.write(stage_source(stage))
-        paths.append(path)
-    return paths
 
 
 def _spec(shape, dtype: torch.dtype) -> str:

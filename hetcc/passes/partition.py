@@ -77,7 +77,7 @@ def partition(
     problem = build_problem(gm, chain, tied, cluster, settings)
     solution = solve(problem)
     plan = _plan(problem, solution, chain, settings.training, settings.optimizer)
-    stage_of = {name: s.index for s in plan.stages for name in s.nodes}
+    stage_of = plan.stage_of
     for node in gm.graph.nodes:
         if node.name in stage_of:
             ir.annotate(node, stage=stage_of[node.name])
