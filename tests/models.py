@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -110,3 +112,36 @@ def assert_chain_in_compute_order(gm: torch.fx.GraphModule) -> list[str]:
                 if arg.op not in ("get_attr", "placeholder"):
                     assert position[info(arg).block] <= position[info(node).block]
     return order
+
+
+def eager_training(model, inputs: dict, targets, loss_fn, steps: int, microbatches: int, optimizer: dict):
+    """The eager reference of a pipeline run, in one process: each step runs the microbatches one after
+    the other (train-mode BatchNorm sees the same batches), backward of ``loss / microbatches``, then
+    the optimizer (``{"name": "sgd" | "adam", **options}``). ``loss_fn(output, target)``, or the model's
+    own ``.loss``. Returns the mean microbatch loss per step and the last step's gradients under every
+    parameter name (a tied weight under each of its names; parameters the loss misses have none)."""
+    model = copy.deepcopy(model)
+    options = dict(optimizer)
+    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[options.pop("name")](
+        model.parameters(), **options
+    )
+    chunks = [
+        {k: v.chunk(microbatches)[i] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        for i in range(microbatches)
+    ]
+    target_chunks = targets.chunk(microbatches) if targets is not None else [None] * microbatches
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        step = []
+        for chunk, target in zip(chunks, target_chunks):
+            out = model(**chunk)
+            loss = out.loss if loss_fn is None else loss_fn(out, target)
+            (loss / microbatches).backward()
+            step.append(loss.detach())
+        losses.append(float(torch.stack(step).mean()))
+        grads = {
+            n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False) if p.grad is not None
+        }
+        opt.step()
+    return losses, grads

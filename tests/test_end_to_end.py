@@ -6,12 +6,10 @@ everything after that (split, send/recv, schedule, optimizer) is the product pat
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
-from models import bert, gpt2, llama, token_ids
+from models import bert, eager_training, gpt2, llama, token_ids
 from runtime_models import planned_transfers
 
 import hetcc
@@ -30,34 +28,6 @@ def _cpu_cluster(devices: int, memory: str) -> hetcc.Cluster:
 
 def bert_loss(outputs, target):
     return F.mse_loss(outputs[0], target)
-
-
-def _eager(model, inputs: dict, targets, loss_fn, steps: int, optimizer: dict):
-    """Per step: mean loss over microbatches; grads after the last backward; eager, one process."""
-    model = copy.deepcopy(model)
-    options = dict(optimizer)
-    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[options.pop("name")](
-        model.parameters(), **options
-    )
-    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    chunks = [
-        dict(inputs, **dict(zip(tensors, parts)))
-        for parts in zip(*(v.chunk(MICROBATCHES) for v in tensors.values()))
-    ]
-    target_chunks = targets.chunk(MICROBATCHES) if targets is not None else [None] * MICROBATCHES
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        step = []
-        for chunk, target in zip(chunks, target_chunks):
-            out = model(**chunk)
-            loss = out.loss if loss_fn is None else loss_fn((out.last_hidden_state,), target)
-            (loss / MICROBATCHES).backward()
-            step.append(loss.detach())
-        losses.append(float(torch.stack(step).mean()))
-        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-    return losses, grads
 
 
 def _check(result, losses, grads):
@@ -79,7 +49,7 @@ def test_llama_compiled_over_three_devices_trains_like_eager_with_1f1b():
     assert len(compiled.plan.stages) >= 2
     optimizer = {"name": "adam", "lr": 1e-3}
     result = hetcc.run_local(compiled, inputs, steps=3, optimizer=optimizer)
-    _check(result, *_eager(model, inputs, None, None, 3, optimizer))
+    _check(result, *eager_training(model, inputs, None, None, 3, MICROBATCHES, optimizer))
     _check_transfers(result, compiled.pipeline.stages, steps=3)
 
 
@@ -121,7 +91,7 @@ def test_gpt2_with_tied_embeddings_and_fused_kernels_trains_like_eager_with_gpip
     assert "# fused_" in stages[0].module.code
     optimizer = {"name": "sgd", "lr": 0.1}
     result = hetcc.run_local(compiled, inputs, steps=1, optimizer=optimizer)
-    _check(result, *_eager(model, inputs, None, None, 1, optimizer))
+    _check(result, *eager_training(model, inputs, None, None, 1, MICROBATCHES, optimizer))
     _check_transfers(result, stages, steps=1)
     _check_interpreted_kernels(result, stages, steps=1)
 
@@ -142,5 +112,5 @@ def test_bert_compiled_saved_and_run_from_its_folder_with_gpipe(tmp_path):
     )
     optimizer = {"name": "sgd", "lr": 0.1}
     result = hetcc.run_local(folder, inputs, targets=targets, loss_fn=bert_loss, steps=1, optimizer=optimizer)
-    _check(result, *_eager(model, inputs, targets, bert_loss, 1, optimizer))
+    _check(result, *eager_training(model, inputs, targets, bert_loss, 1, MICROBATCHES, optimizer))
     _check_transfers(result, compiled.pipeline.stages, steps=1)

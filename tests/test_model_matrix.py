@@ -11,12 +11,10 @@ least two stages, whatever the architecture. Checks per model:
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from model_zoo import CASES
-from models import assert_chain_in_compute_order
+from models import assert_chain_in_compute_order, eager_training
 from torch.utils.flop_counter import FlopCounterMode
 
 import hetcc
@@ -46,31 +44,6 @@ def memory_for_two_stages(analysis) -> int:
     """Room for the largest block or 55% of the whole model, whichever is more (after the 10% reserve)."""
     needs = [STATE_PER_PARAM_BYTE * b.param_bytes + MICROBATCHES * b.act_bytes for b in analysis.blocks]
     return int(max(max(needs), 0.55 * sum(needs)) / 0.9 * 1.05)
-
-
-def eager_training(case, steps: int):
-    """Per step, the mean microbatch loss; gradients of the last step by every parameter name."""
-    model = copy.deepcopy(case.model)
-    optimizer = torch.optim.Adam(model.parameters(), lr=ADAM["lr"])
-    chunks = split_microbatches(case.inputs, MICROBATCHES)
-    targets = case.targets.chunk(MICROBATCHES) if case.targets is not None else [None] * MICROBATCHES
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        step = []
-        for chunk, target in zip(chunks, targets):
-            out = model(**chunk)
-            loss = out.loss if case.loss_fn is None else case.loss_fn(out, target)
-            (loss / MICROBATCHES).backward()
-            step.append(loss.detach())
-        losses.append(float(torch.stack(step).mean()))
-        grads = {
-            name: p.grad.clone()
-            for name, p in model.named_parameters(remove_duplicate=False)
-            if p.grad is not None
-        }
-        optimizer.step()
-    return losses, grads
 
 
 def reference_flops(case) -> int:
@@ -104,7 +77,7 @@ def test_analyse_plan_and_train_like_eager(case):
     assert len(compiled.plan.stages) >= 2, compiled.explain()
     result = hetcc.run_local(compiled, case.inputs, targets=case.targets, loss_fn=case.loss_fn, steps=2,
                              optimizer=ADAM)  # fmt: skip
-    losses, grads = eager_training(case, steps=2)
+    losses, grads = eager_training(case.model, case.inputs, case.targets, case.loss_fn, 2, MICROBATCHES, ADAM)
     for got, want_loss in zip(result.losses, losses, strict=True):
         assert abs(got - want_loss) <= 1e-5 * abs(want_loss), (result.losses, losses)
     aliases = {}
