@@ -1,9 +1,10 @@
 """Process groups per link, and transfers whose every wait has a deadline.
 
-One rank runs one stage. Each pair of stages that exchanges tensors talks over the backend its two
-devices share: ``nccl`` between GPUs of one vendor (RCCL answers to the same name on AMD), ``gloo``
-across vendors and whenever a CPU is involved. Every wait goes through ``Work.wait(timeout)``; a
-timeout or a lost peer becomes ``RuntimeFailure`` naming the peer and what this rank waited for.
+A rank runs one replica of one stage (``hetcc.runtime.layout``). Each pair of ranks that exchanges
+tensors talks over the backend its two devices share: ``nccl`` between GPUs of one vendor (RCCL answers
+to the same name on AMD), ``gloo`` across vendors and whenever a CPU is involved; so do the replicas of
+a stage when they sum their gradients. Every wait goes through ``Work.wait(timeout)``; a timeout or a
+lost peer becomes ``RuntimeFailure`` naming the peer and what this rank waited for.
 """
 
 from __future__ import annotations
@@ -41,9 +42,12 @@ def world_backend(vendors: Sequence[str]) -> str:
 
 
 class Links:
-    """The process group of every rank pair and of every tied-parameter group, plus timed waits.
+    """The process group of every rank pair, of every tied-parameter group and of every replicated
+    stage's replicas, plus timed waits.
 
-    Must be built on every rank in the same order (``new_group`` is collective).
+    ``vendors``: per rank; ``tied_ranks``: per tied group, every rank holding the parameter;
+    ``replica_ranks``: per replicated stage, its replicas' ranks. Must be built on every rank with the
+    same arguments (``new_group`` is collective).
     """
 
     def __init__(
@@ -52,6 +56,7 @@ class Links:
         tied_ranks: Sequence[Sequence[int]],
         timeout_s: float,
         device: torch.device | str = "cpu",
+        replica_ranks: Sequence[Sequence[int]] = (),
     ):
         self.rank, self.timeout_s, self.device = dist.get_rank(), timeout_s, torch.device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -63,6 +68,12 @@ class Links:
         self.tied = [
             dist.new_group(sorted(ranks), backend="gloo", timeout=self.timeout) for ranks in tied_ranks
         ]
+        self.replicas = None  # (group, backend) of this rank's stage's replicas
+        for ranks in replica_ranks:
+            backend = world_backend([vendors[rank] for rank in ranks])
+            group = dist.new_group(sorted(ranks), backend=backend, timeout=self.timeout)
+            if self.rank in ranks:
+                self.replicas = (group, backend)
         self.gloo_peers = {
             j if i == self.rank else i
             for (i, j), backend in link_backends(vendors).items()
@@ -95,10 +106,27 @@ class Links:
             self.wait(work, f"completion of send of {what}", None)
 
     def all_reduce(self, tensor: torch.Tensor, group_index: int, what: str) -> None:
-        host = tensor.cpu()
-        work = dist.all_reduce(host, group=self.tied[group_index], async_op=True)
+        """Sum ``tensor`` in place over tied group ``group_index`` (gloo, through host memory)."""
+        self._sum(tensor, self.tied[group_index], "gloo", what)
+
+    def sum_over_replicas(self, tensor: torch.Tensor, what: str) -> None:
+        """Sum ``tensor`` in place over the replicas of this rank's stage (nothing if it has one)."""
+        if self.replicas is not None:
+            self._sum(tensor, *self.replicas, what)
+
+    def any_rank(self, flag: bool, what: str) -> bool:
+        """Whether ``flag`` is true on any rank of the job (every rank must call it)."""
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        value = torch.tensor([float(flag)], device=device)
+        self.wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), what, None)
+        return bool(value.item())
+
+    def _sum(self, tensor: torch.Tensor, group, backend: str, what: str) -> None:
+        wire = tensor.cpu() if backend == "gloo" else tensor
+        work = dist.all_reduce(wire, group=group, async_op=True)
         self.wait(work, what, None)
-        tensor.copy_(host)
+        if wire is not tensor:
+            tensor.copy_(wire)
 
     def wait(self, work, what: str, peer: int | None) -> None:
         """``work.wait`` with the deadline; any failure names this rank, the peer and the wait."""

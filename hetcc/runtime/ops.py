@@ -31,7 +31,12 @@ ANCHOR_NAME = "hetcc_anchor"
 
 
 class Transport(Protocol):
-    """Moves one tensor per (tag, direction); ``grad`` marks the backward direction."""
+    """Moves one tensor per (tag, direction); ``grad`` marks the backward direction.
+
+    ``replaying``: a recomputed forward is running (activation checkpointing): its ``recv`` returns
+    what the first forward received and its ``send`` moves nothing; the ops count those as replayed."""
+
+    replaying: bool
 
     def carries_gradient(self, tag: int) -> bool:
         """Whether the gradient of edge ``tag`` crosses the cut (the peer sends or waits for it)."""
@@ -46,9 +51,18 @@ class Transport(Protocol):
 
 _current: list[Transport] = []
 
-# What ``transfer_stats`` reports; the last two count gradients exchanged outside the ops
-# (``LinkTransport.settle_gradients``).
-TRANSFER_STATS = ("sends", "recvs", "bytes_sent", "bytes_received", "grads_filled", "grads_dropped")
+# What ``transfer_stats`` reports; ``grads_filled`` / ``grads_dropped`` count gradients exchanged outside
+# the ops (``LinkTransport.settle_gradients``), ``replayed`` the forward sends and recvs of recomputed
+# forwards, which move nothing.
+TRANSFER_STATS = (
+    "sends",
+    "recvs",
+    "bytes_sent",
+    "bytes_received",
+    "grads_filled",
+    "grads_dropped",
+    "replayed",
+)
 _transfers: Counter[str] = Counter()
 
 
@@ -66,7 +80,10 @@ def count_settled_gradient(*, sent: bool) -> None:
     _transfers["grads_filled" if sent else "grads_dropped"] += 1
 
 
-def _count(tensor: torch.Tensor, *, sent: bool) -> None:
+def _count(tensor: torch.Tensor, *, sent: bool, replayed: bool = False) -> None:
+    if replayed:
+        _transfers["replayed"] += 1
+        return
     _transfers["sends" if sent else "recvs"] += 1
     _transfers["bytes_sent" if sent else "bytes_received"] += tensor.numel() * tensor.element_size()
 
@@ -96,6 +113,7 @@ class LocalTransport:
 
     def __init__(self) -> None:
         self.mailbox: dict[tuple[int, bool], list[torch.Tensor]] = {}
+        self.replaying = False
 
     def carries_gradient(self, tag: int) -> bool:
         """Every floating-point edge's gradient: in one process nothing waits for one that is not sent."""
@@ -118,8 +136,9 @@ class LocalTransport:
 @torch.library.custom_op("hetcc::send", mutates_args=())
 def send(tensor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """Send ``tensor`` to stage ``peer``; returns a 0-d token that keeps the send in the graph."""
-    _transport().send(tensor, peer, tag, grad=False)
-    _count(tensor, sent=True)
+    transport = _transport()
+    transport.send(tensor, peer, tag, grad=False)
+    _count(tensor, sent=True, replayed=transport.replaying)
     return tensor.new_zeros(())
 
 
@@ -131,15 +150,16 @@ def _send_fake(tensor, peer, tag, shape, dtype):
 def _send_setup(ctx, inputs, output) -> None:
     tensor, ctx.peer, ctx.tag, ctx.shape, ctx.dtype = inputs
     ctx.differentiable = tensor.dtype.is_floating_point
+    ctx.sent_dtype = tensor.dtype  # under autocast, not always the traced ``dtype``
 
 
 def _send_backward(ctx, grad_token):
     transport = _transport()
     if not (ctx.differentiable and transport.carries_gradient(ctx.tag)):
         return None, None, None, None, None
-    grad = transport.recv(ctx.peer, ctx.tag, ctx.shape, ctx.dtype, grad=True)
+    grad = transport.recv(ctx.peer, ctx.tag, ctx.shape, ctx.sent_dtype, grad=True)
     _count(grad, sent=False)
-    return grad, None, None, None, None
+    return grad.to(ctx.sent_dtype), None, None, None, None
 
 
 send.register_autograd(_send_backward, setup_context=_send_setup)
@@ -148,8 +168,9 @@ send.register_autograd(_send_backward, setup_context=_send_setup)
 @torch.library.custom_op("hetcc::recv", mutates_args=())
 def recv(anchor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """Receive the tensor of edge ``tag`` from stage ``peer`` (``anchor`` only ties it to autograd)."""
-    tensor = _transport().recv(peer, tag, shape, dtype, grad=False)
-    _count(tensor, sent=False)
+    transport = _transport()
+    tensor = transport.recv(peer, tag, shape, dtype, grad=False)
+    _count(tensor, sent=False, replayed=transport.replaying)
     return tensor
 
 
@@ -159,7 +180,8 @@ def _recv_fake(anchor, peer, tag, shape, dtype):
 
 
 def _recv_setup(ctx, inputs, output) -> None:
-    _, ctx.peer, ctx.tag, ctx.shape, ctx.dtype = inputs
+    _, ctx.peer, ctx.tag, ctx.shape, _traced = inputs
+    ctx.dtype = output.dtype  # what arrived: under autocast, the dtype the sender produced
 
 
 def _recv_backward(ctx, grad):

@@ -34,6 +34,7 @@ def test_ops_count_every_tensor_they_move_forward_and_backward():
     moved = {key: transfer_stats()[key] - before[key] for key in before}
     assert moved == {
         "sends": 2, "recvs": 2, "bytes_sent": 24, "bytes_received": 24, "grads_filled": 0, "grads_dropped": 0,
+        "replayed": 0,
     }  # fmt: skip
 
 

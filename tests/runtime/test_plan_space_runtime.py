@@ -1,0 +1,230 @@
+"""The runtime executes the wider plans: replicated stages with uneven microbatch routing, activation
+recomputation, tied weights over replicas, and mixed precision, each described by ``Pipeline.meta``.
+
+Every run is compared with eager training in one process (``models.eager_training``): fp32 plans to
+1e-5 relative in the loss and 1e-4 in every gradient, bf16-mixed to 1e-2 relative in the loss against
+eager under the same ``torch.autocast``. The transfer counters show that each replica moved only its
+own microbatches and that recomputed forwards moved nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import eager_training
+from runtime_models import GPT2_RULES, ResidualMLP, export, planned_transfers, stages_by_module, tiny_gpt2
+
+from hetcc.errors import PlanFormatError
+from hetcc.passes.codegen import stage_source
+from hetcc.passes.comm import split_stages
+from hetcc.runtime.layout import RankLayout
+from hetcc.runtime.local import run_local
+from hetcc.runtime.precision import LossScaler
+from hetcc.runtime.store import Pipeline
+
+ADAM = {"name": "adam", "lr": 0.01}
+MLP_TWO_STAGES = [("a", 0), ("b", 1), ("c", 1)]
+
+
+def _placement(replicas: list[int]) -> list[dict]:
+    """Ranks in stage order, ``replicas[k]`` of stage k (what ``runtime.placement`` writes)."""
+    return [
+        {"rank": rank, "stage": stage, "replica": replica, "vendor": "cpu"}
+        for rank, (stage, replica) in enumerate(
+            (k, r) for k, count in enumerate(replicas) for r in range(count)
+        )
+    ]
+
+
+def _mlp_pipeline(model, microbatch: torch.Tensor, **meta) -> Pipeline:
+    gm = export(model, kwargs={"x": microbatch})
+    return Pipeline(split_stages(gm, stages_by_module(gm, MLP_TWO_STAGES), 2), meta)
+
+
+def _check_fp32(result, reference) -> tuple[float, float]:
+    """Loss within 1e-5 relative every step, every gradient within 1e-4; returns the worst errors."""
+    losses, grads = reference
+    loss_error = max(abs(got - want) / abs(want) for got, want in zip(result.losses, losses, strict=True))
+    assert loss_error <= 1e-5, (result.losses, losses)
+    assert set(grads) <= set(result.grads) | {"lm_head.weight"}  # a tied weight is reported once
+    for name, grad in result.grads.items():
+        torch.testing.assert_close(grad, grads[name], rtol=0, atol=1e-4, msg=name)
+    grad_error = max(float((result.grads[name] - grads[name]).abs().max()) for name in result.grads)
+    print(f"max relative loss error {loss_error:.2e}, max gradient error {grad_error:.2e}")
+    return loss_error, grad_error
+
+
+def _check_shares(result, pipeline: Pipeline, microbatches: int, steps: int) -> None:
+    """Each rank moved its own microbatches' tensors only; the replicas of a stage together moved
+    what the stage's edges carry; a recomputing stage replayed its forward transfers."""
+    layout = RankLayout.from_meta(pipeline.meta, len(pipeline.stages), microbatches)
+    planned = planned_transfers(pipeline.stages, 1, steps)  # per microbatch
+    for rank, stats in enumerate(result.stats):
+        stage = layout.ranks[rank].stage
+        owned = sum(1 for m in range(microbatches) if layout.rank_running(stage, m) == rank)
+        assert {key: stats[key] for key in planned[stage]} == {
+            k: v * owned for k, v in planned[stage].items()
+        }
+        if layout.recompute[stage]:  # each recv again in the recomputed forward (a send, unless
+            # checkpoint's early stop ends the recomputation before it)
+            assert stats["replayed"] >= len(pipeline.stages[stage].recvs) * owned * steps > 0, rank
+        else:
+            assert stats["replayed"] == 0, rank
+        assert stats["grads_filled"] == stats["grads_dropped"] == 0
+
+
+@pytest.fixture(scope="module")
+def mlp_batch():
+    torch.manual_seed(0)
+    return ResidualMLP(), torch.randn(8, 8), torch.randn(8, 8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", [None, [False, True]], ids=["replicas", "replicas+recompute"])
+def test_replicated_stages_with_uneven_routing_train_like_eager(mlp_batch, recompute):
+    model, x, y = mlp_batch
+    meta = {"placement": _placement([2, 2]), "routing": [[0, 0, 0, 1], [0, 1, 1, 0]]}
+    if recompute:
+        meta["recompute"] = recompute
+    pipeline = _mlp_pipeline(model, x[:2], **meta)
+    result = run_local(pipeline, {"x": x}, y, F.mse_loss, steps=2, microbatches=4, optimizer=ADAM)
+    _check_fp32(result, eager_training(model, {"x": x}, y, F.mse_loss, 2, 4, ADAM))
+    _check_shares(result, pipeline, microbatches=4, steps=2)
+    # the last step's outputs, from both replicas of stage 1, come back in microbatch order
+    torch.testing.assert_close(result.outputs[0], _eager_outputs_after(model, x, y, 1, 4), rtol=0, atol=1e-5)
+
+
+def _eager_outputs_after(model, x, y, steps: int, microbatches: int) -> torch.Tensor:
+    """The model's outputs on ``x`` after ``steps`` Adam steps of eager training."""
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=ADAM["lr"])
+    for _ in range(steps):
+        optimizer.zero_grad()
+        chunks = zip(x.chunk(microbatches), y.chunk(microbatches), strict=True)
+        sum(F.mse_loss(model(xm), ym) / microbatches for xm, ym in chunks).backward()
+        optimizer.step()
+    return model(x).detach()
+
+
+@pytest.mark.slow
+def test_tied_gpt2_with_a_replicated_tied_stage_and_recompute_trains_like_eager():
+    """wte (stage 0) and lm_head (stage 2, on two replicas) are one parameter: its gradient is summed
+    over all three ranks holding it; stage 1 (a transformer block) recomputes its forward."""
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    gm = export(model, kwargs={"input_ids": ids[:2], "labels": ids[:2].clone(), "use_cache": False})
+    meta = {
+        "placement": _placement([1, 1, 2]),
+        "routing": [[0] * 4, [0] * 4, [1, 0, 1, 1]],
+        "recompute": [False, True, False],
+    }
+    pipeline = Pipeline(split_stages(gm, stages_by_module(gm, GPT2_RULES), 3), meta)
+    inputs = {"input_ids": ids, "labels": ids}
+    result = run_local(pipeline, inputs, steps=2, microbatches=4, optimizer=ADAM)
+    assert "transformer.wte.weight" in result.grads
+    _check_fp32(result, eager_training(model, {**inputs, "use_cache": False}, None, None, 2, 4, ADAM))
+    _check_shares(result, pipeline, microbatches=4, steps=2)
+
+
+class Autocast(torch.nn.Module):
+    """``model`` whose forward runs under autocast, entered anew on every call: autocast caches its
+    low-precision copies of the weights until its context exits, so one context around several
+    optimizer steps would keep computing with the first step's weights."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.model, self.dtype = model, dtype
+
+    def forward(self, **inputs):
+        with torch.autocast("cpu", self.dtype):
+            return self.model(**inputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_mixed_precision_matches_eager_under_the_same_autocast_and_sends_half_width(mlp_batch, precision):
+    """fp16-mixed with a loss scale that neither overflows nor underflows here: scaling by a power of
+    two and unscaling is exact, so it too equals eager autocast (which has no scaler)."""
+    model, x, y = mlp_batch
+    pipeline = _mlp_pipeline(model, x[:4], precision=precision, loss_scale={"init_scale": 256.0})
+    result = run_local(pipeline, {"x": x}, y, F.mse_loss, steps=2, microbatches=2, optimizer=ADAM)
+    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
+    losses, _ = eager_training(Autocast(model, dtype), {"x": x}, y, F.mse_loss, 2, 2, ADAM)
+    error = max(abs(got - want) / abs(want) for got, want in zip(result.losses, losses, strict=True))
+    print(f"{precision}: max relative loss error {error:.2e}")
+    assert error <= 1e-2, (result.losses, losses)
+    assert all(grad.dtype == torch.float32 for grad in result.grads.values())  # fp32 master weights
+    fp32 = planned_transfers(pipeline.stages, 2, 2)
+    # the activation autocast made (relu of a bf16 linear) and its gradient cross in bf16: half the bytes
+    assert result.stats[0]["bytes_sent"] == fp32[0]["bytes_sent"] // 2
+    assert result.stats[1]["bytes_sent"] == fp32[1]["bytes_sent"] // 2
+
+
+class SideInputMLP(torch.nn.Module):
+    """Stage 1 also reads a model input ``z``: large values in it overflow the fp16 weight gradient of
+    ``d`` on stage 1 only, while every gradient stage 0 sees stays finite."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.a, self.c, self.d = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x, z):
+        return self.c(torch.relu(self.a(x))) + self.d(z)
+
+
+@pytest.mark.slow
+def test_fp16_step_is_skipped_on_every_rank_when_one_rank_overflows():
+    torch.manual_seed(0)
+    model = SideInputMLP()
+    x, y, z = torch.randn(8, 8), torch.randn(8, 8), torch.full((8, 8), 4000.0)
+    gm = export(model, kwargs={"x": x[:4], "z": z[:4]})
+    stages = split_stages(gm, stages_by_module(gm, [("a", 0), ("c", 1), ("d", 1)]), 2)
+    pipeline = Pipeline(stages, {"precision": "fp16-mixed", "loss_scale": {"init_scale": 1.0}})
+    result = run_local(pipeline, {"x": x, "z": z}, y, F.mse_loss, steps=3, microbatches=2, optimizer=ADAM)
+    assert not result.grads["d.weight"].isfinite().all()  # stage 1 found an inf ...
+    assert all(result.grads[name].isfinite().all() for name in ("a.weight", "a.bias"))  # stage 0 did not
+    assert result.losses[0] == result.losses[1] == result.losses[2]  # ... and neither stepped
+
+
+def test_loss_scaler_skips_on_inf_halves_and_grows_after_good_steps():
+    scaler = LossScaler(init_scale=8.0, growth_interval=2)
+    grads = [torch.tensor([8.0, 16.0]), torch.tensor([float("inf")])]
+    assert scaler.unscale(grads) is True
+    torch.testing.assert_close(grads[0], torch.tensor([1.0, 2.0]))
+    scaler.update(found_inf=True)
+    assert scaler.scale == 4.0 and scaler.good_steps == 0
+    assert scaler.unscale([torch.tensor([4.0])]) is False
+    scaler.update(found_inf=False)
+    assert scaler.scale == 4.0
+    scaler.update(found_inf=False)
+    assert scaler.scale == 8.0 and scaler.good_steps == 0
+    restored = LossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.scale == 8.0
+
+
+def test_stage_source_says_how_the_runtime_wraps_the_forward(mlp_batch):
+    model, x, _ = mlp_batch
+    stage = _mlp_pipeline(model, x[:2]).stages[1]
+    header = stage_source(stage, recompute=True, precision="bf16-mixed").splitlines()[1]
+    assert header.startswith("# forward runs under torch.autocast(bf16) and torch.utils.checkpoint")
+    assert "forward runs under" not in stage_source(stage)
+
+
+def test_layout_defaults_routing_and_checks():
+    default = RankLayout.from_meta({"vendors": ["nvidia", "amd"]}, 2, 3)
+    assert [p.vendor for p in default.ranks] == ["nvidia", "amd"] and default.precision == "fp32"
+    assert default.actions("1f1b", 1) == [a for a in default.actions("1f1b", 1)] and default.num_ranks == 2
+    layout = RankLayout.from_meta({"placement": _placement([1, 2]), "routing": [[0, 0, 0], [1, 0, 1]]}, 2, 3)
+    assert layout.stage_ranks(1) == [1, 2] and layout.replica_groups() == [[1, 2]]
+    assert [layout.rank_running(1, m) for m in range(3)] == [2, 1, 2]
+    assert [str(a) for a in layout.actions("1f1b", 2)] == ["F0", "B0", "F2", "B2"]
+    assert [str(a) for a in layout.actions("gpipe", 1)] == ["F1", "B1"]
+    assert layout.holders((0, 1)) == [0, 1, 2]
+    with pytest.raises(PlanFormatError, match="routing of stage 1 names a replica outside 0..1"):
+        RankLayout.from_meta({"placement": _placement([1, 2]), "routing": [[0, 0], [0, 2]]}, 2, 2)
+    with pytest.raises(PlanFormatError, match="unknown precision 'fp8'"):
+        RankLayout.from_meta({"precision": "fp8"}, 2, 2)
