@@ -132,7 +132,8 @@ _TYPE_KEYS = {
     "peak_flops": Table(DTYPE_KEYS, Quantity("flop/s"), "dtype to FLOP/s, e.g. {bf16: 312 TFLOP/s}")
 } | {key: kind for key, (_, kind) in _TYPE_FIELDS.items()}
 _LINK = Record(_LINK_KEYS, required=("kind", "bandwidth"))
-_DEVICE = Record({"type": Text(), "count": Count(), "name": Text(), "memory": Quantity("bytes"), **_TYPE_KEYS},
+MAX_DEVICES = 1024  # devices in one cluster file: the planner's search and link tables grow with the square
+_DEVICE = Record({"type": Text(), "count": Count(maximum=MAX_DEVICES), "name": Text(), "memory": Quantity("bytes"), **_TYPE_KEYS},
                  required=("type",))  # fmt: skip
 _CUSTOM_TYPE = Record(
     {
@@ -195,6 +196,7 @@ class _Builder:
         self.custom: dict[str, DeviceType] = {}  # type_key(name) -> type
         self.default_name_counts: dict[str, int] = {}  # type slug -> devices named after it so far
         self.device_paths: dict[str, str] = {}  # device name -> entry that made it
+        self.nodes: set[str] = set()  # node names seen so far
 
     def parts(self, spec: Mapping[str, Any], where: Where) -> ClusterParts:
         for i, entry in enumerate(spec.get("custom_types", [])):
@@ -253,12 +255,17 @@ class _Builder:
         self, entry: Mapping[str, Any], where: Where, devices: list[Device], intra: dict[str, Link]
     ) -> None:
         name = entry["name"]
-        if any(d.node == name for d in devices):
+        if name in self.nodes:
             where.at("name").fail(f"node {name!r} is listed twice", hint="give every node a distinct name")
+        self.nodes.add(name)
         if "intra_link" in entry:
             intra[name] = _link(entry["intra_link"], where.at("intra_link"))
         for j, device in enumerate(entry["devices"]):
             devices += self.device_entry(device, where.at("devices", j), name)
+            if len(devices) > MAX_DEVICES:
+                where.at("devices", j).fail(
+                    f"more than {MAX_DEVICES} devices in the cluster; hetcc plans at most that many"
+                )
 
     def device_entry(self, entry: Mapping[str, Any], where: Where, node: str) -> list[Device]:
         """The ``count`` devices an entry expands to; type changes make a derived type ``<type>@<first>``."""

@@ -39,7 +39,12 @@ def parse_quantity(value: object, unit: str) -> float:
     how = f"write a number in {unit} or e.g. {examples.get(unit, '312 TFLOP/s')}"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ClusterError(f"expected a quantity in {unit}, got {value!r}", hint=how)
-    number, suffix = (float(value), None) if not isinstance(value, str) else _split(value, how)
+    try:
+        number, suffix = (float(value), None) if not isinstance(value, str) else _split(value, how)
+    except OverflowError:  # an int beyond float (10**400)
+        raise ClusterError(
+            f"a number of {int(value).bit_length()} bits is too large for a quantity in {unit}", hint=how
+        ) from None
     if suffix:
         key = suffix.lower() if unit == "flop/s" else suffix
         if unit == "bytes" and key in _BITS:

@@ -214,6 +214,75 @@ def group_from_json(text: str) -> FusionGroup:
     return FusionGroup(**(data | tuples | {"inputs": inputs, "instrs": instrs}))
 
 
+_NAME = re.compile(r"[A-Za-z_]\w*")
+_SYMBOLIC_DIM = re.compile(r"[\w*+ ()-]+")  # str(SymInt), e.g. "32*s27"
+
+
+def check_group(group: FusionGroup, where: str) -> FusionGroup:
+    """``group`` if every value that reaches its generated Triton source is a plain name, a number or a
+    known op (the source is compiled and run), else PlanFormatError naming ``where`` and the field."""
+    problem = _group_problem(group)
+    if problem:
+        raise PlanFormatError(
+            f"{where}: not a fusion group hetcc wrote: {problem[:200]}", hint="re-save the plan"
+        )
+    return group
+
+
+def _group_problem(group: FusionGroup) -> str | None:
+    """The first thing wrong with a group read from a file, or None."""
+    if not isinstance(group.name, str) or not _NAME.fullmatch(group.name):
+        return f"name {group.name!r} is not a Python name"
+    if group.kind not in ("pointwise", "row") or group.backward not in ("generated", "recompute"):
+        return f"kind {group.kind!r} / backward {group.backward!r} unknown"
+    if not isinstance(group.device, str) or not all(isinstance(n, str) for n in group.output_names):
+        return "device and output names must be strings"
+    for spec in group.inputs:
+        if not isinstance(spec.name, str) or not all(
+            isinstance(f, bool) for f in (spec.flat, spec.broadcast, spec.param)
+        ):
+            return f"input {spec.name!r} has a field of the wrong type"
+    dims = [*group.shape, *(d for spec in group.inputs for d in spec.shape)]
+    if not all(_is_index(d, math.inf) or (isinstance(d, str) and _SYMBOLIC_DIM.fullmatch(d)) for d in dims):
+        return "a dimension is neither a size nor a symbol"
+    for j, instr in enumerate(group.instrs):
+        if not isinstance(instr.op, str) or _known_op(instr.op) is None:
+            return f"instrs[{j}]: unknown op {instr.op!r}"
+        if not isinstance(instr.replaced, str) or not instr.replaced.isprintable():
+            return f"instrs[{j}]: replaced is not one printable line"
+        if not all(_arg_ok(arg, len(group.inputs), j) for arg in instr.args):
+            return f"instrs[{j}]: an argument is not an input, an earlier result or a number"
+    if not group.instrs or not all(_is_index(k, len(group.instrs)) for k in group.outputs):
+        return f"outputs {group.outputs!r} are not instruction indices"
+    return None
+
+
+def _known_op(op: str) -> object | None:
+    try:
+        if op.startswith("pow:") and not math.isfinite(float(op[4:])):
+            return None  # its source would name inf or nan
+        return rule(op)
+    except (KeyError, ValueError):
+        return None
+
+
+def _is_index(value: object, limit: float) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
+
+
+def _arg_ok(arg: object, inputs: int, j: int) -> bool:
+    """``("in", i)`` of an input, ``("tmp", k)`` of an earlier result, ``("const", x)`` of a finite number,
+    or ``("none", None)``."""
+    if not isinstance(arg, tuple) or len(arg) != 2 or not isinstance(arg[0], str):
+        return False
+    kind, value = arg
+    if kind in ("in", "tmp"):
+        return _is_index(value, inputs if kind == "in" else j)
+    if kind == "const":
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return kind == "none" and value is None
+
+
 def _encode(value: Any) -> Any:
     if isinstance(value, torch.dtype):
         return str(value).removeprefix("torch.")

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 import torch.fx
 
-from hetcc.errors import RuntimeFailure
+from hetcc.errors import PlanFormatError, RuntimeFailure
+from hetcc.hardware.schema import read_text
 from hetcc.kernels.execute import (
     compute_device,
     iteration_shape,
@@ -23,8 +24,10 @@ from hetcc.kernels.execute import (
     run_forward,
     uses_generated_backward,
 )
-from hetcc.kernels.group import FusionGroup, group_from_json
+from hetcc.kernels.group import FusionGroup, check_group, group_from_json
 from hetcc.kernels.source import differentiable_inputs
+
+MAX_GROUP_BYTES = 4 * 2**20  # one saved fusion group's JSON
 
 FUSION_META_KEY = "hetcc_fusion"  # node.meta key of a fused node's FusionGroup
 _GROUPS: dict[str, FusionGroup] = {}
@@ -45,10 +48,24 @@ def register_groups_in(gm: torch.fx.GraphModule) -> list[FusionGroup]:
 
 def load_groups(folder: str | Path) -> list[FusionGroup]:
     """Register every group saved by ``write_kernel`` under ``<folder>/kernels/`` (e.g. a saved plan)."""
-    groups = [group_from_json(p.read_text()) for p in sorted(Path(folder, "kernels").glob("*.json"))]
+    groups = [_read_group(path) for path in sorted(Path(folder, "kernels").glob("*.json"))]
     for group in groups:
         register_group(group)
     return groups
+
+
+def _read_group(path: Path) -> FusionGroup:
+    """A saved group, checked before its Triton source can be generated from it (``check_group``)."""
+    text = read_text(path, "fusion group", error=PlanFormatError, max_bytes=MAX_GROUP_BYTES)
+    try:
+        group = group_from_json(text)
+    except PlanFormatError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as error:
+        raise PlanFormatError(
+            f"{path}: not a fusion group hetcc wrote: {str(error)[:200]}", hint="re-save the plan"
+        ) from None
+    return check_group(group, str(path))
 
 
 def registered_group(name: str) -> FusionGroup:

@@ -18,9 +18,11 @@ from __future__ import annotations
 import builtins
 import importlib
 import importlib.util
+import keyword
 import math
 import re
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ import torch.fx as fx
 from torch.fx.node import _get_qualified_name
 
 from hetcc.errors import PlanFormatError
+from hetcc.hardware.schema import Choice, ListOf, Record, Table, Text, Where, short_repr
 
 # Functions (not operators) a saved graph may call: the pure ones export and symbolic_trace emit.
 _OPERATOR_FUNCTIONS = frozenset({
@@ -54,6 +57,7 @@ def _is_allowed_function(module: str, name: str) -> bool:
 
 
 _TORCH_NAMESPACES = ("aten", "prims", "hetcc")  # operators every rank has without importing more
+_INDEX = re.compile(r"[0-9]+")  # a Sequential's layer in a path (layers.0.weight)
 _MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 _CONV_ARGS = (
@@ -104,18 +108,60 @@ def graph_to_json(gm: fx.GraphModule) -> dict[str, Any]:
     return {"nodes": nodes, "modules": modules, "libraries": libraries}
 
 
-def graph_from_json(data: dict[str, Any], where: str) -> tuple[fx.Graph, dict[str, torch.nn.Module]]:
-    """The fx.Graph and freshly built layers (uninitialised weights) described by ``graph_to_json``."""
+def _identifier(value: object, where: Where) -> str:
+    """A node name: a Python name (fx uses it as a variable in the generated code)."""
+    if not _identifier_ok(value):
+        where.fail(f"expected a Python name; got {short_repr(value)}")
+    return value
+
+
+def _any(value: object, where: Where) -> object:
+    return value
+
+
+_OPS = ("placeholder", "get_attr", "call_function", "call_method", "call_module", "output")
+_NODE = Record(
+    {"name": _identifier, "op": Choice(_OPS, "fx op"), "target": Text(), "args": _any, "kwargs": _any},
+    required=("name", "op", "target", "args", "kwargs"),
+)
+_GRAPH = Record(
+    {"nodes": ListOf(_NODE, nonempty=True), "modules": Table(None, _any, "module name to layer"),
+     "libraries": Table(None, Text(), "operator namespace to module")},
+    required=("nodes",),
+)  # fmt: skip
+
+
+def graph_from_json(data: object, where: str) -> tuple[fx.Graph, dict[str, torch.nn.Module]]:
+    """The fx.Graph and the layers (on the meta device: shapes only, no memory) described by
+    ``graph_to_json``; anything else raises PlanFormatError naming ``where`` and the node."""
+    data = _GRAPH(data, Where(where, error=PlanFormatError))
     graph, env = fx.Graph(), {}
     libraries = data.get("libraries") or {}
     for namespace, module in libraries.items():
         import_library(namespace, module, where)
     allowed = (*_TORCH_NAMESPACES, *libraries)
-    for entry in data["nodes"]:
-        env[entry["name"]] = _node_from_json(graph, entry, env, where, allowed)
+    for i, entry in enumerate(data["nodes"]):
+        at = f"{where}: nodes[{i}] ({entry['name']!r})"
+        if entry["name"] in env:
+            raise PlanFormatError(f"{at}: a second node of that name", hint="re-save the plan")
+        try:
+            env[entry["name"]] = _node_from_json(graph, entry, env, at, allowed)
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError) as error:
+            raise PlanFormatError(
+                f"{at}: {type(error).__name__}: {str(error)[:200]}", hint="re-save the plan"
+            ) from None
+    if next(iter(reversed(graph.nodes))).op != "output":
+        raise PlanFormatError(f"{where}: the graph has no output node last", hint="re-save the plan")
     layers = {
-        name: _layer_from_json(spec, f"{where}: module {name!r}") for name, spec in data["modules"].items()
+        name: _layer_from_json(spec, f"{where}: module {name!r}")
+        for name, spec in (data.get("modules") or {}).items()
     }
+    try:
+        graph.lint()
+    except (RuntimeError, TypeError, ValueError, KeyError, IndexError, AttributeError) as error:
+        raise PlanFormatError(
+            f"{where}: not a valid graph: {str(error)[:200]}", hint="re-save the plan"
+        ) from None
     return graph, layers
 
 
@@ -183,20 +229,43 @@ def import_library(namespace: str, module: str, where: str) -> None:
 def _node_from_json(
     graph: fx.Graph, entry: dict, env: dict[str, fx.Node], where: str, namespaces: tuple[str, ...]
 ) -> fx.Node:
+    """One node; every string fx writes into the module's Python code is checked to be a plain name."""
     op, target = entry["op"], entry["target"]
-    args = _decode(entry["args"], env)
+    args, kwargs = _decode(entry["args"], env, where), _decode(entry["kwargs"], env, where)
+    if not isinstance(args, tuple) or not isinstance(kwargs, dict):
+        raise PlanFormatError(f"{where}: args must be a tuple and kwargs a dict", hint="re-save the plan")
+    if not all(_identifier_ok(key) for key in kwargs):
+        raise PlanFormatError(f"{where}: a keyword argument is not a Python name", hint="re-save the plan")
     if op == "output":
+        if len(args) != 1 or kwargs:
+            raise PlanFormatError(f"{where}: an output node takes one argument", hint="re-save the plan")
         return graph.output(args[0])
     if op == "call_function":
-        target = resolve_function(target, f"{where}: node {entry['name']!r}", namespaces)
-    private = op == "call_method" and str(target).startswith("_")
-    private |= target is builtins.getattr and not (len(args) == 2 and _public_name(args[1]))
-    if private or op not in ("placeholder", "get_attr", "call_function", "call_method", "call_module"):
+        target = resolve_function(target, where, namespaces)
+    elif not _target_ok(op, target):
         raise PlanFormatError(
-            f"{where}: node {entry['name']!r} ({op} {target!r}) reaches a private attribute or is not an fx op",
+            f"{where}: {op} target {short_repr(target)} reaches a private attribute or is not a plain Python name",
             hint="re-save the plan; a saved graph only calls operators and public methods",
         )
-    return graph.create_node(op, target, tuple(args), _decode(entry["kwargs"], env), name=entry["name"])
+    if target is builtins.getattr and not (len(args) == 2 and _public_name(args[1])):
+        raise PlanFormatError(
+            f"{where}: getattr reaches a private attribute", hint="a saved graph only reads public attributes"
+        )
+    return graph.create_node(op, target, args, kwargs, name=entry["name"])
+
+
+def _target_ok(op: str, target: str) -> bool:
+    """Placeholders name an argument (``*args`` too), call_method a public method, get_attr and
+    call_module a dotted path of names: what fx writes into the generated code as it is."""
+    if op == "placeholder":
+        return _identifier_ok(target.removeprefix("*").removeprefix("*"))
+    if op == "call_method":
+        return _identifier_ok(target) and not target.startswith("_")
+    return all(_identifier_ok(part) or _INDEX.fullmatch(part) for part in target.split("."))
+
+
+def _identifier_ok(name: object) -> bool:
+    return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
 
 
 def _public_name(value: Any) -> bool:
@@ -245,31 +314,81 @@ def _encode(value: Any, where: str) -> Any:
     raise PlanFormatError(f"{where}: cannot save a constant of type {type(value).__name__}")
 
 
-def _decode(value: Any, env: dict[str, fx.Node]) -> Any:
-    if not isinstance(value, dict):
+def _decode(value: Any, env: dict[str, fx.Node], where: str) -> Any:
+    """A constant or node reference written by ``_encode``; anything else raises PlanFormatError."""
+    if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    (kind, payload), *_ = value.items()
-    decoders = {
-        "node": lambda: env[payload],
-        "float": lambda: float(payload),
-        "list": lambda: [_decode(v, env) for v in payload],
-        "tuple": lambda: tuple(_decode(v, env) for v in payload),
-        "dict": lambda: {k: _decode(v, env) for k, v in payload},
-        "dtype": lambda: _torch_attr(payload, torch.dtype),
-        "device": lambda: torch.device(payload),
-        "torch": lambda: _torch_attr(payload, (torch.memory_format, torch.layout)),
-        "slice": lambda: slice(*(_decode(v, env) for v in payload)),
-        "ellipsis": lambda: Ellipsis,
-    }
-    if kind not in decoders:
-        raise PlanFormatError(f"unknown constant form {kind!r} in a saved graph", hint="re-save the plan")
-    return decoders[kind]()
+    if isinstance(value, list):  # not written by _encode, but JSON lists read as lists
+        return [_decode(v, env, where) for v in value]
+    if not isinstance(value, dict) or len(value) != 1:
+        raise PlanFormatError(f"{where}: unknown constant {short_repr(value)}", hint="re-save the plan")
+    ((kind, payload),) = value.items()
+    decoder = _DECODERS.get(kind)
+    if decoder is None:
+        raise PlanFormatError(f"{where}: unknown constant form {short_repr(kind)}", hint="re-save the plan")
+    try:
+        return decoder(payload, env, where)
+    except PlanFormatError:
+        raise
+    except (TypeError, ValueError, KeyError, RuntimeError) as error:  # a payload of the wrong shape
+        raise PlanFormatError(
+            f"{where}: cannot read the {kind!r} constant {short_repr(payload)}: {str(error)[:100]}",
+            hint="re-save the plan",
+        ) from None
 
 
-def _torch_attr(name: str, kind) -> Any:
-    found = getattr(torch, name, None)
+def _decode_list(payload: Any, env: dict[str, fx.Node], where: str) -> list:
+    if not isinstance(payload, list):
+        raise TypeError("expected a list")
+    return [_decode(v, env, where) for v in payload]
+
+
+def _decode_dict(payload: Any, env: dict[str, fx.Node], where: str) -> dict:
+    if not isinstance(payload, list):
+        raise TypeError("expected a list of [key, value] pairs")
+    items = [_decode_list(pair, env, where) for pair in payload]
+    if any(len(pair) != 2 or not isinstance(pair[0], (str, int, float, bool, type(None))) for pair in items):
+        raise TypeError("expected [key, value] pairs with constant keys")
+    return dict(items)
+
+
+def _decode_float(payload: Any, env: dict[str, fx.Node], where: str) -> float:
+    if payload not in ("inf", "-inf", "nan"):
+        raise ValueError("expected 'inf', '-inf' or 'nan'")
+    return float(payload)
+
+
+def _decode_slice(payload: Any, env: dict[str, fx.Node], where: str) -> slice:
+    parts = _decode_list(payload, env, where)
+    if len(parts) != 3:
+        raise ValueError("expected [start, stop, step]")
+    return slice(*parts)
+
+
+def _decode_device(payload: Any, env: dict[str, fx.Node], where: str) -> torch.device:
+    if not isinstance(payload, str):
+        raise TypeError("expected a device name")
+    return torch.device(payload)
+
+
+_DECODERS: dict[str, Callable[[Any, dict[str, fx.Node], str], Any]] = {
+    "node": lambda payload, env, where: env[payload] if isinstance(payload, str) else env[None],
+    "float": _decode_float,
+    "list": _decode_list,
+    "tuple": lambda payload, env, where: tuple(_decode_list(payload, env, where)),
+    "dict": _decode_dict,
+    "dtype": lambda payload, env, where: _torch_attr(payload, torch.dtype),
+    "device": _decode_device,
+    "torch": lambda payload, env, where: _torch_attr(payload, (torch.memory_format, torch.layout)),
+    "slice": _decode_slice,
+    "ellipsis": lambda payload, env, where: Ellipsis,
+}
+
+
+def _torch_attr(name: object, kind) -> Any:
+    found = getattr(torch, name, None) if isinstance(name, str) and not name.startswith("_") else None
     if not isinstance(found, kind):
-        raise PlanFormatError(f"saved graph names torch.{name}, which is not a {kind}")
+        raise ValueError(f"torch.{short_repr(name)} is not a {kind}")
     return found
 
 
@@ -289,9 +408,26 @@ def _layer_to_json(node: fx.Node, layer: torch.nn.Module) -> dict[str, Any]:
     return {"type": kind, "config": config, "training": layer.training}
 
 
-def _layer_from_json(spec: dict[str, Any], where: str) -> torch.nn.Module:
-    kind = spec.get("type")
-    if kind not in _LAYERS:
-        raise PlanFormatError(f"{where}: unknown layer type {kind!r}", hint="re-save the plan")
-    layer = getattr(torch.nn, kind)(**{k: _decode(v, {}) for k, v in spec["config"].items()})
+def _layer_from_json(spec: object, where: str) -> torch.nn.Module:
+    """A torch.nn layer of the allow-list, built on the meta device: its parameters' shapes are checked
+    against the weights file before any memory is taken (``hetcc.runtime.store``)."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("type"), str) or spec["type"] not in _LAYERS:
+        kind = spec.get("type") if isinstance(spec, dict) else spec
+        raise PlanFormatError(f"{where}: unknown layer type {short_repr(kind)}", hint="re-save the plan")
+    config = spec.get("config")
+    names = {field.removesuffix("?") for field in _LAYERS[spec["type"]]}
+    if not isinstance(config, dict) or not set(config) <= names:
+        raise PlanFormatError(
+            f"{where}: config {short_repr(config)} is not a mapping of {sorted(names)}",
+            hint="re-save the plan",
+        )
+    try:
+        with torch.device("meta"):
+            layer = getattr(torch.nn, spec["type"])(**{k: _decode(v, {}, where) for k, v in config.items()})
+    except PlanFormatError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a torch.nn constructor refusing its arguments, in its words
+        raise PlanFormatError(
+            f"{where}: cannot build it: {str(error)[:200]}", hint="re-save the plan"
+        ) from None
     return layer.train(bool(spec.get("training", True)))
