@@ -1,0 +1,284 @@
+"""Fuzzing every kind of input hetcc reads: each one is either accepted or refused with a HetccError
+(on the command line: a non-zero exit and no traceback). Run with ``-s`` for the tally of what was tried
+and what escaped (tests/untrusted.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+
+import pytest
+import torch
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from untrusted import (
+    CLUSTERS,
+    ESCAPED,
+    JSON_VALUES,
+    copy_folder,
+    mutate,
+    outcome,
+    read_json,
+    save_folders,
+    summary,
+    write_json,
+)
+
+import hetcc
+from hetcc.cli import main
+from hetcc.hardware.calibration import Calibration
+from hetcc.plan import Plan
+from hetcc.runtime.store import load_inputs, load_pipeline
+from hetcc.solver.problem import PartitionProblem
+
+# HETCC_FUZZ_EXAMPLES=500 explores further with fresh random examples; the suite's run is fixed and short.
+EXAMPLES = int(os.environ.get("HETCC_FUZZ_EXAMPLES", "0"))
+FUZZ = settings(max_examples=EXAMPLES or 60, deadline=None, suppress_health_check=list(HealthCheck),
+                derandomize=not EXAMPLES)  # fmt: skip
+FEW = settings(FUZZ, max_examples=EXAMPLES or 40)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return save_folders(tmp_path_factory.mktemp("fuzz-saved"))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tally():
+    yield
+    print("\n" + summary())
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz-scratch")
+
+
+def _assert_no_escape(kind: str, error: BaseException | None, what: object) -> None:
+    assert error is None, f"{kind}: {type(error).__name__}: {error} for {str(what)[:300]}"
+
+
+# ---- cluster and calibration files ------------------------------------------------------------------
+VALID_CLUSTERS = [yaml.safe_load(p.read_text()) for p in sorted(CLUSTERS.glob("*.yaml"))]
+
+
+@FUZZ
+@given(data=st.data(), index=st.integers(0, len(VALID_CLUSTERS) - 1), as_json=st.booleans())
+def test_mutated_cluster_files(scratch, data, index, as_json):
+    spec = mutate(data, VALID_CLUSTERS[index], rounds=3)
+    path = scratch / ("cluster.json" if as_json else "cluster.yaml")
+    try:
+        path.write_text(json.dumps(spec) if as_json else yaml.safe_dump(spec))
+    except (ValueError, OverflowError):  # a value JSON/YAML cannot write (e.g. a lone surrogate)
+        return
+    _assert_no_escape("cluster file", outcome("cluster file", lambda: hetcc.Cluster.from_file(path)), spec)
+
+
+@FUZZ
+@given(
+    text=st.text(alphabet=st.sampled_from(list("ab:- []{}&*!|>'\"#\n\t,.0123456789e%@`?\\")), max_size=120)
+)
+def test_random_yaml_text(scratch, text):
+    path = scratch / "random.yaml"
+    path.write_text(text)
+    _assert_no_escape("random YAML", outcome("random YAML", lambda: hetcc.Cluster.from_file(path)), text)
+
+
+@FUZZ
+@given(raw=st.binary(max_size=200), suffix=st.sampled_from([".yaml", ".json"]))
+def test_random_bytes_as_cluster_and_calibration_files(scratch, raw, suffix):
+    path = scratch / f"bytes{suffix}"
+    path.write_bytes(raw)
+    for kind, read in (("random bytes", hetcc.Cluster.from_file), ("calibration bytes", Calibration.load)):
+        _assert_no_escape(kind, outcome(kind, lambda read=read: read(path)), raw)
+
+
+VALID_CALIBRATION = {
+    "version": 1, "device_type": "cpu", "device_name": "x", "host": "h", "torch_version": "2", "threads": 2,
+    "date": "2026-11-30", "matmul_flops": {"fp32": 1.2e11}, "memory_bandwidth_bps": "10 GB/s",
+    "kernel_overhead_s": "4 us",
+}  # fmt: skip
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_calibration_files(scratch, data):
+    document = mutate(data, VALID_CALIBRATION, rounds=3)
+    path = scratch / "calibration.json"
+    path.write_text(json.dumps(document))
+    error = outcome("calibration file", lambda: Calibration.load(path))
+    _assert_no_escape("calibration file", error, document)
+    cluster = {"nodes": [{"name": "n", "devices": [{"type": "cpu"}]}], "calibration": str(path)}
+    error = outcome("cluster naming a calibration", lambda: hetcc.Cluster.from_spec(cluster))
+    _assert_no_escape("cluster naming a calibration", error, document)
+
+
+# ---- saved folders --------------------------------------------------------------------------------
+@FUZZ
+@given(data=st.data(), which=st.sampled_from(["compiled", "split", "layers"]))
+def test_mutated_pipeline_json(folders, scratch, data, which):
+    folder = copy_folder(folders[which], scratch / "pipeline")
+    write_json(folder / "pipeline.json", mutate(data, read_json(folder / "pipeline.json"), rounds=2))
+    _assert_no_escape("pipeline.json", outcome("pipeline.json", lambda: load_pipeline(str(folder))), which)
+
+
+@FUZZ
+@given(data=st.data(), which=st.sampled_from(["compiled", "split", "layers"]))
+def test_mutated_stage_graphs(folders, scratch, data, which):
+    folder = copy_folder(folders[which], scratch / "graph")
+    path = random.Random(data.draw(st.integers(0, 9))).choice(sorted(folder.glob("stage*.graph.json")))
+    write_json(path, mutate(data, read_json(path), rounds=2))
+    _assert_no_escape("stage graph", outcome("stage graph", lambda: load_pipeline(str(folder))), path.name)
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_fusion_groups(folders, scratch, data):
+    folder = copy_folder(folders["compiled"], scratch / "kernels")
+    (path,) = (folder / "kernels").glob("*.json")
+    write_json(path, mutate(data, read_json(path), rounds=2))
+    _assert_no_escape("fusion group", outcome("fusion group", lambda: load_pipeline(str(folder))), path.name)
+
+
+@FUZZ
+@given(
+    data=st.data(),
+    which=st.sampled_from(["compiled", "split", "layers"]),
+    action=st.sampled_from(["truncate", "flip", "overwrite", "header", "empty"]),
+)
+def test_corrupted_weights(folders, scratch, data, which, action):
+    folder = copy_folder(folders[which], scratch / "weights")
+    files = sorted(folder.glob("*.safetensors"))
+    path = files[data.draw(st.integers(0, len(files) - 1))]
+    raw = bytearray(path.read_bytes())
+    at = data.draw(st.integers(0, len(raw) - 1))
+    if action == "truncate":
+        raw = raw[:at]
+    elif action == "flip":
+        raw[at] ^= 1 << data.draw(st.integers(0, 7))
+    elif action == "overwrite":
+        raw[at : at + 64] = data.draw(st.binary(min_size=1, max_size=64))
+    elif action == "header":
+        raw[:8] = data.draw(st.integers(0, 2**64 - 1)).to_bytes(8, "little")
+    else:
+        raw = bytearray()
+    path.write_bytes(bytes(raw))
+    read = (lambda: load_inputs(str(folder))) if path.name == "inputs.safetensors" else None
+    read = read or (lambda: load_pipeline(str(folder)))
+    _assert_no_escape("weights file", outcome("weights file", read), (path.name, action, at))
+
+
+# ---- plan and problem JSON (hetcc.plan and hetcc.solver.problem) ----------------------------------------
+@FUZZ
+@given(data=st.data(), which=st.sampled_from(["plan.json", "problem.json"]))
+def test_mutated_plan_and_problem_json(folders, data, which):
+    document = mutate(data, read_json(folders["compiled"] / which), rounds=2)
+    read = Plan.from_json if which == "plan.json" else PartitionProblem.from_json
+    outcome(which, lambda: read(json.dumps(document)))  # escapes are reported by the next test
+
+
+def test_plan_and_problem_json_escapes():
+    """hetcc/plan.py and hetcc/solver/problem.py are checked by their owner; what escapes is listed."""
+    escaped = ESCAPED["plan.json"] + ESCAPED["problem.json"]
+    if escaped:
+        pytest.xfail(f"{len(escaped)} plan/problem JSON inputs escaped: {escaped[:3]}")
+
+
+# ---- API arguments ---------------------------------------------------------------------------------------
+MODEL = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+ODD_VALUES = JSON_VALUES | st.sampled_from(
+    [torch.randn(0, 4), torch.randn(3, 4), torch.tensor(1.0), lambda x: x, object(), b"bytes", -1.5, 2**70]
+)
+
+
+@FEW
+@given(
+    argument=st.sampled_from(["example_inputs", "example_kwargs", "training", "optimizer", "schedule", "dump_dir",
+                              "cluster", "model"]),
+    value=ODD_VALUES,
+)  # fmt: skip
+def test_odd_compile_arguments(scratch, argument, value):
+    arguments = {"model": MODEL, "cluster": CLUSTERS / "cpu4.yaml", "example_inputs": (torch.randn(4, 4),),
+                 "microbatches": 2, "dump_dir": None} | {argument: value}  # fmt: skip
+    if argument == "dump_dir" and isinstance(value, str):
+        arguments["dump_dir"] = scratch / "dump" / value.replace("/", "_")[:20] if value else value
+    _assert_no_escape(
+        "compile argument", outcome("compile argument", lambda: hetcc.compile(**arguments)), value
+    )
+
+
+@FEW
+@given(
+    argument=st.sampled_from(["compiled_or_dir", "inputs", "targets", "loss_fn", "steps", "optimizer"]),
+    value=ODD_VALUES,
+)
+def test_odd_run_local_arguments(folders, scratch, argument, value):
+    """Every odd value is refused before a process starts (a valid one would start them: skipped)."""
+    arguments = {"compiled_or_dir": folders["compiled"], "inputs": {"x": torch.randn(4, 4)}, "steps": 1}
+    arguments[argument] = value
+    if argument == "compiled_or_dir" and isinstance(value, str):
+        arguments[argument] = scratch / "no-folder" / value.replace("/", "_")[:20]
+    from hetcc import api
+
+    checked = outcome("run_local argument", lambda: api._check_run_args(**{k: v for k, v in (
+        {"loss_fn": None, "targets": None, "optimizer": None} | arguments).items()}))  # fmt: skip
+    _assert_no_escape("run_local argument", checked, value)
+
+
+# ---- the command line ----------------------------------------------------------------------------------
+@FUZZ
+@given(data=st.data(), command=st.sampled_from(["explain", "simulate", "run", "report"]))
+def test_cli_commands_on_tampered_folders(folders, scratch, data, command, monkeypatch_module):
+    folder = copy_folder(folders["compiled"], scratch / "cli")
+    name = data.draw(st.sampled_from(["plan.json", "problem.json", "pipeline.json"]))
+    write_json(folder / name, mutate(data, read_json(folder / name), rounds=2))
+    argv = [command, str(folder)] + (["--steps", "0"] if command == "run" else [])
+    _run_cli("CLI command", argv)
+
+
+@FUZZ
+@given(
+    argv=st.lists(
+        st.sampled_from(["compile", "explain", "simulate", "run", "report", "calibrate", "--out", "--cluster",
+                         "--steps", "-1", "x", "untrusted:FusedMLP", "untrusted:nothing", "/dev/null",
+                         "--microbatches", "0", "--schedule", "zigzag", "nowhere.yaml", "README.md", "\0"]),
+        max_size=6,
+    )
+)  # fmt: skip
+def test_cli_random_arguments(argv, monkeypatch_module):
+    if "calibrate" in argv[:1] and "--out" not in argv:  # would measure this machine: slow, not a bad input
+        return
+    _run_cli("CLI arguments", argv)
+
+
+def _run_cli(kind: str, argv: list[str]) -> None:
+    err = io.StringIO()
+    codes = []
+
+    def run():
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                codes.append(main(argv))
+            except SystemExit as exit_:  # argparse's usage errors
+                codes.append(exit_.code)
+
+    _assert_no_escape(kind, outcome(kind, run, accept=()), argv)
+    if "Traceback" in err.getvalue():
+        ESCAPED[kind].append(f"traceback for {argv}")
+    assert "Traceback" not in err.getvalue(), (argv, err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv("HETCC_DEBUG", raising=False)
+        patch.setattr("hetcc.hardware.measure.calibrate", _no_measuring)
+        yield patch
+
+
+def _no_measuring(*args, **kwargs):
+    raise hetcc.HetccError("measuring is not fuzzed")
