@@ -83,12 +83,15 @@ def mlp_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", [None, [False, True]], ids=["replicas", "replicas+recompute"])
-def test_replicated_stages_with_uneven_routing_train_like_eager(mlp_batch, recompute):
+def test_replicated_stages_with_uneven_routing_and_recompute_train_like_eager(mlp_batch):
+    """Two stages on two replicas each: stage 0 sends microbatches 0-2 from replica 0 and 3 from
+    replica 1; stage 1 routes them to replicas 0, 1, 1, 0 and recomputes its forward in backward."""
     model, x, y = mlp_batch
-    meta = {"placement": _placement([2, 2]), "routing": [[0, 0, 0, 1], [0, 1, 1, 0]]}
-    if recompute:
-        meta["recompute"] = recompute
+    meta = {
+        "placement": _placement([2, 2]),
+        "routing": [[0, 0, 0, 1], [0, 1, 1, 0]],
+        "recompute": [False, True],
+    }
     pipeline = _mlp_pipeline(model, x[:2], **meta)
     result = run_local(pipeline, {"x": x}, y, F.mse_loss, steps=2, microbatches=4, optimizer=ADAM)
     _check_fp32(result, eager_training(model, {"x": x}, y, F.mse_loss, 2, 4, ADAM))
