@@ -13,13 +13,24 @@ import copy
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from models import eager_training
-from runtime_models import GPT2_RULES, ResidualMLP, export, planned_transfers, stages_by_module, tiny_gpt2
+from runtime_models import (
+    GPT2_RULES,
+    ResidualMLP,
+    SmallCNN,
+    export,
+    planned_transfers,
+    stages_by_module,
+    tiny_gpt2,
+)
 
 from hetcc.errors import PlanFormatError
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.comm import split_stages
+from hetcc.runtime.executor import StageExecutor
+from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.local import run_local
 from hetcc.runtime.precision import LossScaler
@@ -207,6 +218,35 @@ def test_loss_scaler_skips_on_inf_halves_and_grows_after_good_steps():
     restored = LossScaler()
     restored.load_state_dict(scaler.state_dict())
     assert restored.scale == 8.0
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """This process as a world of one gloo rank (a single-stage pipeline needs no peers)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_recomputed_forward_updates_batchnorm_running_stats_once_like_eager():
+    torch.manual_seed(0)
+    model, x, y = SmallCNN().train(), torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
+    gm = export(model, (x[:2],))
+    stage = split_stages(gm, {n.name: 0 for n in gm.graph.nodes if n.op == "call_function"}, 1)[0]
+    layout = RankLayout.from_meta({"recompute": [True]}, 1, 2)
+    executor = StageExecutor(stage, Links(["cpu"], [], 30.0), 2, F.cross_entropy, ADAM, layout=layout)
+    executor.step([{"x": part} for part in x.chunk(2)], list(y.chunk(2)), layout.actions("1f1b", 0))
+    losses, grads = eager_training(model, {"x": x}, y, F.cross_entropy, 1, 2, ADAM)
+    reference = copy.deepcopy(model)
+    for part in x.chunk(2):  # the running statistics after one step: one update per microbatch
+        reference(part)
+    assert executor.transport.replaying is False and not executor.transport.received
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(executor.module.get_buffer(f"bn.{name}"), reference.bn.get_buffer(name))
+    for local, name in stage.param_names.items():
+        grad = executor.module.get_parameter(local).grad
+        torch.testing.assert_close(grad, grads[name], rtol=0, atol=1e-5)
 
 
 def test_stage_source_says_how_the_runtime_wraps_the_forward(mlp_batch):
