@@ -12,6 +12,18 @@ def did_you_mean(word: object, choices: Iterable[str]) -> str:
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
+def format_bytes(nbytes: float) -> str:
+    """A size as people read it, binary units (for messages and tables): "248 GiB", "1.5 MiB", "512 B"."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    if unit == "B":
+        return f"{value:.0f} B"
+    return f"{value:.3g} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
+
+
 class HetccError(Exception):
     """Base class of hetcc's errors. ``hint`` is the next step a user can take."""
 

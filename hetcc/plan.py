@@ -1,4 +1,5 @@
-"""``hetcc.Plan``: the stages hetcc chose, what each costs, and how that compares with the baselines."""
+"""``hetcc.Plan``: the stages hetcc chose (each on a replica group of devices, recomputing or not), what
+each costs, and how that compares with the baselines. Its step time is the simulated one."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-from hetcc.errors import PlanFormatError
+from hetcc.errors import PlanFormatError, format_bytes
+from hetcc.solver.schedules import SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
 
@@ -39,9 +41,18 @@ class PlanStage:
     compute_s: float
     comm_s: float  # activations to the next stage and gradients back, per microbatch
     inflight: int  # microbatches whose activations are held at the peak
-    memory: MemoryBreakdown
-    device_memory_bytes: float  # usable memory of the device
-    bubble: float = 0.0  # share of the step this stage's device idles (from the simulator)
+    memory: MemoryBreakdown  # of the fullest replica
+    device_memory_bytes: float  # usable memory of that replica's device
+    bubble: float = 0.0  # share of the step this stage's devices idle (from the simulator)
+    devices: tuple[str, ...] = ()  # the replica group; ``device`` is its first
+    shares: tuple[int, ...] = ()  # microbatches each replica runs
+    recompute: bool = False  # activations recomputed in backward (keeps only the stage's inputs)
+    precision: str = "fp32"
+    allreduce_s: float = 0.0  # replicas' gradient sum at step end
+
+    def __post_init__(self):
+        if not self.devices:
+            object.__setattr__(self, "devices", (self.device,))
 
     @property
     def peak_memory_bytes(self) -> float:
@@ -51,16 +62,20 @@ class PlanStage:
 @dataclass(frozen=True)
 class Plan:
     stages: tuple[PlanStage, ...]
-    step_time_s: float  # the planner's objective (hetcc.solver.objective)
-    lower_bound_s: float
+    step_time_s: float  # the simulated step (hetcc.solver.simulate): the judge
+    lower_bound_s: float  # no plan's simulated step is below it (hetcc.solver.bound.lower_bound)
     gap: float  # step_time / lower_bound - 1
-    baselines: dict[str, float]  # name -> step time in s (inf when it does not fit in memory)
+    baselines: dict[str, float]  # name -> simulated step in s (inf when it does not fit in memory)
     microbatches: int
     schedule: str
     training: bool
-    simulated_step_s: float = math.nan  # the event-driven simulator's step time for the same plan
+    simulated_step_s: float = math.nan  # the same as step_time_s (kept for readers of older plans)
     exact: bool = True  # whether the device-order search was exhaustive
     notes: tuple[str, ...] = field(default=())
+    objective_s: float = math.nan  # the search's fast formula (hetcc.solver.objective) for this plan
+    precision: str = "fp32"
+    microbatch_rows: int = 0  # rows of one microbatch (0: unknown)
+    microbatch_search: tuple[tuple[int, float], ...] = ()  # (M, best simulated step) per M tried
 
     @property
     def stage_of(self) -> dict[str, int]:
@@ -77,65 +92,116 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         try:
             data = json.loads(text)
+            if not isinstance(data, dict):
+                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
             version = data.pop("format")
             if version != PLAN_FORMAT_VERSION:
                 raise ValueError(f"format {version}, this hetcc reads {PLAN_FORMAT_VERSION}")
+            unknown = set(data) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ValueError(f"unknown plan fields {sorted(unknown)}")
             stages = tuple(_stage_from_dict(s) for s in data.pop("stages"))
-            return cls(stages=stages, **{**data, "notes": tuple(data.get("notes", ()))})
-        except (ValueError, KeyError, TypeError) as exc:
+            search = tuple((int(m), float(t)) for m, t in data.pop("microbatch_search", ()))
+            plan = cls(
+                stages=stages, **{**data, "notes": tuple(data.get("notes", ()))}, microbatch_search=search
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise PlanFormatError(f"not a hetcc plan: {exc}", hint="write plans with Plan.to_json()") from exc
+        _check_plan(plan)
+        return plan
 
     def explain(self) -> str:
         return explain(self)
 
 
 def _stage_from_dict(data: dict) -> PlanStage:
+    if not isinstance(data, dict):
+        raise TypeError(f"a stage must be a JSON object, got {type(data).__name__}")
     known = {f.name for f in fields(PlanStage)}
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"unknown stage fields {sorted(unknown)}")
-    return PlanStage(
-        **{
-            **data,
-            "blocks": tuple(data["blocks"]),
-            "nodes": tuple(data["nodes"]),
-            "memory": MemoryBreakdown(**data["memory"]),
-        }
-    )
+    tuples = {k: tuple(data[k]) for k in ("blocks", "nodes", "devices", "shares") if k in data}
+    return PlanStage(**{**data, **tuples, "memory": MemoryBreakdown(**data["memory"])})
+
+
+def _check_plan(plan: Plan) -> None:
+    """Values a plan file may hold, so a bad one fails here and not in arithmetic later."""
+
+    def fail(field_name: str, why: str) -> PlanFormatError:
+        return PlanFormatError(f"plan field {field_name!r}: {why}", hint="write plans with Plan.to_json()")
+
+
+    if isinstance(plan.microbatches, bool) or not isinstance(plan.microbatches, int) or plan.microbatches < 1:
+        raise fail("microbatches", f"must be a positive integer, got {plan.microbatches!r}")
+    if plan.schedule not in SCHEDULES:
+        raise fail("schedule", f"unknown schedule {plan.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    for name in ("step_time_s", "lower_bound_s"):
+        value = getattr(plan, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise fail(name, f"must be a positive number of seconds, got {value!r}")
+    if not plan.stages or [s.index for s in plan.stages] != list(range(len(plan.stages))):
+        raise fail("stages", "must be a non-empty list indexed 0, 1, ... in order")
+    for stage in plan.stages:
+        if not stage.devices or not all(isinstance(d, str) for d in stage.devices):
+            raise fail("stages", f"stage {stage.index} names no devices")
+        if stage.shares and (
+            len(stage.shares) != len(stage.devices) or sum(stage.shares) != plan.microbatches
+        ):
+            raise fail(
+                "stages", f"stage {stage.index}: shares {list(stage.shares)} do not cover the microbatches"
+            )
 
 
 def _block_range(blocks: tuple[str, ...]) -> str:
     return blocks[0] if len(blocks) == 1 else f"{blocks[0]} .. {blocks[-1]} ({len(blocks)})"
 
 
+def _group(stage: PlanStage) -> str:
+    if len(stage.devices) == 1:
+        return stage.device
+    return f"{stage.devices[0]}+{len(stage.devices) - 1} (x{len(stage.devices)})"
+
+
+def _memory(used: float, avail: float) -> str:
+    if not avail:
+        return "-"
+    if used < 2**30:
+        return f"{format_bytes(used)}/{format_bytes(avail)} ({used / avail:.0%})"
+    return f"{used / 2**30:.2f}/{avail / 2**30:.1f} GiB ({used / avail:.0%})"
+
+
 def explain(plan: Plan) -> str:
     """A table a person reads in ten seconds, and the one line that matters."""
     total_flops = sum(s.fwd_flops + s.bwd_flops for s in plan.stages) or 1.0
+    rows = f", {plan.microbatch_rows} rows each" if plan.microbatch_rows else ""
     header = (
-        f"{'stage':<5} {'device':<14} {'type':<11} {'blocks':<42} {'FLOPs':>5} "
-        f"{'memory used/avail':>22} {'compute ms':>10} {'comm ms':>8} {'bubble':>6}"
+        f"{'stage':<5} {'devices (replicas)':<22} {'type':<11} {'blocks':<42} {'FLOPs':>5} "
+        f"{'memory used/avail':>24} {'compute ms/mb':>13} {'comm ms/mb':>10} {'recompute':>9} {'bubble':>6}"
     )
     lines = [
-        f"hetcc plan: {len(plan.stages)} stages, {plan.schedule}, {plan.microbatches} microbatches",
+        f"hetcc plan: {len(plan.stages)} stages on {sum(len(s.devices) for s in plan.stages)} devices, "
+        f"{plan.precision}, {plan.schedule}, {plan.microbatches} microbatches{rows}",
         header,
     ]
     for s in plan.stages:
-        used, avail = s.peak_memory_bytes / 2**30, s.device_memory_bytes / 2**30
-        memory = f"{used:.2f}/{avail:.1f} GiB ({used / avail:.0%})" if avail else "-"
         lines.append(
-            f"{s.index:<5} {s.device:<14} {s.device_type:<11} {_block_range(s.blocks):<42} "
-            f"{(s.fwd_flops + s.bwd_flops) / total_flops:>5.0%} {memory:>22} "
-            f"{s.compute_s * 1e3:>10.2f} {s.comm_s * 1e3:>8.2f} {s.bubble:>6.0%}"
+            f"{s.index:<5} {_group(s):<22} {s.device_type:<11} {_block_range(s.blocks):<42} "
+            f"{(s.fwd_flops + s.bwd_flops) / total_flops:>5.0%} "
+            f"{_memory(s.peak_memory_bytes, s.device_memory_bytes):>24} "
+            f"{s.compute_s * 1e3:>13.2f} {s.comm_s * 1e3:>10.2f} {'yes' if s.recompute else 'no':>9} {s.bubble:>6.0%}"
         )
+    lines.append("ms/mb: per microbatch on one replica; memory: the fullest replica's device")
     lines.append(_headline(plan))
     lines.append(
-        "baselines (same devices, listed order): "
+        "baselines (one stage per listed device, simulated): "
         + ", ".join(f"{name} {_ms(t)}" for name, t in plan.baselines.items())
     )
-    if not math.isnan(plan.simulated_step_s):
-        lines.append(
-            f"simulated step {plan.simulated_step_s * 1e3:.2f} ms (event-driven {plan.schedule} run)"
-        )
+    if not math.isnan(plan.objective_s):
+        lines.append(f"objective (the search's formula) {plan.objective_s * 1e3:.2f} ms")
+    if plan.microbatch_search:
+        tried = ", ".join(f"M={m}: {_ms(t)}" for m, t in plan.microbatch_search)
+        lines.append(f"microbatch counts tried: {tried}")
     lines.extend(plan.notes)
     return "\n".join(lines)
 
@@ -151,6 +217,6 @@ def _headline(plan: Plan) -> str:
     else:
         versus = f"{uniform / plan.step_time_s:.2f}x faster than uniform"
     return (
-        f"predicted step {plan.step_time_s * 1e3:.2f} ms, {versus}, "
+        f"simulated step {plan.step_time_s * 1e3:.2f} ms, {versus}, "
         f"{plan.gap:.1%} above the lower bound ({plan.lower_bound_s * 1e3:.2f} ms)"
     )

@@ -6,6 +6,7 @@ import torch
 from models import gpt2, lm_kwargs, token_ids
 
 import hetcc
+from hetcc.passes.partition import RERANK
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.ir import info
 from hetcc.passes.codegen import stage_source
@@ -69,8 +70,9 @@ def test_plan_beats_or_matches_every_baseline_and_respects_the_bound(compiled):
 def test_explain_has_a_row_per_stage_and_the_headline(compiled):
     plan = compiled[0].plan
     text = compiled[0].explain()
-    assert all(f" {s.device} " in text for s in plan.stages)
-    headline = next(line for line in text.splitlines() if line.startswith("predicted step"))
+    assert all(f" {s.device}" in text for s in plan.stages)  # a replica group prints its first device
+    assert f", {plan.precision}, " in text.splitlines()[0]  # the title says what precision was priced
+    headline = next(line for line in text.splitlines() if line.startswith("simulated step"))
     assert "faster than uniform" in headline and "above the lower bound" in headline
 
 
@@ -79,7 +81,7 @@ def test_plan_and_problem_round_trip_through_json_exactly(compiled):
     assert hetcc.Plan.from_json(result.plan.to_json()) == result.plan
     replayed = PartitionProblem.from_json(result.problem.to_json())
     assert replayed == result.problem
-    assert solve(replayed).step_time_s == result.plan.step_time_s
+    assert solve(replayed, rerank=RERANK).simulated_s == result.plan.step_time_s
 
 
 def test_dump_folder_holds_every_pass_and_the_plan(compiled):
@@ -95,7 +97,7 @@ def test_dump_folder_holds_every_pass_and_the_plan(compiled):
         "08_comm.txt",
         "09_codegen.txt",
     } <= names
-    assert "predicted step" in (folder / "07_partition.txt").read_text()
+    assert "simulated step" in (folder / "07_partition.txt").read_text()
     result, _ = compiled
     for stage in result.stages:  # each stage's program, as the codegen step printed it
         source = (folder / f"stage{stage.index}.py").read_text()
@@ -112,7 +114,7 @@ def test_memory_too_small_raises_an_error_naming_a_device_and_the_shortfall():
     with pytest.raises(InfeasiblePlanError) as caught:
         hetcc.compile(model, _cluster(memory="40 MiB"), example_kwargs=lm_kwargs(ids), microbatches=4)
     message = str(caught.value)
-    assert "bytes missing" in message and "device" in message and "microbatches" in message
+    assert "MiB missing" in message and "device" in message and "microbatches" in message
 
 
 def test_batch_must_divide_into_microbatches():

@@ -22,7 +22,8 @@ from hetcc.ir import annotate, info, is_concrete
 
 BACKWARD_MEMORY_PASSES = 2.0
 # When a device type has no peak for a dtype, the nearest format its matrix units run instead.
-_DTYPE_FALLBACK = {"bf16": "fp16", "fp16": "fp32", "fp8": "fp16", "tf32": "fp32"}
+# bf16 has no fallback but fp32: a card without bf16 units (T4, V100) runs bf16 matmuls no faster.
+_DTYPE_FALLBACK = {"bf16": "fp32", "fp16": "fp32", "fp8": "fp16", "tf32": "fp32"}
 
 
 def cost(

@@ -10,6 +10,7 @@ one of those blocks holds a copy (it over-counts only when the same stage holds 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,9 +55,18 @@ def optimizer(name: object) -> Optimizer:
     return found
 
 
-def state_multiplier(training: bool, name: str) -> int:
-    """Bytes held per parameter byte: the weight, its gradient and the optimizer's states."""
-    return 2 + optimizer(name).states if training else 1
+def state_multiplier(training: bool, name: str, precision: str = "fp32") -> float:
+    """Bytes held per parameter byte: the weight, its gradient and the optimizer's states (and the
+    half-precision weight copies autocast keeps under mixed precision)."""
+    copy = MIXED_WEIGHT_COPY if precision != "fp32" else 0.0
+    return (2 + optimizer(name).states if training else 1) + copy
+
+
+PRECISIONS = {"fp32": None, "bf16-mixed": "bf16", "fp16-mixed": "fp16"}  # -> FLOP/s peak key of matmuls
+# Mixed precision keeps fp32 master weights, gradients and optimizer state; autocast also caches a
+# half-precision copy of every weight it casts during the forward.
+MIXED_WEIGHT_COPY = 0.5
+RERANK = 6  # best sequences replayed in the simulator; the fastest simulated wins
 
 
 @dataclass(frozen=True)
@@ -67,6 +77,10 @@ class PlanSettings:
     schedule: str
     training: bool
     optimizer: str
+    precision: str = "fp32"
+    recompute: bool | str = "auto"  # "auto": where memory needs it; True: every stage; False: never
+    replicate: bool = True
+    batch_rows: int = 0
 
 
 def partition(
@@ -75,8 +89,8 @@ def partition(
 ) -> tuple[Plan, PartitionProblem, PartitionSolution]:  # fmt: skip
     """Plan ``chain`` over ``cluster`` and annotate every node of ``gm`` with its stage."""
     problem = build_problem(gm, chain, tied, cluster, settings)
-    solution = solve(problem)
-    plan = _plan(problem, solution, chain, settings.training, settings.optimizer)
+    solution = solve(problem, rerank=RERANK)
+    plan = _plan(problem, solution, chain, settings)
     stage_of = plan.stage_of
     for node in gm.graph.nodes:
         if node.name in stage_of:
@@ -92,7 +106,7 @@ def build_problem(
     training = settings.training
     type_names = [t.name for t in cluster.types]
     fwd, bwd = block_times(gm, [b.nodes for b in chain], type_names)
-    multiplier = state_multiplier(training, settings.optimizer)
+    multiplier = state_multiplier(training, settings.optimizer, settings.precision)
     params = [float(b.param_bytes) for b in chain]
     index = {b.name: i for i, b in enumerate(chain)}
     for param in tied:
@@ -115,40 +129,57 @@ def build_problem(
         microbatches=settings.microbatches,
         schedule=settings.schedule,
         training=training,
+        replicate=bool(settings.replicate),
+        recompute=settings.recompute is not False and training,
+        recompute_all=settings.recompute is True and training,
+        param_bytes=params,
+        precision=settings.precision,
+        optimizer=settings.optimizer,
+        batch_size=settings.batch_rows,
     )
 
 
-def _plan(problem, solution, chain: Sequence[Block], training: bool, optimizer: str) -> Plan:
-    simulation = simulate(problem, solution.boundaries, solution.devices)
+def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> Plan:
+    simulation = simulate(problem, solution.boundaries, solution.groups, solution.recompute)
     stages = tuple(
-        _stage(k, stage_plan, problem, chain, training, optimizer, simulation.bubble_fraction[k])
+        _stage(k, stage_plan, problem, chain, settings, simulation.bubble_fraction[k])
         for k, stage_plan in enumerate(solution.stages)
     )
+    base = {}
+    for name, plan in baselines(problem).items():
+        fits = all(s.fits for s in plan.stages)
+        base[name] = simulate(problem, plan.boundaries, plan.devices).step_time_s if fits else math.inf
+    rows = settings.batch_rows // problem.microbatches if settings.batch_rows else 0
     return Plan(
         stages=stages,
-        step_time_s=solution.step_time_s,
+        step_time_s=simulation.step_time_s,
         lower_bound_s=solution.lower_bound_s,
-        gap=solution.gap,
-        baselines={name: s.step_time_s for name, s in baselines(problem).items()},
+        gap=simulation.step_time_s / solution.lower_bound_s - 1 if solution.lower_bound_s > 0 else math.inf,
+        baselines=base,
         microbatches=problem.microbatches,
         schedule=problem.schedule,
-        training=training,
+        training=problem.training,
         simulated_step_s=simulation.step_time_s,
         exact=solution.exact,
+        objective_s=solution.step_time_s,
+        precision=settings.precision,
+        microbatch_rows=rows,
     )
 
 
-def _stage(k, stage_plan, problem, chain, training, optimizer, bubble: float) -> PlanStage:
+def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float) -> PlanStage:
     start, stop = stage_plan.blocks
     blocks = chain[start:stop]
-    multiplier = state_multiplier(training, optimizer)
+    training = settings.training
+    multiplier = state_multiplier(training, settings.optimizer, settings.precision)
     params = stage_plan.state_bytes / multiplier
     device = problem.devices[stage_plan.device]
+    activations = stage_plan.memory_bytes - stage_plan.state_bytes
     memory = MemoryBreakdown(
-        params_bytes=params,
+        params_bytes=params * (1 + (MIXED_WEIGHT_COPY if settings.precision != "fp32" else 0.0)),
         grads_bytes=params if training else 0.0,
-        optimizer_bytes=params * (multiplier - 2) if training else 0.0,
-        activations_bytes=stage_plan.inflight * stage_plan.act_bytes,
+        optimizer_bytes=params * optimizer(settings.optimizer).states if training else 0.0,
+        activations_bytes=activations,
     )
     return PlanStage(
         index=k,
@@ -166,4 +197,9 @@ def _stage(k, stage_plan, problem, chain, training, optimizer, bubble: float) ->
         memory=memory,
         device_memory_bytes=stage_plan.memory_capacity_bytes,
         bubble=bubble,
+        devices=stage_plan.device_names,
+        shares=stage_plan.shares,
+        recompute=stage_plan.recompute,
+        precision=settings.precision,
+        allreduce_s=stage_plan.allreduce_s,
     )

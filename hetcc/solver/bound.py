@@ -1,4 +1,5 @@
-"""A step time no plan can beat, so every plan reports its gap to it."""
+"""Step times no plan can beat: one for the simulated step (what a plan reports its gap to), one for
+the search's objective (what lets it skip device sets that cannot win)."""
 
 from __future__ import annotations
 
@@ -8,32 +9,82 @@ import numpy as np
 
 from hetcc.solver.problem import PartitionProblem
 
+ROUNDS = 300
+
 
 def lower_bound(problem: PartitionProblem) -> float:
-    """A step time no plan can beat under this model.
+    """A simulated step time no plan (replicated, recomputing or not) can beat: the larger of
 
-    Communication only adds (C_j >= 0) and P >= max_j T_j, so T >= sum_j T_j + (M - 1) * max_j T_j.
-    Two bounds on that:
-
-    - integrality: every block runs on some device, so sum_j T_j >= sum_i min_t c_t[i], and one stage
-      holds the costliest block, so max_j T_j >= max_i min_t c_t[i];
-    - balance: relax "each block on one device" to fractions x[i, d] >= 0 summing to 1 and let B be
-      the largest device load; min sum c x + (M - 1) * B is a lower bound. By LP duality, for any
-      weights lambda_d >= 0 with sum_d lambda_d = M - 1 it is at least
-      sum_i min_d (1 + lambda_d) * c_d[i]. Weights start proportional to device speed (giving
-      "total work over total speed" when costs are proportional across types) and are improved by
-      exponentiated-gradient steps; whichever weights are used, the value stays a valid bound.
+    - the chain: microbatch 0 runs every block's forward, then every backward, one after the other, so
+      the step takes at least ``sum_i min_t c_t[i]``;
+    - the balance with memory: a device is busy at most the whole step. Let x[i, t] be the share of
+      block i's M microbatches run by devices of class t (a type and memory size, n_t devices of
+      capacity K_t). Then ``step >= M * sum_i x[i, t] * c_t[i] / n_t`` for every t, and, since a device
+      running any microbatch of block i holds all of its state s_i, ``sum_i x[i, t] * s_i <= n_t * K_t``.
+      The least such step is a linear program; any Lagrange weights lambda_t >= 0 with
+      ``sum_t lambda_t n_t = 1`` and mu_t >= 0 give a value no larger than it,
+      ``sum_i min_t (lambda_t M c_t[i] + mu_t s_i) - sum_t mu_t n_t K_t``, improved here by
+      subgradient steps. Communication, recomputation and the fill only add, so they are left out.
     """
+    classes = sorted({(d.type, d.memory_bytes) for d in problem.devices})
+    costs = np.array([problem.block_cost_s(t) for t, _ in classes], dtype=float)
+    counts = np.array([sum((d.type, d.memory_bytes) == c for d in problem.devices) for c in classes], float)
+    capacity = np.array([m for _, m in classes], dtype=float)
+    chain = float(costs.min(axis=0).sum())
+    state = np.asarray(problem.state_bytes, dtype=float)
+    return max(chain, _memory_balance_bound(costs, counts, capacity, state, problem.microbatches))
+
+
+def _memory_balance_bound(costs, counts, capacity, state, microbatches: int) -> float:
+    work = microbatches * costs  # (classes, blocks): seconds of all M microbatches of block i
+    speed = counts / np.maximum(work.sum(axis=1), 1e-300)
+    share = speed / speed.sum()  # lambda_t * n_t
+    room = counts * capacity
+    # mu_t = nu_t * (seconds a block of class t costs per byte of state it holds): nu_t is unitless.
+    per_byte = work.mean(axis=1) / max(float(state.mean()), 1e-300)
+    nu = np.zeros(len(counts))
+    columns = np.arange(work.shape[1])
+    best = 0.0
+    for step in range(ROUNDS):
+        mu = nu * per_byte * share / counts
+        priced = (share / counts)[:, None] * work + mu[:, None] * state[None, :]
+        owner = priced.argmin(axis=0)
+        best = max(best, float(priced[owner, columns].sum() - (mu * room).sum()))
+        load = np.bincount(owner, weights=work[owner, columns], minlength=len(counts)) / counts
+        share = share * np.exp(load / max(float(load.max()), 1e-300) / math.sqrt(step + 1))
+        share = share / share.sum()
+        held = np.bincount(owner, weights=state, minlength=len(counts))
+        nu = np.maximum(0.0, nu + (held - room) / np.maximum(room, 1e-300) / math.sqrt(step + 1))
+    return best
+
+
+def objective_bound(problem: PartitionProblem) -> float:
+    """A value of the search's objective (``objective.step_time``) no plan beats; see ``compute_bound_s``."""
     types = sorted({d.type for d in problem.devices})
     costs = np.array([problem.block_cost_s(t) for t in types], dtype=float)
     counts = np.array([sum(d.type == t for d in problem.devices) for t in types], dtype=float)
-    return compute_bound_s(costs, counts, problem.microbatches - 1)
+    return compute_bound_s(costs, counts, problem.microbatches - 1, problem.replicate)
 
 
-def compute_bound_s(costs: np.ndarray, counts: np.ndarray, slope: int) -> float:
-    """``lower_bound`` for devices of types ``costs[t]`` (seconds per block), ``counts[t]`` of each."""
+def compute_bound_s(costs: np.ndarray, counts: np.ndarray, slope: int, replicate: bool = False) -> float:
+    """The objective's bound for devices of types ``costs[t]`` (seconds per block), ``counts[t]`` of each.
+
+    Communication and all-reduces only add, and P >= max_j B_j, so T >= sum_j T_j + (M - 1) max_j B_j.
+    Two bounds on that:
+
+    - integrality: every block runs on some device, so sum_j T_j >= sum_i min_t c_t[i], and the stage
+      holding the costliest block has B_j >= c_t[i] * ceil(M / r) / M with r <= counts[t] replicas;
+    - balance: relax "each block on one device" to fractions x[i, d] >= 0 summing to 1 and let B be
+      the largest device load; min sum c x + (M - 1) * B is a lower bound (a replicated stage is r
+      devices with load T_j * shares_d / M >= T_j / r each). By LP duality, for any weights
+      lambda_d >= 0 with sum_d lambda_d = M - 1 it is at least sum_i min_d (1 + lambda_d) * c_d[i].
+      Weights start proportional to device speed and are improved by exponentiated-gradient steps;
+      whichever weights are used, the value stays a valid bound.
+    """
     cheapest = costs.min(axis=0)
-    integral = float(cheapest.sum()) + slope * float(cheapest.max())
+    m = slope + 1
+    per_replica = np.array([math.ceil(m / c) / m for c in counts]) if replicate else np.ones(len(counts))
+    integral = float(cheapest.sum()) + slope * float((costs * per_replica[:, None]).min(axis=0).max())
     return max(integral, _balance_bound(costs, counts, slope))
 
 

@@ -33,24 +33,48 @@ from typing import NamedTuple
 import numpy as np
 
 from hetcc.solver.objective import step_terms
-from hetcc.solver.problem import MEMORY_RTOL, PartitionProblem, inflight_microbatches, round_trip_slots
+from hetcc.solver.problem import (
+    MEMORY_RTOL,
+    PartitionProblem,
+    inflight_microbatches,
+    replica_inflight,
+    round_trip_slots,
+)
 
 PROBES_PER_ROUND = 32
 _BOUND_RTOL = 1e-12  # slack on b so a term equal to a candidate value is never lost to rounding
 
 
 @dataclass(frozen=True)
-class SequenceSlot:
-    """Position j of a device sequence (pipeline stage j): its type row, memory window, link cost per end block, slots."""
+class Mode:
+    """One way to run a stage of a slot: with or without recomputation.
 
-    type_row: int
+    ``term_prefix`` prefix-sums T (per-microbatch seconds on one replica); ``sum_prefix`` adds the
+    stage's all-reduce seconds per parameter byte, so ``sum_prefix[i] - sum_prefix[a] + constant_s`` is
+    the stage's contribution T_j + A_j to S.
+    """
+
+    recompute: bool
+    term_prefix: np.ndarray  # (N+1,)
+    sum_prefix: np.ndarray  # (N+1,)
+    constant_s: float
     hi_memory: np.ndarray  # (N+1,) last end i whose [a, i) fits the device (a itself if none)
+
+
+@dataclass(frozen=True)
+class SequenceSlot:
+    """Position j of a sequence (pipeline stage j): r identical replicas, their modes, link cost per end
+    block, the period shares of the stage and its outgoing link, and the round-trip slots."""
+
+    modes: tuple[Mode, ...]
+    share: float  # B_j = share * T_j: ceil(M / r) / M
     comm_s: np.ndarray  # (N+1,) C_j for a stage ending at block i (inf where it cannot end)
-    slots: float  # q_j when the round trip limits this stage (R_j <= P * q_j), else inf
+    link_share: float  # L_j = link_share * C_j
+    slots: float  # W_j when the round trip limits this stage (R_j <= P * W_j), else inf
 
 
 class SequenceOptimum(NamedTuple):
-    """The best plan of one device sequence: its step time, the limits that reproduce it, its P."""
+    """The best plan of one sequence: its step time, the limits that reproduce it, its P."""
 
     step_s: float
     term_bound_s: float
@@ -59,7 +83,7 @@ class SequenceOptimum(NamedTuple):
 
 
 class Chain:
-    """Per-problem arrays shared by every device sequence (prefix sums, cached windows)."""
+    """Per-problem arrays shared by every sequence of replica groups (prefix sums, cached windows)."""
 
     def __init__(self, problem: PartitionProblem):
         self.problem = problem
@@ -70,40 +94,83 @@ class Chain:
         costs = np.array([problem.block_cost_s(t) for t in self.types], dtype=float)
         self.cost_s = costs
         self.prefix_s = np.concatenate([np.zeros((len(self.types), 1)), np.cumsum(costs, axis=1)], axis=1)
+        fwd = np.array([problem.fwd_s[t] for t in self.types], dtype=float)
+        self.recompute_prefix_s = self.prefix_s + np.concatenate(
+            [np.zeros((len(self.types), 1)), np.cumsum(fwd, axis=1)], axis=1
+        )
+        # Row arrays made once: the caches below key on their identity.
+        self._term_rows = {
+            (row, recompute): (self.recompute_prefix_s if recompute else self.prefix_s)[row].copy()
+            for row in range(len(self.types))
+            for recompute in (False, True)
+        }
         self.state_prefix = np.concatenate([[0.0], np.cumsum(problem.state_bytes)])
         self.act_prefix = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
+        self.param_prefix = np.concatenate([[0.0], np.cumsum(problem.block_param_bytes())])
         self.cut_at = np.concatenate([[0.0], np.asarray(problem.cut_bytes, dtype=float), [0.0]])
         self.factor = 2.0 if problem.training else 1.0
-        self._windows: dict[tuple[float, int], np.ndarray] = {}
+        self._windows: dict[tuple, np.ndarray] = {}
         self._links: dict[tuple[float, float] | None, np.ndarray] = {}
+        self._sums: dict[tuple, np.ndarray] = {}
         self._candidates: dict[tuple, np.ndarray] = {}
-        self._term_values: dict[int, np.ndarray] = {}
+        self._term_values: dict[tuple, np.ndarray] = {}
         self._log2 = np.zeros(self.n + 2, dtype=np.int64)
         self._log2[2:] = np.floor(np.log2(np.arange(2, self.n + 2))).astype(np.int64)
         self._log2_levels = [1 << k for k in range(int(self._log2[self.n + 1]) + 1)]  # spans 1, 2, 4, ...
 
-    def stages(self, devices: list[int]) -> list[SequenceSlot]:
-        """Stage records for running the chain on ``devices`` in this order (K = len(devices))."""
-        k = len(devices)
+    def stages(self, groups: list) -> list[SequenceSlot]:
+        """Slot records for running the chain on ``groups`` in this order (a device index, or a tuple of
+        interchangeable devices: one replicated stage)."""
+        problem = self.problem
+        groups = [tuple(g) if isinstance(g, (tuple, list)) else (g,) for g in groups]
+        replicas = [len(g) for g in groups]
+        k, m = len(groups), self.microbatches
         out = []
-        for j, d in enumerate(devices):
-            device = self.problem.devices[d]
-            q = inflight_microbatches(self.problem, j, k)
-            link = (
-                (self.problem.latency_s[d][devices[j + 1]], self.problem.bandwidth_bps[d][devices[j + 1]])
-                if j + 1 < k
-                else None
-            )
-            slots = round_trip_slots(self.problem, j, k)
+        for j, group in enumerate(groups):
+            d, r = group[0], len(group)
+            device = problem.devices[d]
+            held = inflight_microbatches(problem, j, k, replicas)
+            held = replica_inflight(held, r) if problem.training else 1
+            link, link_share = None, 1.0
+            if j + 1 < k:
+                nxt = groups[j + 1][0]
+                link = (problem.latency_s[d][nxt], problem.bandwidth_bps[d][nxt])
+                link_share = -(-m // math.lcm(r, replicas[j + 1])) / m
+            slots = round_trip_slots(problem, j, k, replicas)
             out.append(
                 SequenceSlot(
-                    self.type_row[device.type],
-                    self._memory_window(device.memory_bytes, q),
+                    self._modes(device, group, held),
+                    -(-m // r) / m,
                     self._comm(link),
+                    link_share,
                     math.inf if slots is None else float(slots),
                 )
             )
         return out
+
+    def _modes(self, device, group: tuple[int, ...], held: int) -> tuple[Mode, ...]:
+        row = self.type_row[device.type]
+        per_byte, constant = 0.0, 0.0
+        if len(group) > 1 and self.problem.training:  # ring all-reduce of the stage's gradients
+            pairs = [(a, b) for a in group for b in group if a != b]
+            bandwidth = min(self.problem.bandwidth_bps[a][b] for a, b in pairs)
+            latency = max(self.problem.latency_s[a][b] for a, b in pairs)
+            per_byte = 2 * (len(group) - 1) / len(group) / bandwidth
+            constant = 2 * (len(group) - 1) * latency
+        choices = [False]
+        if self.problem.training and self.problem.recompute_all:
+            choices = [True]
+        elif self.problem.training and self.problem.recompute:
+            choices.append(True)
+        modes = []
+        for recompute in choices:
+            term = self._term_rows[row, recompute]
+            key = (row, recompute, per_byte)
+            if key not in self._sums:
+                self._sums[key] = term + per_byte * self.param_prefix if per_byte else term
+            window = self._memory_window(device.memory_bytes, held, recompute)
+            modes.append(Mode(recompute, term, self._sums[key], constant, window))
+        return tuple(modes)
 
     def _comm(self, link: tuple[float, float] | None) -> np.ndarray:
         """C_j per end block for a (latency, bandwidth) link; None is the last stage (ends at N, free)."""
@@ -117,46 +184,53 @@ class Chain:
             self._links[link] = comm
         return self._links[link]
 
-    def _memory_window(self, capacity: float, inflight: int) -> np.ndarray:
+    def _memory_window(self, capacity: float, held: int, recompute: bool) -> np.ndarray:
         """hi[a] = last end i such that blocks [a, i) fit; hi[a] = a when not even one block does."""
-        key = (capacity, inflight)
+        key = (capacity, held, recompute)
         if key not in self._windows:
             w, a = self.state_prefix, self.act_prefix
-            used = (w[None, :] - w[:, None]) + inflight * (a[None, :] - a[:, None])  # [start, stop]
+            span_act = a[None, :] - a[:, None]  # [start, stop]
+            if recompute:  # keeps each held microbatch's inputs, rebuilds one microbatch's activations
+                used = (w[None, :] - w[:, None]) + held * self.cut_at[:, None] + span_act
+            else:
+                used = (w[None, :] - w[:, None]) + held * span_act
             starts = np.arange(self.n + 1)
             fits = (used <= capacity * (1 + MEMORY_RTOL)) & (starts[:, None] < starts[None, :])
             self._windows[key] = starts + fits.sum(axis=1)  # the fitting ends are a prefix of (a, N]
         return self._windows[key]
 
     def term_values(self, stages: list[SequenceSlot]) -> np.ndarray:
-        """Sorted distinct values a stage term can take on this sequence: the candidate bottlenecks."""
-        rows = sorted({s.type_row for s in stages})
-        links = {id(s.comm_s): s.comm_s for s in stages}
-        key = (tuple(rows), tuple(sorted(links)))
+        """Sorted distinct values a period term can take on this sequence: the candidate bottlenecks."""
+        compute = {
+            (id(mode.term_prefix), s.share): (mode.term_prefix, s.share) for s in stages for mode in s.modes
+        }
+        links = {(id(s.comm_s), s.link_share): (s.comm_s, s.link_share) for s in stages}
+        key = (tuple(sorted(compute)), tuple(sorted(links)))
         if key not in self._candidates:
-            parts = [self._compute_values(row) for row in rows]
-            parts += [comm[np.isfinite(comm)] for comm in links.values()]
+            parts = [self._compute_values(prefix) * share for prefix, share in compute.values()]
+            parts += [comm[np.isfinite(comm)] * share for comm, share in links.values()]
             self._candidates[key] = np.unique(np.concatenate(parts))
         return self._candidates[key]
 
-    def _compute_values(self, row: int) -> np.ndarray:
-        if row not in self._term_values:
-            p = self.prefix_s[row]
-            diffs = p[None, :] - p[:, None]
-            self._term_values[row] = np.unique(diffs[np.triu_indices(self.n + 1, 1)])
-        return self._term_values[row]
+    def _compute_values(self, prefix: np.ndarray) -> np.ndarray:
+        key = id(prefix)
+        if key not in self._term_values:
+            diffs = prefix[None, :] - prefix[:, None]
+            self._term_values[key] = np.unique(diffs[np.triu_indices(self.n + 1, 1)])
+        return self._term_values[key]
 
     def _slack(self, bounds_s: np.ndarray) -> np.ndarray:
-        return bounds_s + _BOUND_RTOL * (np.abs(bounds_s) + self.prefix_s[:, -1].max())
+        return bounds_s + _BOUND_RTOL * (np.abs(bounds_s) + self.recompute_prefix_s[:, -1].max())
 
     def min_sums(
         self, stages: list[SequenceSlot], bounds_s: np.ndarray, trip_bounds_s=None, keep: bool = False
     ):
-        """S(b) for every b in ``bounds_s``: least sum with each term <= b and each throttled R_j <= b * q_j.
+        """S(b) for every b in ``bounds_s``: least sum with each period term <= b and each throttled
+        R_j <= b * W_j.
 
         ``trip_bounds_s`` (default: ``bounds_s``) replaces b in the round-trip limits. With ``keep`` (one
-        bound only) also returns per stage, first stage first, (cost by end block, window ends) for
-        backtracking.
+        bound only) also returns per stage, first stage first, per mode (cost by end block, window
+        ends, the mode's suffix values) for backtracking.
         """
         rows, width = len(bounds_s), self.n + 1
         slack = self._slack(bounds_s)
@@ -166,80 +240,92 @@ class Chain:
         # Level k holds min(h[i : i + 2**k]); its last 2**k - 1 columns stay inf (never written).
         table = np.full((len(self._log2_levels), rows, width), math.inf)
         flat = table.reshape(-1)
-        hi, flat_left, flat_right, empty = self._window_indices(stages, slack)
-        links: dict[tuple, np.ndarray] = {}  # (comm, type) -> P_t + C_j with terms above b made inf
+        windows: dict[tuple, tuple] = {}
+        links: dict[tuple, np.ndarray] = {}  # -> T+A prefix + C_j with link terms above b made inf
         kept = []
         for j in range(len(stages) - 1, -1, -1):
             stage = stages[j]
-            p = self.prefix_s[stage.type_row]
-            key = (id(stage.comm_s), stage.type_row)
-            if key not in links:
-                links[key] = np.where(stage.comm_s[None, :] > slack[:, None], math.inf, stage.comm_s + p)
-            np.add(g, links[key], out=table[0])  # h[i] = P_t(i) + C_j(i) + g_{j+1}(i)
-            if keep:
-                kept.append((table[0, 0].copy(), hi[j, 0].copy()))
-            for level, span in enumerate(self._log2_levels[:-1]):
-                np.minimum(
-                    table[level, :, : width - span],
-                    table[level, :, span:],
-                    out=table[level + 1, :, : width - span],
-                )
-            np.minimum(flat.take(flat_left[j]), flat.take(flat_right[j]), out=g)
-            np.subtract(g, p, out=g)
-            np.copyto(g, math.inf, where=empty[j])
+            best = np.full((rows, width), math.inf)
+            per_mode = []
+            for mode in stage.modes:
+                key = (id(stage.comm_s), stage.link_share, id(mode.sum_prefix), mode.constant_s)
+                if key not in links:
+                    over = stage.comm_s[None, :] * stage.link_share > slack[:, None]
+                    links[key] = np.where(over, math.inf, stage.comm_s + mode.sum_prefix + mode.constant_s)
+                np.add(g, links[key], out=table[0])  # h[i] = S-prefix(i) + C_j(i) + g_{j+1}(i)
+                for level, span in enumerate(self._log2_levels[:-1]):
+                    np.minimum(
+                        table[level, :, : width - span],
+                        table[level, :, span:],
+                        out=table[level + 1, :, : width - span],
+                    )
+                wkey = (id(mode.term_prefix), stage.share, id(mode.hi_memory))
+                if wkey not in windows:
+                    windows[wkey] = self._window_indices(mode, stage.share, slack)
+                hi, left, right, empty = windows[wkey]
+                found = np.minimum(flat.take(left), flat.take(right))
+                found -= mode.sum_prefix
+                found[empty] = math.inf
+                if keep:
+                    per_mode.append((table[0, 0].copy(), hi[0].copy(), found[0].copy()))
+                np.minimum(best, found, out=best)
             if math.isfinite(stage.slots):
-                np.copyto(g, math.inf, where=g > (trip_slack * stage.slots)[:, None])
+                best[best > (trip_slack * stage.slots)[:, None]] = math.inf
+            g = best
+            kept.append(per_mode)
         return (g[:, 0], kept[::-1]) if keep else g[:, 0]
 
-    def _window_indices(self, stages: list[SequenceSlot], slack: np.ndarray):
-        """Per stage and bound row: window ends hi[a], and flat sparse-table indices of the two
-        power-of-two halves covering (a, hi] (``empty`` where the window has no end)."""
+    def _window_indices(self, mode: Mode, share: float, slack: np.ndarray):
+        """Per bound row: window ends hi[a] (compute term and memory both within their limits), and
+        flat sparse-table indices of the two power-of-two halves covering (a, hi] (``empty`` where the
+        window has no end)."""
         rows, width = len(slack), self.n + 1
-        reach = {}  # type row -> last end whose compute fits the bound
-        for row in {s.type_row for s in stages}:
-            p = self.prefix_s[row]
-            ends = np.searchsorted(p, (p[None, :] + slack[:, None]).ravel(), side="right") - 1
-            reach[row] = ends.reshape(rows, width)
-        hi = np.minimum(
-            np.stack([reach[s.type_row] for s in stages]), np.stack([s.hi_memory for s in stages])[:, None, :]
-        )
+        p = mode.term_prefix
+        reach = np.searchsorted(p, (p[None, :] + slack[:, None] / share).ravel(), side="right") - 1
+        hi = np.minimum(reach.reshape(rows, width), mode.hi_memory[None, :])
         starts = np.arange(width)
         length = hi - starts
-        safe = np.maximum(length, 1)
-        level = self._log2[safe]
+        level = self._log2[np.maximum(length, 1)]
         base = level * (rows * width) + np.arange(rows)[:, None] * width
         first = np.minimum(starts + 1, width - 1)  # any in-range index where the window is empty
         return hi, base + first, base + hi - (1 << level) + 1, length <= 0
 
     def plan(self, stages: list[SequenceSlot], bound_s: float, trip_bound_s: float | None = None):
-        """(S, boundaries) of the least-sum plan within the limits of ``min_sums``; (inf, None) if none."""
+        """(S, boundaries, recompute flags) of the least-sum plan within the limits of ``min_sums``;
+        (inf, None, None) if none."""
         trip = None if trip_bound_s is None else [trip_bound_s]
         sums, kept = self.min_sums(stages, np.array([bound_s]), trip, keep=True)
         if not math.isfinite(sums[0]):
-            return math.inf, None
-        boundaries = [0]
-        for h, hi in kept:
+            return math.inf, None, None
+        boundaries, recompute = [0], []
+        for stage, per_mode in zip(stages, kept):
             start = boundaries[-1]
+            choice = min(range(len(per_mode)), key=lambda k: per_mode[k][2][start])
+            h, hi, _ = per_mode[choice]
             boundaries.append(int(start + 1 + np.argmin(h[start + 1 : hi[start] + 1])))
-        return float(sums[0]), boundaries
+            recompute.append(stage.modes[choice].recompute)
+        return float(sums[0]), boundaries, recompute
 
-    def backtrack(
-        self, stages: list[SequenceSlot], bound_s: float, trip_bound_s: float | None = None
-    ) -> list[int]:
-        """Boundaries of the least-sum plan within the limits of ``min_sums``."""
-        return self.plan(stages, bound_s, trip_bound_s)[1]
+    def backtrack(self, stages: list[SequenceSlot], bound_s: float, trip_bound_s: float | None = None):
+        """(boundaries, recompute flags) of the least-sum plan within the limits of ``min_sums``."""
+        return self.plan(stages, bound_s, trip_bound_s)[1:]
 
-    def period_s(self, stages: list[SequenceSlot], boundaries: list[int]) -> float:
+    def period_s(self, stages: list[SequenceSlot], boundaries: list[int], recompute: list[bool]) -> float:
         """P of a plan on this sequence (``objective.step_terms``) from the prefix sums the DP uses."""
-        spans = list(zip(boundaries, boundaries[1:]))
-        compute = [
-            self.prefix_s[s.type_row][b] - self.prefix_s[s.type_row][a] for s, (a, b) in zip(stages, spans)
-        ]
-        comm = [float(s.comm_s[b]) for s, (_, b) in zip(stages, spans)]
-        return step_terms(compute, comm, [s.slots for s in stages])[1]
+        compute, busy, comm, link, extra = [], [], [], [], []
+        for stage, (a, b), rc in zip(stages, zip(boundaries, boundaries[1:]), recompute):
+            mode = next(m for m in stage.modes if m.recompute == rc)
+            t = mode.term_prefix[b] - mode.term_prefix[a]
+            compute.append(t)
+            busy.append(stage.share * t)
+            comm.append(float(stage.comm_s[b]))
+            link.append(stage.link_share * float(stage.comm_s[b]))
+            extra.append(mode.sum_prefix[b] - mode.sum_prefix[a] - t + mode.constant_s)
+        slots = [s.slots for s in stages]
+        return step_terms(compute, comm, slots, busy_s=busy, link_busy_s=link, extra_s=extra)[1]
 
 
-def solve_sequence(chain: Chain, devices: list[int], incumbent_s: float = math.inf) -> SequenceOptimum | None:
+def solve_sequence(chain: Chain, devices: list, incumbent_s: float = math.inf) -> SequenceOptimum | None:
     """The best plan on this device sequence, or None if none beats ``incumbent_s``.
 
     Its ``step_s`` is the bound ``S(b) + (M - 1) * b`` at the optimal b, which the plan meets.
@@ -306,10 +392,10 @@ def _descend(chain: Chain, stages: list[SequenceSlot], term_s: float, trip_s: fl
     scale = float(chain.prefix_s[:, -1].max()) + abs(trip_s if math.isfinite(trip_s) else term_s)
     found = None
     while True:
-        s, boundaries = chain.plan(stages, term_s, trip_s)
+        s, boundaries, recompute = chain.plan(stages, term_s, trip_s)
         if boundaries is None or s + slope * term_s >= best_s:
             return found
-        period = chain.period_s(stages, boundaries)
+        period = chain.period_s(stages, boundaries, recompute)
         if s + slope * period < best_s:
             found = SequenceOptimum(s + slope * period, term_s, trip_s, period)
             best_s = found.step_s
@@ -318,7 +404,7 @@ def _descend(chain: Chain, stages: list[SequenceSlot], term_s: float, trip_s: fl
         trip_s = min(period, trip_s) - 4 * _BOUND_RTOL * (period + scale)
 
 
-def screen_sequence(chain: Chain, devices: list[int], near_s: float) -> float:
+def screen_sequence(chain: Chain, devices: list, near_s: float) -> float:
     """A step time some plan on this sequence achieves, from one DP pass at bounds near ``near_s``.
 
     An upper bound on ``solve_sequence``'s value at a fraction of its cost: the heuristic search uses

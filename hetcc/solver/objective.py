@@ -1,21 +1,30 @@
 """The planner's step-time model: what one plan costs.
 
-    T = sum_j (T_j + C_j) + (M - 1) * P,    P = max(max_j max(T_j, C_j), max_{j throttled} R_j / q_j)
+    T = sum_j (T_j + C_j + A_j) + (M - 1) * P,
+    P = max(max_j max(B_j, L_j), max_{j throttled} R_j / W_j)
 
-with T_j the forward+backward seconds of stage j's blocks on its device type (per microbatch) and C_j
-the seconds to move the cut activations to the next stage and, when training, their gradients back:
-``2 * (latency + x / bandwidth)`` (``latency + x / bandwidth`` for inference; 0 for the last stage).
-P is the steady-state period: no stage or link can take less, and a 1F1B stage that may hold only
-q_j < M microbatches cannot start them faster than their round trip R_j allows (see ``step_time``).
-Stage j fits when ``sum w + inflight_j * sum a <= memory``, inflight_j = M for GPipe and
-min(M, K - j) for 1F1B. Inference keeps one microbatch's activations alive (inflight 1).
+Stage j runs on a replica group (one device, or several holding the same blocks). T_j is the
+forward+backward seconds (plus one more forward when the stage recomputes its activations) of its
+blocks per microbatch on one replica, the slowest where replicas differ. Microbatches are routed to
+replicas by speed (``problem.route_microbatches``); B_j = max_d shares_d * T_j(d) / M is the stage's
+share of the period. C_j moves the cut activations to the next stage and, when training, their
+gradients back: ``2 * (latency + x / bandwidth)`` per microbatch (one way for inference; 0 for the last
+stage); L_j = the busiest replica-to-replica link's share of the period. A_j is the ring all-reduce of
+a replicated stage's gradients at step end. R_j = sum_{i >= j} (T_i + C_i + A_i) is the round trip a
+1F1B stage holding W_j < M microbatches must wait for (W_j = min(M, replicas of stages j..K-1)).
 
-``evaluate`` scores any plan (the search's winner, the baselines); ``step_time`` is its T.
+Memory of one replica: ``sum w + held * sum a`` (``held`` = the microbatches its share of the
+schedule holds at once), or with recomputation ``sum w + held * x_in + sum a``: the stage keeps only
+its inputs per microbatch and rebuilds one microbatch's activations at a time.
+
+``evaluate`` scores any plan (the search's winner, the baselines); ``step_time`` is its T. The
+simulator (``solver.simulate``) replays the same plan event by event and is the judge of a plan's step.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 
 from hetcc.errors import PlanFormatError
@@ -24,52 +33,98 @@ from hetcc.solver.problem import (
     PartitionProblem,
     PartitionSolution,
     StageCost,
-    inflight_microbatches,
     link_time_s,
+    ring_allreduce_s,
     round_trip_slots,
+    route_microbatches,
 )
+from hetcc.solver.schedules import max_inflight, replica_actions, stage_actions
+
+Device = int | Sequence[int]  # a device index, or a replica group of them
 
 
 def evaluate(
-    problem: PartitionProblem, boundaries: Sequence[int], devices: Sequence[int]
+    problem: PartitionProblem,
+    boundaries: Sequence[int],
+    devices: Sequence[Device],
+    recompute: Sequence[bool] | None = None,
 ) -> PartitionSolution:
-    """Score one plan: stage k runs blocks ``[boundaries[k], boundaries[k+1])`` on ``devices[k]``.
+    """Score one plan: stage k runs blocks ``[boundaries[k], boundaries[k+1])`` on ``devices[k]`` (one
+    device index, or a tuple of them: a replica group), recomputing its activations if ``recompute[k]``.
 
     Memory that does not fit makes ``step_time_s`` infinite rather than raising, so baselines that
     overflow a device can still be reported. ``period_s`` is the plan's P (see ``step_time``).
+    ``lower_bound_s`` bounds the simulated step of every plan (``solver.bound.lower_bound``).
     """
-    stages = _stage_plans(problem, boundaries, devices)
+    stages = stage_costs(problem, boundaries, devices, recompute)
     step, period = _objective_s(problem, stages)
     bound = lower_bound(problem)
     return PartitionSolution(stages, step, period, bound, _gap(step, bound))
 
 
-def _stage_plans(problem, boundaries, devices) -> tuple[StageCost, ...]:
-    _check_plan(problem, boundaries, devices)
-    return tuple(_stage_plan(problem, boundaries, devices, k, len(devices)) for k in range(len(devices)))
+def stage_costs(problem, boundaries, devices, recompute=None) -> tuple[StageCost, ...]:
+    """Every stage's costs, memory and replica shares (validates the plan)."""
+    groups = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in devices]
+    recompute = [False] * len(groups) if recompute is None else [bool(r) for r in recompute]
+    _check_plan(problem, boundaries, groups, recompute)
+    replicas = [len(g) for g in groups]
+    k = len(groups)
+    seconds = [[_replica_s(problem, boundaries, j, d, recompute[j]) for d in g] for j, g in enumerate(groups)]
+    routes = [route_microbatches(problem.microbatches, s) for s in seconds]
+    actions = stage_actions(
+        problem.schedule, k, problem.microbatches, training=problem.training, replicas=replicas
+    )
+    return tuple(
+        _stage_plan(problem, boundaries, groups, routes, seconds[j], actions[j], recompute[j], j)
+        for j in range(k)
+    )
+
+
+def _replica_s(problem: PartitionProblem, boundaries, j: int, device: int, recompute: bool) -> float:
+    start, stop = boundaries[j], boundaries[j + 1]
+    kind = problem.devices[device].type
+    fwd = math.fsum(problem.fwd_s[kind][start:stop])
+    if not problem.training:
+        return fwd
+    return fwd + math.fsum(problem.bwd_s[kind][start:stop]) + (fwd if recompute else 0.0)
 
 
 def _objective_s(problem: PartitionProblem, stages: tuple[StageCost, ...]) -> tuple[float, float]:
     """(T, P) of a plan; T is infinite when a stage does not fit."""
     k = len(stages)
-    slots = [round_trip_slots(problem, j, k) or math.inf for j in range(k)]
-    fill_drain, period = step_terms([s.compute_s for s in stages], [s.comm_s for s in stages], slots)
+    replicas = [len(s.group) for s in stages]
+    slots = [round_trip_slots(problem, j, k, replicas) or math.inf for j in range(k)]
+    fill_drain, period = step_terms(
+        [s.compute_s for s in stages], [s.comm_s for s in stages], slots,
+        busy_s=[s.busy_s for s in stages], link_busy_s=[s.link_busy_s for s in stages],
+        extra_s=[s.allreduce_s for s in stages],
+    )  # fmt: skip
     if not all(s.fits for s in stages):
         return math.inf, period
     return fill_drain + (problem.microbatches - 1) * period, period
 
 
 def step_terms(
-    compute_s: Sequence[float], comm_s: Sequence[float], slots: Sequence[float]
+    compute_s: Sequence[float],
+    comm_s: Sequence[float],
+    slots: Sequence[float],
+    *,
+    busy_s: Sequence[float] | None = None,
+    link_busy_s: Sequence[float] | None = None,
+    extra_s: Sequence[float] | None = None,
 ) -> tuple[float, float]:
-    """(S, P) of stages with T_j = ``compute_s[j]``, C_j = ``comm_s[j]`` (0 for the last) and round-trip
-    slots q_j = ``slots[j]`` (inf where no round trip limits the stage): S = sum_j (T_j + C_j) and
-    P = max_j max(T_j, C_j, R_j / q_j), R_j accumulated from the last stage backwards. The one
-    place the formula lives: the DP scores its plans with it too."""
+    """(S, P) of stages with latency T_j = ``compute_s[j]``, transfer C_j = ``comm_s[j]`` (0 for the
+    last), step-end all-reduce A_j = ``extra_s[j]`` and round-trip slots W_j = ``slots[j]`` (inf where
+    no round trip limits the stage): S = sum_j (T_j + C_j + A_j) and
+    P = max_j max(busy_j, link_busy_j, R_j / W_j), R_j accumulated from the last stage backwards.
+    ``busy_s`` / ``link_busy_s`` default to T_j and C_j (single-device stages). The one place the
+    formula lives: the DP scores its plans with it too."""
+    busy = compute_s if busy_s is None else busy_s
+    link = comm_s if link_busy_s is None else link_busy_s
     period, round_trip = 0.0, 0.0
     for j in range(len(compute_s) - 1, -1, -1):
-        round_trip += compute_s[j] + comm_s[j]
-        period = max(period, compute_s[j], comm_s[j], round_trip / slots[j])
+        round_trip += compute_s[j] + comm_s[j] + (extra_s[j] if extra_s is not None else 0.0)
+        period = max(period, busy[j], link[j], round_trip / slots[j])
     return round_trip, period
 
 
@@ -77,53 +132,95 @@ def _gap(step_s: float, bound_s: float) -> float:
     return step_s / bound_s - 1 if bound_s > 0 else (0.0 if step_s == 0 else math.inf)
 
 
-def _stage_plan(problem, boundaries, devices, k: int, num_stages: int) -> StageCost:
-    start, stop = boundaries[k], boundaries[k + 1]
-    device = problem.devices[devices[k]]
-    fwd = math.fsum(problem.fwd_s[device.type][start:stop])
-    bwd = math.fsum(problem.bwd_s[device.type][start:stop]) if problem.training else 0.0
-    comm = 0.0
-    if k + 1 < num_stages:
-        comm = link_time_s(problem, devices[k], devices[k + 1], problem.cut_bytes[stop - 1])
+def _stage_plan(problem, boundaries, groups, routes, seconds, actions, recompute: bool, j: int) -> StageCost:
+    start, stop = boundaries[j], boundaries[j + 1]
+    group, route, m = groups[j], routes[j], problem.microbatches
+    shares = tuple(route.count(r) for r in range(len(group)))
+    slowest = max((r for r in range(len(group)) if shares[r]), key=lambda r: seconds[r])
+    kind = problem.devices[group[slowest]].type
+    fwd = math.fsum(problem.fwd_s[kind][start:stop])
+    bwd = math.fsum(problem.bwd_s[kind][start:stop]) if problem.training else 0.0
+    comm = link_busy = 0.0
+    if j + 1 < len(groups):
+        pairs = Counter((group[a], groups[j + 1][b]) for a, b in zip(route, routes[j + 1]))
+        times = {pair: link_time_s(problem, *pair, problem.cut_bytes[stop - 1]) for pair in pairs}
+        comm = max(times.values())
+        link_busy = max(count * times[pair] for pair, count in pairs.items()) / m
     state = math.fsum(problem.state_bytes[start:stop])
     act = math.fsum(problem.act_bytes[start:stop])
-    inflight = inflight_microbatches(problem, k, num_stages)
+    kept = problem.cut_bytes[start - 1] if start > 0 else 0.0  # what a recomputing stage keeps
+    held = [
+        max_inflight(replica_actions(actions, route, r)) if problem.training else 1 for r in range(len(group))
+    ]
+    used = [state + (h * kept + act if recompute else h * act) for h in held]
+    worst = max(range(len(group)), key=lambda r: used[r] - problem.devices[group[r]].memory_bytes)
     return StageCost(
         blocks=(start, stop),
-        device=devices[k],
-        device_name=device.name,
+        device=group[0],
+        device_name=problem.devices[group[0]].name,
         fwd_s=fwd,
         bwd_s=bwd,
-        compute_s=fwd + bwd,
+        compute_s=seconds[slowest],
         comm_s=comm,
         state_bytes=state,
         act_bytes=act,
-        inflight=inflight,
-        memory_bytes=state + inflight * act,
-        memory_capacity_bytes=device.memory_bytes,
+        inflight=held[worst],
+        memory_bytes=used[worst],
+        memory_capacity_bytes=problem.devices[group[worst]].memory_bytes,
+        devices=group,
+        device_names=tuple(problem.devices[d].name for d in group),
+        shares=shares,
+        route=tuple(route),
+        recompute=recompute,
+        busy_s=max(c * t for c, t in zip(shares, seconds)) / m,
+        link_busy_s=link_busy,
+        allreduce_s=_allreduce_s(problem, group, start, stop),
     )
 
 
-def _check_plan(problem: PartitionProblem, boundaries: Sequence[int], devices: Sequence[int]) -> None:
+def _allreduce_s(problem: PartitionProblem, group: tuple[int, ...], start: int, stop: int) -> float:
+    """The replicas' gradient sum at step end (0 for one device or inference)."""
+    if len(group) == 1 or not problem.training:
+        return 0.0
+    pairs = [(a, b) for a in group for b in group if a != b]
+    bandwidth = min(problem.bandwidth_bps[a][b] for a, b in pairs)
+    latency = max(problem.latency_s[a][b] for a, b in pairs)
+    return ring_allreduce_s(
+        math.fsum(problem.block_param_bytes()[start:stop]), len(group), bandwidth, latency
+    )
+
+
+def _check_plan(problem: PartitionProblem, boundaries, groups, recompute) -> None:
     n = len(problem.blocks)
-    if len(boundaries) != len(devices) + 1 or not devices:
+    if len(boundaries) != len(groups) + 1 or not groups:
         raise PlanFormatError(
-            f"a plan with {len(devices)} device(s) needs {len(devices) + 1} boundaries, got {len(boundaries)}",
-            hint="pass boundaries [0, ..., num_blocks] with one more entry than devices",
+            f"a plan with {len(groups)} stage(s) needs {len(groups) + 1} boundaries, got {len(boundaries)}",
+            hint="pass boundaries [0, ..., num_blocks] with one more entry than stages",
         )
     if boundaries[0] != 0 or boundaries[-1] != n or any(a >= b for a, b in zip(boundaries, boundaries[1:])):
         raise PlanFormatError(
             f"boundaries {list(boundaries)} must rise strictly from 0 to {n} (every stage non-empty)",
             hint="give each stage at least one block",
         )
-    if len(set(devices)) != len(devices) or not all(0 <= d < len(problem.devices) for d in devices):
+    flat = [d for g in groups for d in g]
+    if not all(groups) or len(set(flat)) != len(flat) or not all(0 <= d < len(problem.devices) for d in flat):
         raise PlanFormatError(
-            f"devices {list(devices)} must be distinct indices below {len(problem.devices)}",
+            f"devices {[list(g) for g in groups]} must be non-empty groups of distinct indices below "
+            f"{len(problem.devices)}",
             hint="use each device at most once",
+        )
+    if len(recompute) != len(groups):
+        raise PlanFormatError(
+            f"recompute has {len(recompute)} entries for {len(groups)} stages", hint="one flag per stage"
         )
 
 
-def step_time(problem: PartitionProblem, boundaries: Sequence[int], devices: Sequence[int]) -> float:
+def step_time(
+    problem: PartitionProblem,
+    boundaries: Sequence[int],
+    devices: Sequence[Device],
+    recompute: Sequence[bool] | None = None,
+) -> float:
     """The objective T = S + (M - 1) * P of one plan; ``inf`` when a stage does not fit its memory.
 
     S = sum_j (T_j + C_j) is the time one microbatch needs to cross the pipeline forward and back
@@ -145,4 +242,4 @@ def step_time(problem: PartitionProblem, boundaries: Sequence[int], devices: Seq
     over 25 Gb/s Ethernet (C = 1.75, 0.19, 1.75 ms), M = 8, simulate to 75.7 ms; the first two
     terms alone predict 66.9 ms, all three 73.4 ms.
     """
-    return _objective_s(problem, _stage_plans(problem, boundaries, devices))[0]
+    return _objective_s(problem, stage_costs(problem, boundaries, devices, recompute))[0]

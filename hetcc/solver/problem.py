@@ -1,16 +1,19 @@
-"""The partition problem: blocks -> stages -> devices, from numbers alone (no torch).
+"""The partition problem: blocks -> stages -> replica groups of devices, from numbers alone (no torch).
 
-A chain of N blocks is cut into K contiguous stages, each run by its own device. ``PartitionProblem``
-holds every number the solver needs (per-block seconds per device type, state and activation bytes,
-cut bytes, device memory, link bandwidth and latency); it round-trips through JSON exactly, so an outside
-planner can be fed the same numbers. ``StageCost`` and ``PartitionSolution`` are what a plan costs; the
-model behind those costs is ``solver.objective``.
+A chain of N blocks is cut into K contiguous stages; each stage runs on a group of one or more devices
+(replicas holding the same blocks; each microbatch passes one replica per stage). ``PartitionProblem``
+holds every number the solver needs (per-block seconds per device type, state, parameter and activation
+bytes, cut bytes, device memory, link bandwidth and latency) and the plan space to search (replicas,
+recomputation); it round-trips through JSON exactly, so an outside planner can be fed the same numbers.
+``StageCost`` and ``PartitionSolution`` are what a plan costs; the model behind those costs is
+``solver.objective``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 from hetcc.errors import PlanFormatError
@@ -46,6 +49,17 @@ class PartitionProblem:
     microbatches: int
     schedule: str = "1f1b"
     training: bool = True
+    # The plan space: stages on groups of identical devices, and per-stage activation recomputation.
+    replicate: bool = False
+    recompute: bool = False
+    recompute_all: bool = False  # every stage recomputes (the user asked for it)
+    # Bytes of each block's parameters (its gradient in a replica all-reduce); None: ``state_bytes``.
+    param_bytes: list[float] | None = None
+    # Self-description for outside planners (the costs above already include them).
+    precision: str = "fp32"
+    optimizer: str = ""
+    batch_size: int = 0  # rows of one step's batch (microbatch size = batch_size / microbatches)
+    batch_dim: str = "dim 0 of every input"
 
     def validate(self) -> None:
         """Raise PlanFormatError naming the first inconsistent field."""
@@ -56,6 +70,9 @@ class PartitionProblem:
         if not self.training:
             return list(self.fwd_s[device_type])
         return [f + b for f, b in zip(self.fwd_s[device_type], self.bwd_s[device_type])]
+
+    def block_param_bytes(self) -> list[float]:
+        return list(self.state_bytes if self.param_bytes is None else self.param_bytes)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -68,11 +85,13 @@ class PartitionProblem:
         """Inverse of ``to_json`` (``"inf"`` strings become float infinity), validated."""
         try:
             data = json.loads(text)
+            if not isinstance(data, dict):
+                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
             data["devices"] = [ProblemDevice(**dev) for dev in data["devices"]]
             for key in ("bandwidth_bps", "latency_s"):
                 data[key] = [[math.inf if v == "inf" else v for v in row] for row in data[key]]
             problem = cls(**data)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise PlanFormatError(
                 f"not a partition problem: {exc}", hint="write it with PartitionProblem.to_json"
             ) from exc
@@ -86,10 +105,17 @@ def _encode(value: float) -> float | str:
 
 @dataclass(frozen=True)
 class StageCost:
-    """One stage of a plan: its blocks ``[start, stop)``, its device and its costs per microbatch."""
+    """One stage of a plan: its blocks ``[start, stop)``, its replica group and its costs.
+
+    Times are per microbatch on one replica (the slowest of the group where types differ):
+    ``compute_s`` is forward + backward (+ the recomputed forward). ``busy_s`` is the stage's share of
+    the period, ``max_d shares[d] * compute_s(d) / M``; ``comm_s`` is the cut's transfer per
+    microbatch, ``link_busy_s`` the busiest link's share of the period; ``allreduce_s`` sums the
+    replicas' gradients at step end. Memory is the fullest replica's (``inflight`` microbatches).
+    """
 
     blocks: tuple[int, int]
-    device: int
+    device: int  # the first replica
     device_name: str
     fwd_s: float
     bwd_s: float
@@ -100,15 +126,28 @@ class StageCost:
     inflight: int
     memory_bytes: float
     memory_capacity_bytes: float
+    devices: tuple[int, ...] = ()
+    device_names: tuple[str, ...] = ()
+    shares: tuple[int, ...] = ()  # microbatches each replica runs
+    route: tuple[int, ...] = ()  # the replica of each microbatch (``route_microbatches``)
+    recompute: bool = False
+    busy_s: float = math.nan
+    link_busy_s: float = math.nan
+    allreduce_s: float = 0.0
 
     @property
     def fits(self) -> bool:
         return self.memory_bytes <= self.memory_capacity_bytes * (1 + MEMORY_RTOL)
 
+    @property
+    def group(self) -> tuple[int, ...]:
+        return self.devices or (self.device,)
+
 
 @dataclass(frozen=True)
 class PartitionSolution:
-    """A plan with its predicted step time, a lower bound no plan beats, and the gap between them.
+    """A plan with its objective step time, its simulated step, a lower bound no simulated step beats,
+    and the gap (simulated / bound - 1 once simulated; objective / bound - 1 from ``evaluate`` alone).
 
     ``period_s`` is P, the steady-state seconds per microbatch of the model (``step_time``): at least
     ``bottleneck_s``, more when a 1F1B round trip limits the pipeline.
@@ -121,6 +160,7 @@ class PartitionSolution:
     gap: float
     exact: bool = True
     orders_searched: int = 1
+    simulated_s: float = math.nan  # the event-driven simulator's step for this plan (the judge)
 
     @property
     def boundaries(self) -> list[int]:
@@ -128,11 +168,21 @@ class PartitionSolution:
 
     @property
     def devices(self) -> list[int]:
+        """The first device of every stage (its only one unless the stage is replicated)."""
         return [s.device for s in self.stages]
 
     @property
+    def groups(self) -> list[tuple[int, ...]]:
+        """Every stage's replica group (device indices)."""
+        return [s.group for s in self.stages]
+
+    @property
+    def recompute(self) -> list[bool]:
+        return [s.recompute for s in self.stages]
+
+    @property
     def bottleneck_s(self) -> float:
-        return max(max(s.compute_s, s.comm_s) for s in self.stages)
+        return max(max(_or(s.busy_s, s.compute_s), _or(s.link_busy_s, s.comm_s)) for s in self.stages)
 
     def to_dict(self) -> dict:
         """Plain JSON-able data (infinite step times stay floats; json writes them as Infinity)."""
@@ -140,30 +190,81 @@ class PartitionSolution:
 
     @classmethod
     def from_dict(cls, data: dict) -> PartitionSolution:
-        stages = tuple(StageCost(**{**s, "blocks": tuple(s["blocks"])}) for s in data["stages"])
+        tuples = ("blocks", "devices", "device_names", "shares", "route")
+        stages = tuple(
+            StageCost(**{**s, **{k: tuple(s[k]) for k in tuples if k in s}}) for s in data["stages"]
+        )
         known = {f.name for f in fields(cls)} - {"stages"}
         return cls(stages=stages, **{k: data[k] for k in known if k in data})
 
 
-def inflight_microbatches(problem: PartitionProblem, stage: int, num_stages: int) -> int:
-    """Microbatches whose saved activations stage ``stage`` holds at its peak."""
+def _or(value: float, default: float) -> float:
+    return default if math.isnan(value) else value
+
+
+def inflight_microbatches(
+    problem: PartitionProblem, stage: int, num_stages: int, replicas: Sequence[int] | None = None
+) -> int:
+    """Microbatches whose saved activations stage ``stage`` (all its replicas together) holds at its peak:
+    W_j = min(M, sum of the replica counts of stages j..K-1) for 1F1B (min(M, K - j) without
+    replicas), M for GPipe, 1 for inference."""
     if not problem.training:
         return 1
     if problem.schedule == "gpipe":
         return problem.microbatches
-    return min(problem.microbatches, num_stages - stage)
+    return min(problem.microbatches, warmup_depth(stage, num_stages, replicas))
 
 
-def round_trip_slots(problem: PartitionProblem, stage: int, num_stages: int) -> int | None:
-    """q_j when stage ``stage`` must finish a backward before it may start another forward, else None.
+def warmup_depth(stage: int, num_stages: int, replicas: Sequence[int] | None) -> int:
+    """Sum of replica counts from ``stage`` to the last stage (K - stage without replicas)."""
+    return num_stages - stage if replicas is None else sum(replicas[stage:])
 
-    That is a training 1F1B stage whose in-flight limit min(M, K - j) is below M. GPipe stages, stages
-    whose warm-up already covers all M microbatches, and inference never wait on a backward.
+
+def replica_inflight(stage_inflight: int, replicas: int) -> int:
+    """What one of ``replicas`` round-robin replicas holds of a stage's ``stage_inflight`` microbatches.
+
+    The microbatches a 1F1B or GPipe stage holds at once are consecutive, so a replica taking every
+    r-th one holds at most ceil(W / r) of them.
     """
-    inflight = inflight_microbatches(problem, stage, num_stages)
+    return -(-stage_inflight // replicas)
+
+
+def round_trip_slots(
+    problem: PartitionProblem, stage: int, num_stages: int, replicas: Sequence[int] | None = None
+) -> int | None:
+    """W_j when stage ``stage`` must finish a backward before it may start another forward, else None.
+
+    That is a training 1F1B stage whose in-flight limit W_j is below M. GPipe stages, stages whose
+    warm-up already covers all M microbatches, and inference never wait on a backward.
+    """
+    inflight = inflight_microbatches(problem, stage, num_stages, replicas)
     if problem.training and problem.schedule == "1f1b" and inflight < problem.microbatches:
         return inflight
     return None
+
+
+def route_microbatches(microbatches: int, seconds: Sequence[float]) -> list[int]:
+    """The replica each microbatch runs on, for replicas taking ``seconds[d]`` per microbatch.
+
+    Each microbatch goes to the replica that would finish its share soonest, ``(count_d + 1) * t_d``
+    (ties to the lower index): this minimises the slowest replica's total ``count_d * t_d`` and, for
+    equal replicas, is round-robin.
+    """
+    counts = [0] * len(seconds)
+    route = []
+    for _ in range(microbatches):
+        d = min(range(len(seconds)), key=lambda i: ((counts[i] + 1) * seconds[i], i))
+        counts[d] += 1
+        route.append(d)
+    return route
+
+
+def ring_allreduce_s(nbytes: float, replicas: int, bandwidth_bps: float, latency_s: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``replicas`` devices: 2 (r - 1) steps of
+    nbytes / r each over the slowest link of the ring."""
+    if replicas <= 1:
+        return 0.0
+    return 2 * (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_bps)
 
 
 def link_time_s(problem: PartitionProblem, src: int, dst: int, nbytes: float) -> float:
@@ -191,6 +292,11 @@ def validate_problem(problem: PartitionProblem) -> None:
     _check_vector("state_bytes", problem.state_bytes, n)
     _check_vector("act_bytes", problem.act_bytes, n)
     _check_vector("cut_bytes", problem.cut_bytes, n - 1)
+    if problem.param_bytes is not None:
+        _check_vector("param_bytes", problem.param_bytes, n)
+    for flag in ("training", "replicate", "recompute", "recompute_all"):
+        if not isinstance(getattr(problem, flag), bool):
+            raise _fail(flag, f"must be true or false, got {getattr(problem, flag)!r}", "use a JSON boolean")
     for device in problem.devices:
         for table in ("fwd_s", "bwd_s"):
             if device.type not in getattr(problem, table):

@@ -16,6 +16,7 @@ With ``training=False`` both schedules reduce to forwards only, in microbatch or
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
@@ -49,17 +50,39 @@ def check_schedule_args(schedule: str, num_stages: int, microbatches: int) -> No
 
 
 def stage_actions(
-    schedule: str, num_stages: int, microbatches: int, *, training: bool = True
+    schedule: str,
+    num_stages: int,
+    microbatches: int,
+    *,
+    training: bool = True,
+    replicas: Sequence[int] | None = None,
 ) -> list[list[Action]]:
-    """Per stage (index = stage), its compute actions in execution order."""
+    """Per stage (index = stage), its compute actions in execution order.
+
+    With ``replicas`` (devices per stage), a 1F1B stage warms up with min(M, replicas of stages
+    s..K-1) forwards, enough to keep every downstream replica busy; each replica then runs the
+    subsequence of its stage's actions whose microbatches it owns (``replica_actions``). Dropping
+    actions only removes waits, so the replicated schedule is as deadlock-free as this one.
+    """
     check_schedule_args(schedule, num_stages, microbatches)
+    if replicas is not None and (len(replicas) != num_stages or any(r < 1 for r in replicas)):
+        raise PlanFormatError(
+            f"replicas {list(replicas)} must give a positive count for each of {num_stages} stages",
+            hint="one entry per stage",
+        )
     forwards = [Action("F", m) for m in range(microbatches)]
     if not training:
         return [list(forwards) for _ in range(num_stages)]
     backwards = [Action("B", m) for m in range(microbatches)]
     if schedule == "gpipe":
         return [forwards + backwards for _ in range(num_stages)]
-    return [_one_f_one_b(forwards, backwards, min(microbatches, num_stages - s)) for s in range(num_stages)]
+    counts = [1] * num_stages if replicas is None else list(replicas)
+    return [_one_f_one_b(forwards, backwards, min(microbatches, sum(counts[s:]))) for s in range(num_stages)]
+
+
+def replica_actions(actions: Sequence[Action], route: Sequence[int], replica: int) -> list[Action]:
+    """The actions of one replica: those of its stage whose microbatch ``route`` sends to it."""
+    return [a for a in actions if route[a.microbatch] == replica]
 
 
 def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:

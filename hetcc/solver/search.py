@@ -1,15 +1,18 @@
-"""Which devices, in which order: the search around the exact per-sequence DP.
+"""Which devices, grouped how, in which order: the search around the exact per-sequence DP.
 
 Devices that are interchangeable (same type, memory and node, and swapping them leaves every link
-the same) form a group; only the sequence of group labels matters, so the search permutes groups,
-choosing how many of each to use, not cards. Devices may be left unused.
+the same) form a group with a label; only the sequence of labels matters, so the search permutes
+groups, choosing how many of each to use, not cards. A sequence is a tuple of slots ``(label, r)``:
+one pipeline stage on r devices of that label (r > 1 only when ``problem.replicate``: a replicated
+stage; replica groups are drawn from one label, so they are uniform in type and link). Devices may be
+left unused. Recomputation is chosen per stage inside the DP (``dp.Mode``), not here.
 
 - When the number of distinct label sequences (lengths 1..min(blocks, devices)) is at most
   ``config.exact_order_limit``, every one is solved exactly: the result is optimal (``exact=True``).
 - Beyond that: seed sequences (node by node, fastest node first; all devices fastest first; largest
-  memory first; prefixes of each, i.e. "only the best k devices"), then local search on the label
-  sequence (drop one device, add one next to its group, insert an unused group, swap adjacent runs,
-  move a run to either end). A neighbour is screened with one DP pass near the incumbent's
+  memory first; prefixes of each, i.e. "only the best k devices"; with replicas also every label as
+  one replicated stage, or two), then local search on the sequence (drop or add one device, insert an
+  unused group, split or merge a replicated stage, swap adjacent runs, move a run to either end). A neighbour is screened with one DP pass near the incumbent's
   period P and solved exactly only if that already beats the incumbent; the search stops when no
   move helps or ``LOCAL_SEARCH_EVALUATIONS`` sequences were tried (``exact=False``).
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,31 +59,36 @@ def _swap_is_symmetry(bw: np.ndarray, lat: np.ndarray, a: int, b: int) -> bool:
     return all(np.array_equal(m, m[np.ix_(perm, perm)]) for m in (bw, lat))
 
 
-def count_sequences(sizes: list[int], max_length: int, cap: int) -> int:
-    """Distinct label sequences using at most ``sizes[g]`` of label g, length 1..max_length (capped)."""
+def count_sequences(sizes: list[int], max_length: int, cap: int, replicate: bool = False) -> int:
+    """Distinct slot sequences using at most ``sizes[g]`` devices of label g, length 1..max_length
+    (capped). Label g in c slots: 1 way without replicas, C(sizes[g], c) replica counts with them."""
     by_length = [1] + [0] * max_length  # sequences of each length over the labels seen so far
     for size in sizes:
         nxt = [0] * (max_length + 1)
         for length, ways in enumerate(by_length):
             if ways:
                 for c in range(min(size, max_length - length) + 1):
-                    nxt[length + c] += ways * math.comb(length + c, c)
+                    counts = math.comb(size, c) if replicate else 1
+                    nxt[length + c] += ways * math.comb(length + c, c) * counts
         by_length = nxt
     return min(sum(by_length) - 1, cap)
 
 
-def search(problem: PartitionProblem):
-    """(boundaries, devices, exact, sequences searched) of the best plan found, or None if none fits."""
+def search(problem: PartitionProblem, keep: int = 1):
+    """The best plan found, or None if none fits: ``Found`` with its boundaries, replica groups,
+    recompute flags, whether the search was exhaustive, how many sequences it solved, and up to
+    ``keep`` runner-up plans (``Found.candidates``, best first, the winner included)."""
     chain = Chain(problem)
     groups = interchangeable_groups(problem)
+    sizes = [len(g) for g in groups]
     max_length = min(len(problem.blocks), len(problem.devices))
-    total = count_sequences([len(g) for g in groups], max_length, config.exact_order_limit + 1)
-    state = _Search(chain, groups, max_length)
+    total = count_sequences(sizes, max_length, config.exact_order_limit + 1, problem.replicate)
+    state = _Search(chain, groups, max_length, keep)
     for seed in _seeds(problem, groups, max_length):
         state.try_labels(seed)
     exact = total <= config.exact_order_limit
     if exact:
-        for labels in _all_sequences([len(g) for g in groups], max_length):
+        for labels in _all_sequences(sizes, max_length, problem.replicate):
             state.try_labels(labels)
     else:
         if state.best_labels is None:  # memory is tight: look for any seed prefix that fits
@@ -88,17 +97,32 @@ def search(problem: PartitionProblem):
         state.local_search(LOCAL_SEARCH_EVALUATIONS)
     if state.best_labels is None:
         return None
-    devices = state.devices(state.best_labels)
-    best = state.best
-    boundaries = chain.backtrack(chain.stages(devices), best.term_bound_s, best.trip_bound_s)
-    return boundaries, devices, exact, state.solved
+    plans = []
+    for optimum, labels in state.finalists():
+        devices = state.devices(labels)
+        boundaries, recompute = chain.backtrack(
+            chain.stages(devices), optimum.term_bound_s, optimum.trip_bound_s
+        )
+        plans.append((boundaries, devices, recompute))
+    return Found(*plans[0], exact, state.solved, plans)
+
+
+class Found(NamedTuple):
+    boundaries: list[int]
+    groups: list[tuple[int, ...]]
+    recompute: list[bool]
+    exact: bool
+    solved: int
+    candidates: list[tuple[list[int], list[tuple[int, ...]], list[bool]]]
 
 
 class _Search:
     """Incumbent and memo shared by the seeds, the exhaustive sweep and the local search."""
 
-    def __init__(self, chain: Chain, groups: list[list[int]], max_length: int):
-        self.chain, self.groups, self.max_length = chain, groups, max_length
+    def __init__(self, chain: Chain, groups: list[list[int]], max_length: int, keep: int = 1):
+        self.chain, self.groups, self.max_length, self.keep = chain, groups, max_length, keep
+        self.replicate = chain.problem.replicate
+        self._finalists: list[tuple[SequenceOptimum, tuple]] = []  # earlier incumbents, best last
         self.best_s = math.inf
         self.best: SequenceOptimum | None = None
         self.best_labels: tuple[int, ...] | None = None
@@ -107,13 +131,18 @@ class _Search:
         self._type_of = [chain.problem.devices[g[0]].type for g in groups]
         self._bounds: dict[tuple, float] = {}
 
-    def devices(self, labels) -> list[int]:
+    def devices(self, labels) -> list[tuple[int, ...]]:
+        """The replica group (device indices) of every slot of a sequence."""
         used = Counter()
         out = []
-        for g in labels:
-            out.append(self.groups[g][used[g]])
-            used[g] += 1
+        for g, r in labels:
+            out.append(tuple(self.groups[g][used[g] : used[g] + r]))
+            used[g] += r
         return out
+
+    def finalists(self) -> list[tuple[SequenceOptimum, tuple]]:
+        """The best sequence and up to ``keep - 1`` earlier incumbents, best first."""
+        return self._finalists[::-1][: self.keep]
 
     def try_labels(self, labels) -> bool:
         """Solve one label sequence exactly against the incumbent; True when it became the new best."""
@@ -122,7 +151,7 @@ class _Search:
             return False
         return self._solve(labels)
 
-    def _worth_solving(self, labels: tuple[int, ...]) -> bool:
+    def _worth_solving(self, labels: tuple) -> bool:
         if labels in self.seen or not labels or len(labels) > self.max_length:
             return False
         self.seen.add(labels)
@@ -135,15 +164,21 @@ class _Search:
             return False
         self.best, self.best_s = found, found.step_s
         self.best_labels = labels
+        self._finalists.append((found, labels))
         return True
 
     def _set_bound(self, labels) -> float:
         """``lower_bound`` restricted to this multiset of devices: no order of them does better."""
-        key = tuple(sorted(Counter(self._type_of[g] for g in labels).items()))
+        counts = Counter()
+        for g, r in labels:
+            counts[self._type_of[g]] += r
+        key = tuple(sorted(counts.items()))
         if key not in self._bounds:
             rows = [self.chain.type_row[t] for t, _ in key]
             counts = np.array([c for _, c in key], dtype=float)
-            self._bounds[key] = compute_bound_s(self.chain.cost_s[rows], counts, self.chain.microbatches - 1)
+            self._bounds[key] = compute_bound_s(
+                self.chain.cost_s[rows], counts, self.chain.microbatches - 1, self.replicate
+            )
         return self._bounds[key]
 
     def local_search(self, budget: int) -> None:
@@ -156,7 +191,7 @@ class _Search:
         improved = self.best_labels is not None
         while improved and self.solved - start < budget:
             improved = False
-            for labels in _neighbours(self.best_labels, [len(g) for g in self.groups]):
+            for labels in _neighbours(self.best_labels, [len(g) for g in self.groups], self.replicate):
                 if self.solved - start >= budget:
                     break
                 labels = tuple(labels)
@@ -167,10 +202,10 @@ class _Search:
                     improved |= self._solve(labels)
 
 
-def _all_sequences(sizes: list[int], max_length: int):
-    """Every label sequence of length 1..max_length using at most sizes[g] of label g."""
+def _all_sequences(sizes: list[int], max_length: int, replicate: bool = False):
+    """Every slot sequence of length 1..max_length using at most sizes[g] devices of label g."""
     remaining = list(sizes)
-    prefix: list[int] = []
+    prefix: list[tuple[int, int]] = []
 
     def extend():
         if prefix:
@@ -178,47 +213,58 @@ def _all_sequences(sizes: list[int], max_length: int):
         if len(prefix) == max_length:
             return
         for g, left in enumerate(remaining):
-            if left:
-                remaining[g] -= 1
-                prefix.append(g)
+            for r in range(1, (left if replicate else min(left, 1)) + 1):
+                remaining[g] -= r
+                prefix.append((g, r))
                 yield from extend()
                 prefix.pop()
-                remaining[g] += 1
+                remaining[g] += r
 
     yield from extend()
 
 
-def _runs(labels) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for g in labels:
-        if runs and runs[-1][0] == g:
-            runs[-1] = (g, runs[-1][1] + 1)
+def _runs(slots) -> list[list[tuple[int, int]]]:
+    """Maximal runs of consecutive slots of one label."""
+    runs: list[list[tuple[int, int]]] = []
+    for slot in slots:
+        if runs and runs[-1][0][0] == slot[0]:
+            runs[-1].append(slot)
         else:
-            runs.append((g, 1))
+            runs.append([slot])
     return runs
 
 
-def _flatten(runs) -> tuple[int, ...]:
-    return tuple(g for g, c in runs for _ in range(c) if c > 0)
-
-
-def _neighbours(labels, sizes: list[int]):
-    """Drop/add one device of a run, insert an unused group, swap adjacent runs, move a run to an end."""
-    runs = _runs(labels)
-    used = Counter(labels)
-    for r, (g, c) in enumerate(runs):
-        yield _flatten(runs[:r] + [(g, c - 1)] + runs[r + 1 :])
+def _neighbours(slots, sizes: list[int], replicate: bool):
+    """Sequences one move away: drop or add a device, insert an unused label, split or merge a
+    replicated stage, swap adjacent runs, move a run to either end."""
+    slots = list(slots)
+    used = Counter()
+    for g, r in slots:
+        used[g] += r
+    for i, (g, r) in enumerate(slots):
+        yield tuple(slots[:i] + ([(g, r - 1)] if r > 1 else []) + slots[i + 1 :])
         if used[g] < sizes[g]:
-            yield _flatten(runs[:r] + [(g, c + 1)] + runs[r + 1 :])
+            yield tuple(slots[: i + 1] + [(g, 1)] + slots[i + 1 :])
+            if replicate:
+                yield tuple(slots[:i] + [(g, r + 1)] + slots[i + 1 :])
+        if replicate and r > 1:
+            yield tuple(slots[:i] + [(g, r - 1), (g, 1)] + slots[i + 1 :])
+            yield tuple(slots[:i] + [(g, r // 2), (g, r - r // 2)] + slots[i + 1 :])
+        if replicate and i + 1 < len(slots) and slots[i + 1][0] == g:
+            yield tuple(slots[:i] + [(g, r + slots[i + 1][1])] + slots[i + 2 :])
     for g in range(len(sizes)):
         if used[g] == 0:
-            for r in range(len(runs) + 1):
-                yield _flatten(runs[:r] + [(g, 1)] + runs[r:])
+            for i in range(len(slots) + 1):
+                yield tuple(slots[:i] + [(g, 1)] + slots[i:])
+                if replicate and sizes[g] > 1:
+                    yield tuple(slots[:i] + [(g, sizes[g])] + slots[i:])
+    runs = _runs(slots)
+    flat = lambda parts: tuple(slot for run in parts for slot in run)  # noqa: E731
     for r in range(len(runs) - 1):
-        yield _flatten(runs[:r] + [runs[r + 1], runs[r]] + runs[r + 2 :])
+        yield flat(runs[:r] + [runs[r + 1], runs[r]] + runs[r + 2 :])
     for r in range(1, len(runs)):
-        yield _flatten([runs[r]] + runs[:r] + runs[r + 1 :])
-        yield _flatten(runs[: r - 1] + runs[r:] + [runs[r - 1]])
+        yield flat([runs[r]] + runs[:r] + runs[r + 1 :])
+        yield flat(runs[: r - 1] + runs[r:] + [runs[r - 1]])
 
 
 def _seeds(problem: PartitionProblem, groups: list[list[int]], max_length: int, every_prefix: bool = False):
@@ -235,7 +281,19 @@ def _seeds(problem: PartitionProblem, groups: list[list[int]], max_length: int, 
     fastest = sorted(range(len(groups)), key=lambda g: chain_cost[g])
     roomiest = sorted(range(len(groups)), key=lambda g: -devices[groups[g][0]].memory_bytes)
     for order in (by_node, fastest, roomiest):
-        labels = [g for g in order for _ in groups[g]][:max_length]
-        lengths = range(1, len(labels) + 1) if every_prefix else (len(labels) * i // 8 for i in range(1, 9))
-        for k in sorted({max(1, k) for k in lengths}, reverse=True):
-            yield labels[:k]
+        slots = [(g, 1) for g in order for _ in groups[g]][:max_length]
+        if problem.replicate:  # every label as one replicated stage, or as two
+            yield from _prefixes([(g, len(groups[g])) for g in order][:max_length], True)
+            halves = [(g, r) for g in order for r in _halves(len(groups[g]))][:max_length]
+            yield from _prefixes(halves, True)
+        yield from _prefixes(slots, every_prefix)
+
+
+def _halves(size: int) -> list[int]:
+    return [size] if size == 1 else [size // 2, size - size // 2]
+
+
+def _prefixes(slots: list, every: bool):
+    lengths = range(1, len(slots) + 1) if every else (len(slots) * i // 8 for i in range(1, 9))
+    for k in sorted({max(1, k) for k in lengths}, reverse=True):
+        yield tuple(slots[:k])

@@ -1,11 +1,14 @@
-"""Event-driven replay of one training (or inference) step of a plan, to check the planner's model.
+"""Event-driven replay of one training (or inference) step of a plan: the judge of a plan's step time.
 
-Each stage runs its schedule's actions (``hetcc.solver.schedules.stage_actions``) in order, one at a time:
-F(m) starts once stage s-1's activation for m has arrived, B(m) once stage s+1's gradient has. After
-a compute, its output is sent asynchronously (the stage does not wait for the send): a link between
-two consecutive stages carries one transfer at a time, both directions sharing it, which is what the
-planner's C_j = 2 * (latency + bytes / bandwidth) per microbatch assumes. Transfers on a link go in
-the order they were issued.
+Each replica of each stage runs its share of the schedule's actions (``schedules.stage_actions`` with
+the plan's replica counts, filtered by ``replica_actions``) in order, one at a time: F(m) starts once
+the previous stage's replica that ran m has sent its activation, B(m) once the next stage's has sent
+its gradient. After a compute, its output is sent asynchronously (the stage does not wait for the
+send): a link between two devices carries one transfer at a time, both directions sharing it, which
+is what the planner's C_j = 2 * (latency + bytes / bandwidth) per microbatch assumes. Transfers on a
+link go in the order they were issued. A recomputing stage's backward includes the forward it
+recomputes. A replicated stage ends with the all-reduce of its gradients, once all its replicas are
+done; the step ends when the last device does.
 """
 
 from __future__ import annotations
@@ -15,25 +18,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.objective import evaluate
-from hetcc.solver.problem import PartitionProblem
-from hetcc.solver.schedules import stage_actions
+from hetcc.solver.objective import Device, stage_costs
+from hetcc.solver.problem import PartitionProblem, route_microbatches
+from hetcc.solver.schedules import replica_actions, stage_actions
 
 
 @dataclass(frozen=True)
 class Event:
-    """One interval on the timeline; a send belongs to the stage that issues it."""
+    """One interval on the timeline; a send belongs to the replica that issues it."""
 
     stage: int
-    kind: str  # "F", "B", "SEND_F" or "SEND_B"
-    microbatch: int
+    kind: str  # "F", "B", "SEND_F", "SEND_B" or "ALLREDUCE"
+    microbatch: int  # -1 for the all-reduce
     start_s: float
     end_s: float
+    replica: int = 0
+    device: str = ""
 
 
 @dataclass(frozen=True)
 class Simulation:
-    """The simulated step: its length, per-stage compute busy time and idle (bubble) fractions."""
+    """The simulated step: its length, per-stage compute busy time and idle (bubble) fractions (the
+    mean over a stage's replicas)."""
 
     step_time_s: float
     busy_s: tuple[float, ...]
@@ -42,72 +48,145 @@ class Simulation:
     events: tuple[Event, ...]
 
 
-def simulate(problem: PartitionProblem, boundaries: Sequence[int], devices: Sequence[int]) -> Simulation:
-    """Replay one step of the plan (stage k = blocks [boundaries[k], boundaries[k+1]) on devices[k])."""
-    plan = evaluate(problem, boundaries, devices)  # validates the plan, gives per-stage costs
-    num_stages = len(plan.stages)
-    actions = stage_actions(problem.schedule, num_stages, problem.microbatches, training=problem.training)
-    transfer_s = [s.comm_s / (2 if problem.training else 1) for s in plan.stages[:-1]]  # one direction of C_j
-    timeline = _Timeline(num_stages, transfer_s)
-    cursor = [0] * num_stages
-    remaining = sum(len(a) for a in actions)
+def simulate(
+    problem: PartitionProblem,
+    boundaries: Sequence[int],
+    devices: Sequence[Device],
+    recompute: Sequence[bool] | None = None,
+) -> Simulation:
+    """Replay one step of the plan (stage k = blocks [boundaries[k], boundaries[k+1]) on the replica
+    group devices[k], recomputing if recompute[k])."""
+    stages = stage_costs(problem, boundaries, devices, recompute)  # validates the plan
+    k = len(stages)
+    groups = [s.group for s in stages]
+    actions = stage_actions(
+        problem.schedule,
+        k,
+        problem.microbatches,
+        training=problem.training,
+        replicas=[len(g) for g in groups],
+    )
+    routes = [route_microbatches(problem.microbatches, _replica_times(problem, s)) for s in stages]
+    lanes = [
+        _Lane(j, r, groups[j][r], replica_actions(actions[j], routes[j], r))
+        for j in range(k)
+        for r in range(len(groups[j]))
+    ]
+    timeline = _Timeline(problem, stages, routes)
+    remaining = sum(len(lane.actions) for lane in lanes)
     while remaining:
         progressed = False
-        for s in range(num_stages):
-            while cursor[s] < len(actions[s]):
-                action = actions[s][cursor[s]]
-                duration = plan.stages[s].fwd_s if action.kind == "F" else plan.stages[s].bwd_s
-                if not timeline.run(s, action.kind, action.microbatch, duration):
+        for lane in lanes:
+            while lane.cursor < len(lane.actions):
+                if not timeline.run(lane, lane.actions[lane.cursor]):
                     break
-                cursor[s] += 1
+                lane.cursor += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise PlanFormatError("simulated schedule deadlocked", hint="report the plan and schedule")
-    return timeline.result(plan.stages)
+    timeline.all_reduce(lanes)
+    return timeline.result(lanes, k)
+
+
+def _replica_times(problem: PartitionProblem, stage) -> list[float]:
+    start, stop = stage.blocks
+    out = []
+    for d in stage.group:
+        kind = problem.devices[d].type
+        fwd = math.fsum(problem.fwd_s[kind][start:stop])
+        bwd = math.fsum(problem.bwd_s[kind][start:stop]) if problem.training else 0.0
+        out.append(fwd + bwd + (fwd if stage.recompute and problem.training else 0.0))
+    return out
+
+
+@dataclass
+class _Lane:
+    stage: int
+    replica: int
+    device: int
+    actions: list
+    cursor: int = 0
+    free_s: float = 0.0
 
 
 class _Timeline:
-    """Clock of every stage and link, and when each activation / gradient becomes available."""
+    """Clock of every link, and when each activation / gradient becomes available."""
 
-    def __init__(self, num_stages: int, transfer_s: list[float]):
-        self.num_stages = num_stages
-        self.transfer_s = transfer_s
-        self.stage_free_s = [0.0] * num_stages
-        self.link_free_s = [0.0] * max(num_stages - 1, 0)
+    def __init__(self, problem: PartitionProblem, stages, routes):
+        self.problem, self.stages, self.routes = problem, stages, routes
+        self.link_free_s: dict[tuple[int, int], float] = {}
         self.arrival_s: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> time
         self.events: list[Event] = []
 
-    def run(self, stage: int, kind: str, microbatch: int, duration_s: float) -> bool:
+    def _seconds(self, lane: _Lane, kind: str) -> float:
+        stage = self.stages[lane.stage]
+        start, stop = stage.blocks
+        device_type = self.problem.devices[lane.device].type
+        fwd = math.fsum(self.problem.fwd_s[device_type][start:stop])
+        if kind == "F":
+            return fwd
+        return math.fsum(self.problem.bwd_s[device_type][start:stop]) + (fwd if stage.recompute else 0.0)
+
+    def run(self, lane: _Lane, action) -> bool:
         """Schedule one compute and its outgoing send; False if its input has not been produced yet."""
-        needs_input = (kind == "F" and stage > 0) or (kind == "B" and stage < self.num_stages - 1)
-        ready_s = self.arrival_s.get((stage, kind, microbatch)) if needs_input else 0.0
+        k, stage, kind, m = len(self.stages), lane.stage, action.kind, action.microbatch
+        needs_input = (kind == "F" and stage > 0) or (kind == "B" and stage < k - 1)
+        ready_s = self.arrival_s.get((stage, kind, m)) if needs_input else 0.0
         if ready_s is None:
             return False
-        start = max(self.stage_free_s[stage], ready_s)
-        end = start + duration_s
-        self.stage_free_s[stage] = end
-        self.events.append(Event(stage, kind, microbatch, start, end))
+        start = max(lane.free_s, ready_s)
+        end = start + self._seconds(lane, kind)
+        lane.free_s = end
+        name = self.problem.devices[lane.device].name
+        self.events.append(Event(stage, kind, m, start, end, lane.replica, name))
         target = stage + 1 if kind == "F" else stage - 1
-        if 0 <= target < self.num_stages:
-            self._send(stage, target, kind, microbatch, end)
+        if 0 <= target < k:
+            peer = self.stages[target].group[self.routes[target][m]]
+            self._send(lane, peer, target, kind, m, end)
         return True
 
-    def _send(self, source: int, target: int, kind: str, microbatch: int, ready_s: float) -> None:
-        link = min(source, target)
-        start = max(self.link_free_s[link], ready_s)
-        end = start + self.transfer_s[link]
+    def _send(self, lane: _Lane, peer: int, target: int, kind: str, m: int, ready_s: float) -> None:
+        link = (min(lane.device, peer), max(lane.device, peer))
+        cut = self.stages[min(lane.stage, target)].blocks[1] - 1
+        one_way = (
+            self.problem.latency_s[lane.device][peer]
+            + self.problem.cut_bytes[cut] / self.problem.bandwidth_bps[lane.device][peer]
+        )
+        start = max(self.link_free_s.get(link, 0.0), ready_s)
+        end = start + one_way
         self.link_free_s[link] = end
-        self.arrival_s[(target, kind, microbatch)] = end
-        self.events.append(Event(source, f"SEND_{kind}", microbatch, start, end))
+        self.arrival_s[(target, kind, m)] = end
+        name = self.problem.devices[lane.device].name
+        self.events.append(Event(lane.stage, f"SEND_{kind}", m, start, end, lane.replica, name))
 
-    def result(self, stages) -> Simulation:
+    def all_reduce(self, lanes: list[_Lane]) -> None:
+        """Each replicated stage sums its gradients once every replica is done."""
+        for j, stage in enumerate(self.stages):
+            if stage.allreduce_s <= 0:
+                continue
+            mine = [lane for lane in lanes if lane.stage == j]
+            start = max(lane.free_s for lane in mine)
+            for lane in mine:
+                lane.free_s = start + stage.allreduce_s
+                name = self.problem.devices[lane.device].name
+                self.events.append(Event(j, "ALLREDUCE", -1, start, lane.free_s, lane.replica, name))
+
+    def result(self, lanes: list[_Lane], num_stages: int) -> Simulation:
         step = max((e.end_s for e in self.events), default=0.0)
+        busy_lane = {
+            (lane.stage, lane.replica): math.fsum(
+                e.end_s - e.start_s
+                for e in self.events
+                if e.stage == lane.stage and e.replica == lane.replica and e.kind in ("F", "B")
+            )
+            for lane in lanes
+        }
         busy = tuple(
-            math.fsum(e.end_s - e.start_s for e in self.events if e.stage == s and e.kind in "FB")
-            for s in range(self.num_stages)
+            math.fsum(v for (s, _), v in busy_lane.items() if s == j) / len(self.stages[j].group)
+            for j in range(num_stages)
         )
         bubble = tuple(1 - b / step if step > 0 else 0.0 for b in busy)
-        overall = 1 - sum(busy) / (step * self.num_stages) if step > 0 else 0.0
-        events = tuple(sorted(self.events, key=lambda e: (e.start_s, e.stage, e.kind)))
+        overall = 1 - sum(busy_lane.values()) / (step * len(lanes)) if step > 0 else 0.0
+        events = tuple(sorted(self.events, key=lambda e: (e.start_s, e.stage, e.replica, e.kind)))
         return Simulation(step, busy, bubble, overall, events)

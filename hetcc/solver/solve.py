@@ -1,36 +1,50 @@
 """``solve``: the plan of least step time, or an error naming the tightest memory shortfall.
 
-The search is exact per device order (``solver.search``; a heuristic beyond ``config.exact_order_limit``
-orders); the winner is scored by ``solver.objective.evaluate`` against ``solver.bound.lower_bound``.
+The search is exact per sequence of replica groups (``solver.search``; a heuristic beyond
+``config.exact_order_limit`` sequences) for the objective (``solver.objective``). With ``rerank`` the
+best few sequences' plans are replayed in the simulator (``solver.simulate``), which is the judge: the
+fastest simulated one wins. Every plan reports its simulated step and its gap to
+``solver.bound.lower_bound``, a bound on the simulated step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
 
-from hetcc.errors import InfeasiblePlanError
+from hetcc.errors import InfeasiblePlanError, format_bytes
 from hetcc.solver.baselines import min_max_split
 from hetcc.solver.objective import evaluate
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, inflight_microbatches
 from hetcc.solver.search import search
+from hetcc.solver.simulate import simulate
 
 
-def solve(problem: PartitionProblem) -> PartitionSolution:
-    """The plan of least step time (exact per device order; see ``solver.search``)."""
+def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
+    """The plan of least objective (exact per sequence; see ``solver.search``), or with ``rerank`` > 0
+    the fastest simulated plan among the best ``rerank`` sequences the search found. ``simulated_s``
+    is filled in either way; ``gap`` is simulated step / lower bound - 1."""
     problem.validate()
-    found = search(problem)
+    found = search(problem, keep=max(1, rerank))
     if found is None:
         raise _infeasible_error(problem)
-    boundaries, devices, exact, orders = found
-    plan = evaluate(problem, boundaries, devices)
-    return replace(plan, exact=exact, orders_searched=orders)
+    scored = []
+    for boundaries, groups, recompute in found.candidates:
+        plan = evaluate(problem, boundaries, groups, recompute)
+        simulated = simulate(problem, boundaries, groups, recompute).step_time_s
+        scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
+    _, _, plan, simulated = min(scored, key=lambda item: item[:2])
+    gap = simulated / plan.lower_bound_s - 1 if plan.lower_bound_s > 0 else math.inf
+    return replace(plan, exact=found.exact, orders_searched=found.solved, simulated_s=simulated, gap=gap)
 
 
 def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:
     shortfall = tightest_shortfall(problem)
-    hints = ["activation recomputation", "more or larger devices"]
+    hints = ["more or larger devices"]
+    if problem.training and not problem.recompute:
+        hints.insert(0, "recompute=True (keeps each stage's inputs, rebuilds activations in backward)")
     if problem.training and problem.schedule == "gpipe":
         hints.insert(0, "schedule='1f1b' (holds fewer microbatches' activations)")
     elif problem.training:
@@ -67,8 +81,9 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
         problem.blocks[start] if stop - start == 1 else f"{problem.blocks[start]}..{problem.blocks[stop - 1]}"
     )
     return (
-        f"the closest plan found still needs {used:.4g} bytes for blocks {names} on device {device.name} "
-        f"({device.type}, {device.memory_bytes:.4g} usable): {used - device.memory_bytes:.4g} bytes missing"
+        f"the closest plan found still needs {format_bytes(used)} for blocks {names} on device "
+        f"{device.name} ({device.type}, {format_bytes(device.memory_bytes)} usable): "
+        f"{format_bytes(used - device.memory_bytes)} missing"
     )
 
 

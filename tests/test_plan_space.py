@@ -1,0 +1,180 @@
+"""The wider plan space: replicated stages and recomputation, checked against brute force, the bound
+and the simulator (numbers only, no torch)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hetcc.errors import InfeasiblePlanError
+from hetcc.solver.bound import lower_bound
+from hetcc.solver.objective import evaluate, step_time
+from hetcc.solver.problem import PartitionProblem, ProblemDevice, route_microbatches
+from hetcc.solver.simulate import simulate
+from hetcc.solver.solve import solve
+
+
+@st.composite
+def problems(draw, max_blocks: int = 6, max_devices: int = 4, max_types: int = 3) -> PartitionProblem:
+    """Each type's devices share one node (fast links inside, slower between): replica groups are
+    drawn from one type, as the planner draws them."""
+    n = draw(st.integers(2, max_blocks))
+    num_types = draw(st.integers(1, max_types))
+    counts = [draw(st.integers(1, 2)) for _ in range(num_types)]
+    while sum(counts) > max_devices:
+        counts[counts.index(max(counts))] -= 1
+    counts = [c for c in counts if c]
+    types = [f"t{k}" for k in range(len(counts))]
+    fwd = {t: draw(st.lists(st.floats(0.2, 2.0), min_size=n, max_size=n)) for t in types}
+    devices = []
+    for t, c in zip(types, counts):
+        memory = draw(st.floats(6.0, 40.0))
+        devices += [ProblemDevice(f"{t}_{i}", t, memory, f"node_{t}") for i in range(c)]
+    d = len(devices)
+    inter = draw(st.floats(2.0, 20.0))
+    bandwidth = [
+        [math.inf if a == b else (40.0 if devices[a].node == devices[b].node else inter) for b in range(d)]
+        for a in range(d)
+    ]
+    return PartitionProblem(
+        blocks=[f"b{i}" for i in range(n)],
+        fwd_s=fwd,
+        bwd_s={t: [2 * f for f in fwd[t]] for t in types},
+        state_bytes=draw(st.lists(st.floats(0.5, 6.0), min_size=n, max_size=n)),
+        act_bytes=draw(st.lists(st.floats(0.2, 3.0), min_size=n, max_size=n)),
+        cut_bytes=draw(st.lists(st.floats(0.1, 4.0), min_size=n - 1, max_size=n - 1)),
+        devices=devices,
+        bandwidth_bps=bandwidth,
+        latency_s=[[0.0 if a == b else 0.01 for b in range(d)] for a in range(d)],
+        microbatches=draw(st.integers(1, 6)),
+        schedule=draw(st.sampled_from(["1f1b", "gpipe"])),
+        training=True,
+        replicate=True,
+        recompute=True,
+        param_bytes=None,
+    )
+
+
+def homogeneous_groups(problem: PartitionProblem):
+    """Every ordered sequence of disjoint non-empty device sets, each of one type (canonical members:
+    devices of a type are interchangeable here, so the first free ones are taken)."""
+    by_type: dict[str, list[int]] = {}
+    for index, device in enumerate(problem.devices):
+        by_type.setdefault(device.type, []).append(index)
+
+    def extend(prefix, used):
+        if prefix:
+            yield list(prefix)
+        for t, members in by_type.items():
+            free = [d for d in members if d not in used]
+            for r in range(1, len(free) + 1):
+                group = tuple(free[:r])
+                yield from extend(prefix + [group], used | set(group))
+
+    yield from extend([], set())
+
+
+def brute_force(problem: PartitionProblem):
+    """(least objective, its plan, every feasible plan's simulated step) over cuts x groups x recompute."""
+    n, best, plans = len(problem.blocks), (math.inf, None), []
+    for groups in homogeneous_groups(problem):
+        k = len(groups)
+        if k > n:
+            continue
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            for flags in itertools.product([False, True], repeat=k):
+                bounds = [0, *cuts, n]
+                t = step_time(problem, bounds, groups, flags)
+                if t < math.inf:
+                    plans.append((bounds, groups, flags))
+                best = min(best, (t, (bounds, groups, flags)), key=lambda item: item[0])
+    return best, plans
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_solve_with_replicas_and_recompute_matches_brute_force(problem):
+    (best, plan), feasible = brute_force(problem)
+    if best == math.inf:
+        with pytest.raises(InfeasiblePlanError):
+            solve(problem)
+        return
+    found = solve(problem)
+    assert found.exact
+    assert found.step_time_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    assert all(s.fits for s in found.stages)
+    bound = lower_bound(problem)
+    for bounds, groups, flags in feasible[:: max(1, len(feasible) // 40)]:  # no plan beats the bound
+        assert bound <= simulate(problem, bounds, groups, flags).step_time_s * (1 + 1e-9)
+
+
+def test_eight_blocks_five_devices_three_types_brute_force():
+    problem = _fixed_problem()
+    (best, _), feasible = brute_force(problem)
+    found = solve(problem)
+    assert found.step_time_s == pytest.approx(best, rel=1e-9)
+    assert any(len(g) > 1 for g in found.groups)  # replicas win here
+    bound = lower_bound(problem)
+    assert all(bound <= simulate(problem, *plan).step_time_s * (1 + 1e-9) for plan in feasible[::97])
+
+
+def _fixed_problem() -> PartitionProblem:
+    n = 8
+    speed = {"fast": 1.0, "mid": 2.0, "slow": 3.5}
+    # Block 4 is 60% of the work: a pipeline cannot split it, replicas can.
+    fwd = {t: [0.1 * s * (10.5 if i == 4 else 1 + (i % 3) / 2) for i in range(n)] for t, s in speed.items()}
+    devices = [ProblemDevice("f0", "fast", 28.0, "n0"), ProblemDevice("f1", "fast", 28.0, "n0")]
+    devices += [ProblemDevice(f"m{i}", "mid", 20.0, "n1") for i in range(2)]
+    devices += [ProblemDevice("s0", "slow", 30.0, "n2")]
+    d = len(devices)
+    bandwidth = [
+        [math.inf if a == b else (100.0 if devices[a].node == devices[b].node else 2.0) for b in range(d)]
+        for a in range(d)
+    ]
+    return PartitionProblem(
+        blocks=[f"b{i}" for i in range(n)], fwd_s=fwd, bwd_s={t: [2 * f for f in v] for t, v in fwd.items()},
+        state_bytes=[2.0] * n, act_bytes=[1.0] * n, cut_bytes=[0.5] * (n - 1), devices=devices,
+        bandwidth_bps=bandwidth, latency_s=[[0.0 if a == b else 0.001 for b in range(d)] for a in range(d)],
+        microbatches=8, replicate=True, recompute=True,
+    )  # fmt: skip
+
+
+def test_recomputation_is_chosen_only_when_memory_needs_it():
+    problem = _fixed_problem()
+    problem.act_bytes = [1.0] * 8
+    roomy = solve(problem)
+    assert not any(roomy.recompute)
+    problem.act_bytes = [6.0] * 8  # no stage holds its in-flight activations on any device now
+    problem.recompute = False
+    with pytest.raises(InfeasiblePlanError, match="recompute=True"):
+        solve(problem)
+    problem.recompute = True
+    tight = solve(problem)
+    assert any(tight.recompute) and all(s.fits for s in tight.stages)
+    for stage in tight.stages:  # a recomputing stage pays one more forward
+        if stage.recompute:
+            assert stage.compute_s == pytest.approx(2 * stage.fwd_s + stage.bwd_s)
+
+
+def test_replicas_share_microbatches_by_speed():
+    assert route_microbatches(4, [1.0, 1.0]) == [0, 1, 0, 1]
+    assert route_microbatches(8, [1.0, 3.0]).count(0) == 6  # the 3x faster replica takes 6 of 8
+    problem = _fixed_problem()
+    plan = evaluate(problem, [0, 8], [(0, 1, 4)])  # two fast cards and the slow one
+    assert plan.stages[0].shares == (4, 3, 1)  # the slow card takes one: 3.5 < 4 fast-card units
+
+
+def test_a_replicated_stage_simulates_to_its_share_plus_the_allreduce():
+    problem = _fixed_problem()
+    problem.microbatches = 4
+    one = evaluate(problem, [0, 8], [(0, 1)])
+    stage = one.stages[0]
+    sim = simulate(problem, [0, 8], [(0, 1)])
+    assert stage.allreduce_s > 0
+    assert sim.step_time_s == pytest.approx(2 * stage.compute_s + stage.allreduce_s)
+    assert one.step_time_s >= sim.step_time_s * (1 - 1e-9)
+    assert {e.replica for e in sim.events} == {0, 1}
