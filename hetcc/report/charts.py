@@ -1,0 +1,231 @@
+"""The report's pictures, each an inline SVG string drawn from a ``SavedPlan``."""
+
+from __future__ import annotations
+
+import math
+
+from hetcc.errors import format_bytes
+from hetcc.report.data import SavedPlan, number
+from hetcc.report.svg import (
+    IDLE,
+    KIND_COLOURS,
+    VENDOR_COLOURS,
+    axis_top,
+    line,
+    rect,
+    stage_colour,
+    svg,
+    text,
+    x_axis,
+)  # fmt: skip
+
+LABEL_W = 170  # left column for row labels
+CHART_W = 760
+
+
+def cluster_chart(saved: SavedPlan) -> str:
+    """Nodes as boxes, devices inside them; used devices filled with their stage's colour."""
+    used = saved.used_devices
+    nodes: dict[str, list] = {}
+    for device in saved.problem.devices:
+        nodes.setdefault(device.node, []).append(device)
+    vendors = _vendors(saved)
+    box_w, dev_h, pad = 210, 34, 10
+    tallest = max(len(devices) for devices in nodes.values())
+    height = 40 + tallest * (dev_h + 6) + 2 * pad
+    body = []
+    for i, (node, devices) in enumerate(nodes.items()):
+        x = 10 + i * (box_w + 20)
+        body.append(rect(x, 10, box_w, height - 20, "#fafafa", f"node {node}", stroke="#999"))
+        body.append(text(x + pad, 28, node, 12, bold=True))
+        for j, device in enumerate(devices):
+            y = 40 + j * (dev_h + 6)
+            stage = used.get(device.name)
+            fill = stage_colour(stage) if stage is not None else "#ffffff"
+            what = f"stage {stage}" if stage is not None else "unused"
+            tip = f"{device.name}: {device.type}, {format_bytes(device.memory_bytes)} usable, {what}"
+            body.append(rect(x + pad, y, box_w - 2 * pad, dev_h, fill, tip,
+                             stroke=VENDOR_COLOURS.get(vendors.get(device.name, ""), "#666"),
+                             dash=stage is None, extra=' stroke-width="2"'))  # fmt: skip
+            colour = "#fff" if stage is not None else "#666"
+            body.append(text(x + 2 * pad, y + 14, f"{device.name} ({device.type})", 11, fill=colour))
+            body.append(text(x + 2 * pad, y + 28, what, 10, fill=colour))
+    width = 10 + len(nodes) * (box_w + 20)
+    return svg(width, height, body, "cluster: nodes, devices and the stage each device runs")
+
+
+def chain_chart(saved: SavedPlan) -> str:
+    """The block chain in compute order, coloured by stage, with a cut line between stages."""
+    blocks = saved.problem.blocks
+    stage_of = []
+    for stage in saved.stages:
+        stage_of += [stage["index"]] * len(stage["blocks"])
+    cell = CHART_W / max(len(blocks), 1)
+    body, x = [], 10.0
+    for i, name in enumerate(blocks):
+        stage = stage_of[i] if i < len(stage_of) else 0
+        body.append(rect(x, 26, cell - 1, 30, stage_colour(stage), f"block {i}: {name} (stage {stage})"))
+        if i and i < len(stage_of) and stage_of[i] != stage_of[i - 1]:
+            body.append(line(x - 0.5, 20, x - 0.5, 60, "#000", 2))
+            body.append(
+                text(x, 10 if stage % 2 else 19, f"{stage_of[i - 1]}|{stage}", 9, "middle")
+            )  # staggered
+        x += cell
+    for stage in saved.stages:
+        first = sum(len(s["blocks"]) for s in saved.stages if s["index"] < stage["index"])
+        middle = 10 + cell * (first + len(stage["blocks"]) / 2)
+        low = 12 if stage["index"] % 2 and cell * len(stage["blocks"]) < 60 else 0  # narrow stages alternate
+        body.append(text(middle, 74 + low, f"stage {stage['index']}", 10, "middle"))
+        body.append(text(middle, 86 + low, f"{len(stage['blocks'])} blocks", 9, "middle", "#555"))
+    return svg(
+        CHART_W + 20, 104, body, "block chain with the cuts between stages (numbers: stages either side)"
+    )
+
+
+def baseline_chart(saved: SavedPlan) -> str:
+    """Per-stage time (compute + comm per microbatch) of hetcc's plan and of each baseline."""
+    rows = [("hetcc", [(number(s.get("compute_s")), number(s.get("comm_s"))) for s in saved.stages],
+             number(saved.plan.get("step_time_s")))]  # fmt: skip
+    for name, solution in saved.baselines.items():
+        rows.append((name, [(s.compute_s, s.comm_s) for s in solution.stages], solution.step_time_s))
+    finite = [c + m for _, stages, _ in rows for c, m in stages if math.isfinite(c + m)]
+    top = axis_top(max(finite, default=1e-3))
+    bar_h, gap = 12, 4
+    body, y = [], 10.0
+    for name, stages, step_s in rows:
+        step = "does not fit" if math.isinf(step_s) else f"step {step_s * 1e3:.2f} ms"
+        body.append(text(10, y + 12, name, 12, bold=True))
+        body.append(text(10, y + 26, step, 10, fill="#555"))
+        for k, (compute_s, comm_s) in enumerate(stages):
+            width_c = CHART_W * compute_s / top
+            tip = f"{name} stage {k}: compute {compute_s * 1e3:.3f} ms, comm {comm_s * 1e3:.3f} ms"
+            body.append(rect(LABEL_W, y, width_c, bar_h, stage_colour(k), tip))
+            body.append(rect(LABEL_W + width_c, y, CHART_W * comm_s / top, bar_h, "#bbbbbb", tip))
+            y += bar_h + 1
+        y += max(gap, 32 - len(stages) * (bar_h + 1)) + gap
+    body += x_axis(LABEL_W, y, CHART_W, top, "ms per microbatch (colour: compute, grey: comm)", 1e3)
+    return svg(LABEL_W + CHART_W + 20, y + 34, body, "per-stage time of hetcc and each baseline")
+
+
+def memory_chart(saved: SavedPlan) -> str:
+    """Each used device's peak memory (parameters, gradients, optimizer, activations) vs its capacity."""
+    parts = (("params_bytes", "#4e79a7", "parameters"), ("grads_bytes", "#59a14f", "gradients"),
+             ("optimizer_bytes", "#edc948", "optimizer"), ("activations_bytes", "#e15759", "activations"))  # fmt: skip
+    bar_h, body, y = 18, [], 10.0
+    for stage in saved.stages:
+        capacity = number(stage.get("device_memory_bytes"), 0.0)
+        memory = stage.get("memory") or {}
+        used = sum(number(memory.get(key), 0.0) for key, _, _ in parts)
+        label = ", ".join(saved.stage_devices(stage))
+        body.append(text(10, y + 13, f"stage {stage['index']}: {label}"[:30], 11))
+        body.append(
+            rect(LABEL_W, y, CHART_W, bar_h, IDLE, f"capacity {format_bytes(capacity)}", stroke="#999")
+        )
+        x = LABEL_W
+        for key, colour, name in parts:
+            width = CHART_W * number(memory.get(key), 0.0) / capacity if capacity else 0.0
+            body.append(
+                rect(x, y, width, bar_h, colour, f"{name} {format_bytes(number(memory.get(key), 0))}")
+            )
+            x += width
+        share = f"{used / capacity:.1%}" if capacity else "-"
+        body.append(text(LABEL_W + CHART_W + 4, y + 13, "", 10))
+        body.append(text(LABEL_W + 4, y + bar_h + 12, f"{format_bytes(used)} of {format_bytes(capacity)} ({share})",
+                         10, fill="#333"))  # fmt: skip
+        y += bar_h + 20
+    x = LABEL_W
+    for _, colour, name in parts:
+        body.append(rect(x, y + 2, 10, 10, colour))
+        body.append(text(x + 14, y + 11, name, 10))
+        x += 100
+    return svg(LABEL_W + CHART_W + 20, y + 20, body, "memory per device against capacity")
+
+
+def gantt_chart(saved: SavedPlan) -> str:
+    """The simulated step per device (each replica of a stage its own row): forward, backward, sends and
+    the replicas' gradient all-reduce over idle (grey) time."""
+    simulation = saved.simulation
+    step_s = simulation.step_time_s or 1.0
+    top = axis_top(step_s)
+    rows = dict(saved.rows)
+    for event in simulation.events:
+        rows.setdefault((event.stage, getattr(event, "replica", 0)), getattr(event, "device", "") or "?")
+    row_h, send_h, body, y = 22, 8, [], 10.0
+    for (k, replica), device in sorted(rows.items()):
+        body.append(text(10, y + 15, f"stage {k}: {device}"[:30], 11))
+        body.append(rect(LABEL_W, y, CHART_W * step_s / top, row_h, IDLE, f"{device} idle"))
+        for event in simulation.events:
+            if event.stage == k and getattr(event, "replica", 0) == replica:
+                body += _gantt_event(event, y, top, row_h, send_h)
+        y += row_h + send_h + 10
+    body += x_axis(LABEL_W, y, CHART_W, top, "ms (simulated step)", 1e3)
+    legend_y = y + 40
+    x = 10
+    for kind, name in (("F", "forward"), ("B", "backward"), ("SEND_F", "send activation"),
+                       ("SEND_B", "send gradient"), ("ALLREDUCE", "replica all-reduce")):  # fmt: skip
+        body.append(rect(x, legend_y, 10, 10, KIND_COLOURS[kind]))
+        body.append(text(x + 14, legend_y + 9, name, 10))
+        x += 125
+    body.append(rect(x, legend_y, 10, 10, IDLE, stroke="#999"))
+    body.append(text(x + 14, legend_y + 9, "idle", 10))
+    return svg(LABEL_W + CHART_W + 20, legend_y + 20, body, "simulated schedule per device")
+
+
+def _gantt_event(event, y: float, top: float, row_h: float, send_h: float) -> list[str]:
+    is_send = event.kind.startswith("SEND")
+    name = event.kind if event.microbatch < 0 else f"{event.kind}{event.microbatch}"
+    x = LABEL_W + CHART_W * event.start_s / top
+    width = CHART_W * (event.end_s - event.start_s) / top
+    tip = f"{name}: {event.start_s * 1e3:.3f} .. {event.end_s * 1e3:.3f} ms"
+    top_y = y + row_h + 1 if is_send else y
+    body = [rect(x, top_y, width, send_h if is_send else row_h, KIND_COLOURS.get(event.kind, "#999"), tip,
+                 stroke="none" if is_send else "#fff")]  # fmt: skip
+    if not is_send and width > 16:
+        body.append(text(x + width / 2, y + 15, name, 9, "middle", "#fff"))
+    return body
+
+
+def bound_chart(saved: SavedPlan) -> str:
+    """Step times side by side: the lower bound, hetcc's prediction and simulation, the baselines."""
+    plan = saved.plan
+    rows = [("lower bound", number(plan.get("lower_bound_s")), "#999999"),
+            ("hetcc (predicted)", number(plan.get("step_time_s")), "#4e79a7")]  # fmt: skip
+    simulated = number(plan.get("simulated_step_s"))
+    if math.isnan(simulated) and saved.simulation is not None:
+        simulated = saved.simulation.step_time_s
+    if not math.isnan(simulated):
+        rows.append(("hetcc (simulated)", simulated, "#76b7b2"))
+    rows += [(name, number(t), "#f28e2b") for name, t in (plan.get("baselines") or {}).items()]
+    finite = [t for _, t, _ in rows if math.isfinite(t)]
+    top = axis_top(max(finite, default=1e-3))
+    body, y = [], 10.0
+    for name, seconds, colour in rows:
+        body.append(text(10, y + 13, name, 11))
+        if math.isfinite(seconds):
+            body.append(
+                rect(LABEL_W, y, CHART_W * seconds / top, 18, colour, f"{name}: {seconds * 1e3:.3f} ms")
+            )
+            body.append(text(LABEL_W + CHART_W * seconds / top + 4, y + 13, f"{seconds * 1e3:.2f} ms", 10))
+        else:
+            body.append(text(LABEL_W, y + 13, "does not fit in memory", 10, fill="#e15759"))
+        y += 24
+    bound = number(plan.get("lower_bound_s"))
+    if math.isfinite(bound):
+        x = LABEL_W + CHART_W * bound / top
+        body.append(line(x, 6, x, y, "#555", 1, dash=True))
+    body += x_axis(LABEL_W, y + 4, CHART_W, top, "ms per step", 1e3)
+    return svg(LABEL_W + CHART_W + 80, y + 38, body, "step time against the lower bound and the baselines")
+
+
+def _vendors(saved: SavedPlan) -> dict[str, str]:
+    """Device name -> vendor, from the saved cluster spec (``Cluster.to_spec``) where there is one."""
+    spec = saved.cluster if isinstance(saved.cluster, dict) else {}
+    type_vendor = {
+        t.get("name"): t.get("vendor", "") for t in spec.get("custom_types", []) if isinstance(t, dict)
+    }
+    return {
+        device.get("name"): type_vendor.get(device.get("type"), "")
+        for node in spec.get("nodes", [])
+        for device in node.get("devices", [])
+        if isinstance(device, dict)
+    }

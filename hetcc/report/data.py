@@ -1,0 +1,118 @@
+"""What a report or a timeline needs, read from a saved folder (``plan.json``, ``problem.json``,
+``cluster.json``) as plain data.
+
+The plan is read as a dict rather than through ``Plan.from_json`` so that a report can show folders
+written by older or newer hetcc versions: fields a version lacks (replica groups, recompute, precision,
+the simulated step) are simply not shown.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hetcc.errors import HetccError, PlanFormatError
+from hetcc.solver.problem import PartitionProblem
+
+CLUSTER_FILE = "cluster.json"  # the cluster the plan was made for, as Cluster.to_spec() writes it
+
+
+@dataclass
+class SavedPlan:
+    """A build or dump folder's plan, the problem it solved, and (when saved) the cluster."""
+
+    folder: Path
+    plan: dict[str, Any]
+    problem: PartitionProblem
+    cluster: dict[str, Any] | None = None
+    simulation: Any = None  # hetcc.solver.simulate.Simulation, or None when it could not be replayed
+    simulation_error: str | None = None
+    baselines: dict[str, Any] = field(default_factory=dict)  # name -> PartitionSolution
+
+    @property
+    def stages(self) -> list[dict[str, Any]]:
+        return self.plan.get("stages", [])
+
+    def stage_devices(self, stage: dict[str, Any]) -> tuple[str, ...]:
+        """The device names of a stage: its replica group where the plan has one, else its device."""
+        return tuple(stage.get("devices") or (stage["device"],))
+
+    @property
+    def rows(self) -> dict[tuple[int, int], str]:
+        """(stage, replica) -> device name: one timeline row each."""
+        return {(s["index"], r): name for s in self.stages for r, name in enumerate(self.stage_devices(s))}
+
+    @property
+    def used_devices(self) -> dict[str, int]:
+        """Device name -> the stage it runs."""
+        return {name: s["index"] for s in self.stages for name in self.stage_devices(s)}
+
+
+def load(folder: str | Path) -> SavedPlan:
+    """Read a folder written by ``hetcc compile`` (build folder or dump folder)."""
+    folder = Path(folder)
+    plan = _read_json(folder / "plan.json")
+    problem_path = folder / "problem.json"
+    if not problem_path.exists():
+        raise PlanFormatError(
+            f"{problem_path} does not exist", hint="run `hetcc compile ... --out DIR` first"
+        )
+    problem = PartitionProblem.from_json(problem_path.read_text())
+    cluster_path = folder / CLUSTER_FILE
+    cluster = _read_json(cluster_path) if cluster_path.exists() else None
+    saved = SavedPlan(folder, plan, problem, cluster)
+    try:
+        saved.simulation = simulate_plan(plan, problem)
+    except (HetccError, ValueError, KeyError, IndexError, TypeError) as exc:
+        saved.simulation_error = f"{type(exc).__name__}: {exc}"
+    try:
+        from hetcc.solver.baselines import baselines
+
+        saved.baselines = baselines(problem)
+    except (HetccError, ValueError) as exc:  # a report without the per-stage baseline chart
+        saved.simulation_error = saved.simulation_error or f"baselines: {exc}"
+    return saved
+
+
+def simulate_plan(plan: dict[str, Any], problem: PartitionProblem):
+    """The event-driven replay (``hetcc.solver.simulate``) of a saved plan's stages: each on its replica
+    group, recomputing where the plan says so."""
+    from hetcc.solver.simulate import simulate
+
+    boundaries = [0]
+    for stage in plan["stages"]:
+        boundaries.append(boundaries[-1] + len(stage["blocks"]))
+    names = [d.name for d in problem.devices]
+    groups: list[Any] = []
+    for stage in plan["stages"]:
+        group = list(stage.get("devices") or [stage["device"]])
+        missing = [name for name in group if name not in names]
+        if missing:
+            raise PlanFormatError(f"stage {stage['index']}'s devices {missing} are not in problem.json")
+        indices = tuple(names.index(name) for name in group)
+        groups.append(indices if len(indices) > 1 else indices[0])
+    if any(stage.get("recompute") for stage in plan["stages"]):
+        return simulate(problem, boundaries, groups, [bool(s.get("recompute")) for s in plan["stages"]])
+    return simulate(problem, boundaries, groups)
+
+
+def number(value: Any, default: float = math.nan) -> float:
+    """A JSON number (``"inf"`` strings and missing values included) as a float."""
+    if value is None:
+        return default
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise PlanFormatError(f"{path} does not exist", hint="run `hetcc compile ... --out DIR` first")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise PlanFormatError(f"{path} is not valid JSON: {exc}", hint="compile the model again") from exc

@@ -1,0 +1,44 @@
+"""Wall-clock start and end of every F/B action a rank runs, for ``hetcc run --trace`` (measured timeline).
+
+Off unless ``HETCC_TRACE_DIR`` names a folder (spawned ranks inherit it); then each rank rewrites
+``rank<k>.json`` there after every step: ``[[step, kind, microbatch, start_s, end_s], ...]`` in
+``time.time()`` seconds, which ranks on one host share. ``hetcc.report.timeline`` merges the files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+TRACE_DIR_ENV = "HETCC_TRACE_DIR"
+
+
+class ActionRecorder:
+    """Records nothing (and costs one attribute check per action) when tracing is off."""
+
+    def __init__(self, rank: int):
+        self.folder = os.environ.get(TRACE_DIR_ENV) or None
+        self.rank = rank
+        self.step = 0
+        self.events: list[list] = []
+
+    @contextmanager
+    def record(self, kind: str, microbatch: int) -> Iterator[None]:
+        if self.folder is None:
+            yield
+            return
+        start = time.time()
+        try:
+            yield
+        finally:
+            self.events.append([self.step, kind, microbatch, start, time.time()])
+
+    def end_step(self) -> None:
+        if self.folder is not None:
+            os.makedirs(self.folder, exist_ok=True)
+            with open(os.path.join(self.folder, f"rank{self.rank}.json"), "w") as f:
+                json.dump(self.events, f)
+        self.step += 1
