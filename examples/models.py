@@ -1,14 +1,44 @@
-"""Model factories for the CLI: ``hetcc compile examples.models:gpt2_small --cluster ... --out build/``.
+"""Model factories for the CLI: ``hetcc compile examples.models:gpt2_tiny --cluster ... --out build``.
 
 Each returns ``(model, example_inputs)`` for one training step's batch. Models are Hugging Face
-architectures built from configs (random weights, nothing downloaded) on the meta device, so planning a
-large model needs no memory for its weights.
+architectures built from configs (random weights, nothing downloaded).
+
+- ``gpt2_tiny`` / ``llama_tiny`` have real (random) weights and labels: their build folder runs with
+  ``hetcc run`` on local CPU processes in seconds.
+- The others are built on the meta device, so planning a large model needs no memory for its weights;
+  their build folder holds the plan only (``hetcc explain``, ``simulate`` and ``report`` work on it).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+
+def _token_batch(vocab: int, batch: int, seq: int) -> dict:
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "labels": ids, "use_cache": False}  # labels: the model returns its loss
+
+
+def gpt2_tiny(batch: int = 8, seq: int = 32):
+    """A 4-layer GPT-2 (hidden 64, vocab 512) with random weights: compiles and trains on CPU in seconds."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=4, n_embd=64, n_head=4, vocab_size=512, n_positions=max(128, seq),
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config), _token_batch(config.vocab_size, batch, seq)
+
+
+def llama_tiny(batch: int = 8, seq: int = 32):
+    """A 4-layer Llama (hidden 64, grouped-query attention, vocab 512) with random weights."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512, max_position_embeddings=max(128, seq),
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return LlamaForCausalLM(config), _token_batch(config.vocab_size, batch, seq)
 
 
 def _gpt2(layers: int, hidden: int, heads: int, batch: int, seq: int):
