@@ -107,3 +107,14 @@ def test_a_data_dependent_branch_in_user_code_names_the_users_line():
     text = str(caught.value)
     assert "test_trace.py:" in text and "for row in x.nonzero()" in text
     assert "make the loop bound static" in text
+
+
+def test_a_failed_export_prints_nothing_before_the_error(capfd):
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum() > 0 else x
+
+    with pytest.raises(TraceError, match="loops or branches on tensor values"):
+        hetcc.trace(Branchy(), (torch.ones(3),))
+    out, err = capfd.readouterr()
+    assert "def forward" not in out + err and "symbolic_shapes" not in err  # torch's graph and warning

@@ -8,11 +8,15 @@ export rejects. Either way the result is an *unlifted* GraphModule: parameters a
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import logging
+import sys
 import sysconfig
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import hetcc as hetcc_package
+from hetcc import config
 from hetcc.errors import TraceError
 
 log = logging.getLogger(__name__)
@@ -58,7 +63,7 @@ def trace(
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = dict(example_kwargs or {})
     try:
-        with warnings.catch_warnings():  # nn.RNN/LSTM/GRU cache their weights in a list export warns about
+        with warnings.catch_warnings(), _quiet_export():  # RNNs cache weights in a list export warns about
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
             exported = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as export_error:  # noqa: BLE001 - reported with the fallback's error below
@@ -67,6 +72,27 @@ def trace(
     gm = exported.module()
     _drop_guard_calls(gm)
     return Traced(gm, "export", _dim_symbols(gm, args, kwargs, dynamic_shapes, model), exported)
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Hold back what torch prints while export fails (a symbolic_shapes warning, the partial graph
+    twice: ~20 lines before hetcc's own error). It is passed on when export succeeds, and shown with the
+    error under HETCC_DEBUG=1."""
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level, held = shapes_log.level, io.StringIO()
+    shapes_log.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        if config.debug >= 1:
+            sys.stderr.write(held.getvalue())
+        raise
+    else:
+        sys.stderr.write(held.getvalue())
+    finally:
+        shapes_log.setLevel(level)
 
 
 def _drop_guard_calls(gm: torch.fx.GraphModule) -> None:
