@@ -66,3 +66,11 @@ def test_config_patch_rejects_unknown_knobs():
     with pytest.raises(AttributeError, match="no knob"):
         with hetcc.config.patch(debgu=1):
             pass
+
+
+def test_the_symbolic_summary_prints_the_users_dim_names(symbolic):
+    import re
+
+    summary = symbolic.summary()
+    assert "batch" in summary and "seq" in summary
+    assert not re.search(r"\bs\d+\b", summary), summary  # not torch's s70, s72

@@ -26,8 +26,11 @@ import itertools
 import math
 import re
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
+import sympy
 import torch.fx
 
 from hetcc.errors import AnalysisError
@@ -266,9 +269,19 @@ def _summarize(name: str, nodes: list[torch.fx.Node], cut: list[CutTensor]) -> B
     )
 
 
-def format_blocks(chain: list[Block], tied: list[TiedParam]) -> str:
-    """The block chain as a table, then every cut's crossing tensors by name, then tied parameters."""
-    h = human
+def format_blocks(
+    chain: list[Block], tied: list[TiedParam], dim_symbols: Mapping[str, Any] | None = None
+) -> str:
+    """The block chain as a table, then every cut's crossing tensors by name, then tied parameters.
+    ``dim_symbols`` (``torch.export.Dim`` name -> torch's symbol) prints ``batch`` where torch has ``s70``."""
+    names = {
+        symbol: sympy.Symbol(name, integer=True, positive=True)
+        for name, symbol in (dim_symbols or {}).items()
+    }
+
+    def h(value, unit: str = ""):
+        return human(value.subs(names) if names and isinstance(value, sympy.Basic) else value, unit)
+
     lines = [
         f"{'block':<24} {'nodes':>6} {'fwd flop':>10} {'bwd flop':>10} {'params':>9} {'saved act':>10} {'cut':>9}"
     ]
