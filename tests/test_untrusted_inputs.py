@@ -16,7 +16,7 @@ import hetcc
 from hetcc.cli import main
 from hetcc.errors import ClusterError, HetccError, PlanFormatError
 from hetcc.hardware.calibration import Calibration
-from hetcc.runtime.store import load_inputs, load_pipeline
+from hetcc.runtime.store import file_sha256, load_inputs, load_pipeline
 
 VALID_NODE = "nodes:\n  - name: n\n    devices:\n      - {type: T4, count: 1}\n"
 
@@ -167,7 +167,18 @@ def _edit_weights(folder, stage: int, change) -> None:
     path = folder / f"stage{stage}.safetensors"
     tensors = safetensors.torch.load_file(path)
     change(tensors)
-    safetensors.torch.save_file(tensors, path)
+    safetensors.torch.save_file(tensors, path)  # and its checksum, as someone editing both files would
+    _edit_pipeline(folder, lambda d: d["stages"][stage].update(weights_sha256=file_sha256(str(path))))
+
+
+def test_an_edited_weights_file_fails_its_checksum(folders, tmp_path):
+    folder = _tampered(folders, tmp_path)
+    path = folder / "stage1.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-64:] = b"\xff" * 64  # 64 overwritten bytes: NaNs in the last weights, same size and header
+    path.write_bytes(bytes(raw))
+    with pytest.raises(PlanFormatError, match="stage1.safetensors: its sha256 differs"):
+        load_pipeline(str(folder))
 
 
 @pytest.mark.parametrize(
@@ -204,7 +215,9 @@ def test_weights_without_a_record_are_still_checked_against_the_graph(folders, t
 
 
 def test_missing_truncated_corrupt_and_huge_header_weights(folders, tmp_path):
+    """Without checksums (or with forged ones) the file's structure is still checked."""
     folder = _tampered(folders, tmp_path)
+    _edit_pipeline(folder, lambda d: [s.pop("weights_sha256") for s in d["stages"]])
     path = folder / "stage1.safetensors"
     raw = path.read_bytes()
     for content, message in [
@@ -246,7 +259,7 @@ def _relu(graph) -> dict:
     ["builtins.eval", "builtins.exec", "builtins.__import__", "builtins.open", "builtins.compile",
      "builtins.setattr", "builtins.delattr", "builtins.globals", "builtins.breakpoint", "torch.save",
      "torch.load", "operator.methodcaller", "operator.attrgetter", "os.system", "importlib.import_module",
-     "torch.ops.aten.relu", "torch.ops.evil.op.default", "math.__loader__"],
+     "torch.ops.aten.relu", "torch.ops.evil.op.default", "math.__loader__", "torch.nn.functional.Callable"],
 )  # fmt: skip
 def test_every_call_target_outside_the_allow_list_is_refused(folders, tmp_path, target):
     folder = _tampered(folders, tmp_path)

@@ -285,7 +285,12 @@ def resolve_function(qualname: str, where: str, namespaces: tuple[str, ...] = _T
     module, _, name = qualname.rpartition(".")
     if _is_allowed_function(module, name):
         found = getattr(builtins if module == "builtins" else importlib.import_module(module), name, None)
-        if callable(found):
+        # a class only from builtins (int, float): not typing's or collections' (F.Callable, F.Optional)
+        if (
+            callable(found)
+            and (module == "builtins" or not isinstance(found, type))
+            and getattr(found, "__module__", None) != "typing"
+        ):
             return found
     raise PlanFormatError(f"{where}: unknown or disallowed function {qualname!r}", hint="re-save the plan")
 
