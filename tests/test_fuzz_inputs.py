@@ -182,14 +182,33 @@ def test_corrupted_weights(folders, scratch, data, which, action):
 def test_mutated_plan_and_problem_json(folders, data, which):
     document = mutate(data, read_json(folders["compiled"] / which), rounds=2)
     read = Plan.from_json if which == "plan.json" else PartitionProblem.from_json
-    outcome(which, lambda: read(json.dumps(document)))  # escapes are reported by the next test
+    outcome(which, lambda: read(json.dumps(document)))  # escapes: test_escapes_in_readers_owned_elsewhere
 
 
-def test_plan_and_problem_json_escapes():
-    """hetcc/plan.py and hetcc/solver/problem.py are checked by their owner; what escapes is listed."""
-    escaped = ESCAPED["plan.json"] + ESCAPED["problem.json"]
+# ---- readers owned elsewhere: hetcc.export (runtime/checkpoint.py) and the report (report/data.py) ------
+@FUZZ
+@given(data=st.data(), which=st.sampled_from(["pipeline.json", "stage0.safetensors", "plan.json"]))
+def test_export_and_report_of_tampered_folders(folders, scratch, data, which):
+    from hetcc.report import load
+    from hetcc.runtime.checkpoint import export
+
+    folder = copy_folder(folders["compiled"], scratch / "export")
+    if which.endswith(".json"):
+        write_json(folder / which, mutate(data, read_json(folder / which), rounds=2))
+    else:
+        raw = (folder / which).read_bytes()
+        (folder / which).write_bytes(raw[: data.draw(st.integers(0, len(raw) - 1))])
+    outcome("export", lambda: export(folder))  # escapes are reported by the test below
+    outcome("report", lambda: load(folder))
+
+
+def test_escapes_in_readers_owned_elsewhere():
+    """plan.json / problem.json (hetcc/plan.py, solver/problem.py), export and the report are fixed by
+    their owners; what escapes is listed here rather than failing the suite."""
+    kinds = ("plan.json", "problem.json", "export", "report")
+    escaped = {kind: ESCAPED[kind] for kind in kinds if ESCAPED[kind]}
     if escaped:
-        pytest.xfail(f"{len(escaped)} plan/problem JSON inputs escaped: {escaped[:3]}")
+        pytest.xfail(f"escaped: { {k: (len(v), v[:2]) for k, v in escaped.items()} }")
 
 
 # ---- API arguments ---------------------------------------------------------------------------------------
