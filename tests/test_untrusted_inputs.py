@@ -16,7 +16,7 @@ import hetcc
 from hetcc.cli import main
 from hetcc.errors import ClusterError, HetccError, PlanFormatError
 from hetcc.hardware.calibration import Calibration
-from hetcc.runtime.store import file_sha256, load_inputs, load_pipeline
+from hetcc.runtime.store import file_sha256, load_inputs, load_pipeline, load_stage
 
 VALID_NODE = "nodes:\n  - name: n\n    devices:\n      - {type: T4, count: 1}\n"
 
@@ -233,6 +233,21 @@ def test_missing_truncated_corrupt_and_huge_header_weights(folders, tmp_path):
     path.unlink()
     with pytest.raises(PlanFormatError, match="stage1.safetensors: cannot read it"):
         load_pipeline(str(folder))
+
+
+def test_each_rank_can_load_its_own_stage_alone(folders, tmp_path):
+    """A truncated stage1.safetensors fails stage 1 only: the other stages never read it."""
+    folder = _tampered(folders, tmp_path)
+    path = folder / "stage1.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    whole = load_pipeline(str(folders["split"])).stages
+    for k in (0, 2):
+        alone = load_stage(str(folder), k)
+        assert alone.index == k and alone.module.code == whole[k].module.code
+    with pytest.raises(PlanFormatError, match="stage1.safetensors"):
+        load_stage(str(folder), 1)
+    with pytest.raises(PlanFormatError, match="no stage 3"):
+        load_stage(str(folder), 3)
 
 
 def test_inputs_file_is_checked_too(folders, tmp_path):
