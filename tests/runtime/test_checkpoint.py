@@ -1,0 +1,178 @@
+"""Checkpoints: atomic per-stage files with a checksummed manifest, bit-identical resume, and export of
+the trained weights as one state dict the model loads."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from runtime_models import GPT2_RULES, export, stages_by_module, tiny_gpt2
+
+import hetcc
+from hetcc.errors import RuntimeFailure
+from hetcc.passes.comm import split_stages
+from hetcc.runtime import checkpoint as ckpt
+from hetcc.runtime.executor import FAULT_ENV
+from hetcc.runtime.local import run_local
+from hetcc.runtime.store import save_stages
+
+ADAM = {"name": "adam", "lr": 0.01}
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+
+def _trained_state(step: int = 3) -> dict:
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    for _ in range(step):
+        model.b(model.a(torch.randn(2, 4))).sum().backward()
+        optimizer.step()
+    return {"module": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+            "rng": ckpt.rng_state(torch.device("cpu"))}  # fmt: skip
+
+
+def test_a_checkpoint_round_trips_weights_optimizer_state_rng_and_step(tmp_path):
+    state = _trained_state()
+    ckpt.save_checkpoint(tmp_path, 0, 3, state)
+    loaded = ckpt.load_checkpoint(tmp_path, 0, 3)
+    assert loaded["step"] == 3 and torch.equal(loaded["rng"]["cpu"], state["rng"]["cpu"])
+    assert set(loaded["module"]) == {"a.weight", "a.bias", "b.bias"}  # the tied weight once
+    for name, tensor in loaded["module"].items():
+        assert torch.equal(tensor, state["module"][name])
+    restored = torch.optim.Adam(Tied().parameters(), lr=0.1)
+    restored.load_state_dict(loaded["optimizer"])
+    for index, entry in state["optimizer"]["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(restored.state_dict()["state"][index][key], value)
+    folder = ckpt.step_dir(tmp_path, 3)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "stage0.json",
+        "stage0.manifest.json",
+        "stage0.safetensors",
+    ]
+    manifest = json.loads((folder / "stage0.manifest.json").read_text())
+    assert set(manifest["files"]) == {"stage0.json", "stage0.safetensors"}
+
+
+def test_a_crash_mid_write_leaves_the_previous_checkpoint_in_use(tmp_path):
+    for stage in (0, 1):
+        ckpt.save_checkpoint(tmp_path, stage, 2, _trained_state(2))
+        ckpt.save_checkpoint(tmp_path, stage, 4, _trained_state(4))
+    assert ckpt.latest_complete_step(tmp_path, 2) == 4
+    (ckpt.step_dir(tmp_path, 4) / "stage1.manifest.json").unlink()  # died before its manifest
+    (ckpt.step_dir(tmp_path, 4) / ".stage1.safetensors.tmp-123").write_bytes(b"half a file")
+    assert ckpt.latest_complete_step(tmp_path, 2) == 2
+    assert ckpt.latest_stage_step(tmp_path, 0) == 4 and ckpt.latest_stage_step(tmp_path, 1) == 2
+    weights = ckpt.step_dir(tmp_path, 4) / "stage0.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped byte: the checksum no longer matches
+    weights.write_bytes(bytes(data))
+    assert not ckpt.stage_is_complete(tmp_path, 0, 4)
+    with pytest.raises(hetcc.PlanFormatError, match="checksums do not match"):
+        ckpt.load_checkpoint(tmp_path, 0, 4)
+
+
+class DropoutMLP(torch.nn.Module):
+    """Dropout on stage 1 draws from that rank's RNG: a resume is bit-identical only if it is restored."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.drop, self.b = torch.nn.Linear(8, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.b(self.drop(torch.relu(self.a(x))))
+
+
+@pytest.mark.slow
+def test_resume_after_a_killed_rank_is_bit_identical_to_an_uninterrupted_run(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    gm = export(DropoutMLP().train(), (x[:4],))
+    stages = split_stages(gm, stages_by_module(gm, [("a", 0), ("drop", 1), ("b", 1)]), 2)
+
+    def run(folder, steps, **options):
+        return run_local(
+            stages, {"x": x}, y, F.mse_loss, steps=steps, microbatches=2, optimizer=ADAM,
+            checkpoint_dir=tmp_path / folder, checkpoint_every=2, **options,
+        )  # fmt: skip
+
+    straight = run("straight", 4)
+    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 dies at the start of its fourth step
+    with pytest.raises(RuntimeFailure, match="rank 1 exited with code 1"):
+        run("interrupted", 4)
+    monkeypatch.delenv(FAULT_ENV)
+    assert ckpt.latest_complete_step(tmp_path / "interrupted", 2) == 2
+    resumed = run("interrupted", 2, resume=True)
+    assert resumed.losses == straight.losses[2:]
+    assert ckpt.latest_complete_step(tmp_path / "interrupted", 2) == 4
+    want, got = hetcc.export(tmp_path / "straight"), hetcc.export(tmp_path / "interrupted")
+    assert set(got) == set(want) == {"a.weight", "a.bias", "b.weight", "b.bias"}
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    for stage in (0, 1):  # optimizer state too
+        a = ckpt.load_checkpoint(tmp_path / "straight", stage, 4)["optimizer"]["state"]
+        b = ckpt.load_checkpoint(tmp_path / "interrupted", stage, 4)["optimizer"]["state"]
+        assert all(torch.equal(a[i][k], b[i][k]) for i in a for k in a[i])
+
+
+def _gpt2_stages():
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    example = {"input_ids": ids[:2], "labels": ids[:2].clone(), "use_cache": False}
+    gm = export(model, kwargs=example)
+    return model, ids, split_stages(gm, stages_by_module(gm, GPT2_RULES), 3)
+
+
+def test_export_of_a_build_folder_is_the_models_state_dict_with_tied_weights_once(tmp_path):
+    model, _, stages = _gpt2_stages()
+    save_stages(stages, str(tmp_path / "build"))
+    merged = hetcc.export(tmp_path / "build", tmp_path / "model.safetensors")
+    assert set(merged) == set(model.state_dict())
+    assert all(torch.equal(merged[k], v) for k, v in model.state_dict().items())
+    model.load_state_dict(merged)  # strict
+    with safetensors.safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        keys, aliases = set(f.keys()), json.loads(f.metadata()["hetcc.aliases"])
+    assert "transformer.wte.weight" in keys and "lm_head.weight" not in keys
+    assert aliases == {"lm_head.weight": "transformer.wte.weight"}
+
+
+@pytest.mark.slow
+def test_trained_weights_are_saved_at_the_end_and_export_loads_into_the_model(tmp_path):
+    model, ids, stages = _gpt2_stages()
+    run_local(
+        stages, {"input_ids": ids, "labels": ids}, steps=1, microbatches=2, optimizer=ADAM,
+        checkpoint_dir=tmp_path / "ckpt",
+    )  # fmt: skip
+    eager = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(eager.parameters(), lr=0.01)
+    for chunk in ids.chunk(2):
+        (eager(input_ids=chunk, labels=chunk, use_cache=False).loss / 2).backward()
+    optimizer.step()
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(hetcc.export(tmp_path / "ckpt", tmp_path / "trained.safetensors"))
+    for name, tensor in eager.state_dict().items():
+        torch.testing.assert_close(trained.state_dict()[name], tensor, rtol=0, atol=1e-5, msg=name)
+    assert trained.lm_head.weight is trained.transformer.wte.weight
+
+
+def test_hetcc_export_on_the_command_line_writes_the_merged_state_dict(tmp_path, capsys):
+    from hetcc import cli
+
+    model, _, stages = _gpt2_stages()
+    save_stages(stages, str(tmp_path / "build"))
+    assert cli.main(["export", str(tmp_path / "build"), str(tmp_path / "out.safetensors")]) == 0
+    assert "by the model's parameter names" in capsys.readouterr().out
+    loaded = safetensors.torch.load_file(str(tmp_path / "out.safetensors"))
+    missing = model.load_state_dict(loaded, strict=False).missing_keys
+    assert missing == ["lm_head.weight"]  # the tied weight is stored once

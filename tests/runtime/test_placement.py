@@ -1,0 +1,115 @@
+"""Placement: the saved rank list, the torchrun command per node, and each rank's device check at start."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from runtime_models import MLP_RULES, ResidualMLP, export, stages_by_module
+
+import hetcc
+from hetcc import cli
+from hetcc.passes.comm import split_stages
+from hetcc.runtime import checkpoint as ckpt
+from hetcc.runtime.placement import device_mismatch, placement, rank_at, torchrun_commands
+from hetcc.runtime.store import save_stages
+
+ROOT = Path(__file__).parents[2]
+TWO_NODES = ROOT / "examples" / "clusters" / "mixed_a100_t4.yaml"
+
+
+def _two_node_placement():
+    """Stage 0 on a T4 of node1, stages 1 and 2 on A100s of node0: a node's stages need not be consecutive."""
+    cluster = hetcc.Cluster.from_file(TWO_NODES)
+    return placement([[cluster.device(name)] for name in ("t4-1", "a100-80gb-0", "a100-80gb-2")])
+
+
+def test_placement_lists_every_rank_with_its_device_node_and_torchrun_position():
+    ranks = _two_node_placement()
+    assert [(r["rank"], r["stage"], r["replica"], r["device"], r["node"], r["local_index"]) for r in ranks] == [
+        (0, 0, 0, "t4-1", "node1", 1), (1, 1, 0, "a100-80gb-0", "node0", 0), (2, 2, 0, "a100-80gb-2", "node0", 2),
+    ]  # fmt: skip
+    assert [(r["node_rank"], r["local_rank"]) for r in ranks] == [(1, 0), (0, 0), (0, 1)]
+    assert ranks[0]["type"] == "T4" and ranks[0]["vendor"] == "nvidia"
+    assert rank_at(ranks, 1, 0)["stage"] == 0 and rank_at(ranks, 0, 1)["stage"] == 2
+
+
+def test_launch_prints_one_torchrun_command_per_node(tmp_path, capsys):
+    (tmp_path / "placement.json").write_text(json.dumps(_two_node_placement()))
+    assert cli.main(["launch", str(tmp_path), "--rdzv-endpoint", "10.0.0.1:29500", "--steps", "5"]) == 0
+    out = capsys.readouterr().out
+    node0, node1 = out.split("\n\n")
+    assert node0.splitlines()[1] == (
+        f"torchrun --nnodes=2 --node-rank=0 --nproc-per-node=2 --master-addr=10.0.0.1 --master-port=29500 "
+        f"-m hetcc.launch {tmp_path} --steps 5"
+    )
+    assert "rank 1 = stage 1 on a100-80gb-0 (A100-80GB, GPU 0), rank 2 = stage 2 on a100-80gb-2" in node0
+    assert "--node-rank=1 --nproc-per-node=1" in node1 and "rank 0 = stage 0 on t4-1 (T4, GPU 1)" in node1
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        torchrun_commands(_two_node_placement(), "build", "no-port")
+
+
+def test_a_rank_checks_its_device_against_the_plan():
+    a100, t4 = _two_node_placement()[1], _two_node_placement()[0]
+    gib = 1024**3
+    assert (
+        device_mismatch(a100, {"vendor": "nvidia", "name": "NVIDIA A100-SXM4-80GB", "memory_bytes": 80 * gib})
+        is None
+    )
+    assert device_mismatch(t4, {"vendor": "nvidia", "name": "Tesla T4", "memory_bytes": 15.6 * gib}) is None
+    small = device_mismatch(
+        a100, {"vendor": "nvidia", "name": "NVIDIA A100-PCIE-40GB", "memory_bytes": 40 * gib}
+    )
+    assert (
+        "planned on a100-80gb-0, a A100-80GB with 80 GiB, but found NVIDIA A100-PCIE-40GB with 40 GiB"
+        in small
+    )
+    assert "found Tesla T4" in device_mismatch(
+        a100, {"vendor": "nvidia", "name": "Tesla T4", "memory_bytes": 16 * gib}
+    )
+    assert "found CPU (cpu)" in device_mismatch(a100, {"vendor": "cpu", "name": "CPU", "memory_bytes": 0})
+
+
+def _gpu_planned_folder(tmp_path):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    gm = export(ResidualMLP(), (x[:4],))
+    stages = split_stages(gm, stages_by_module(gm, [(p, min(s, 1)) for p, s in MLP_RULES]), 2)
+    cluster = hetcc.Cluster.from_file(TWO_NODES)
+    meta = {
+        "schedule": "1f1b", "microbatches": 2, "loss": "mse_loss", "optimizer": {"name": "sgd", "lr": 0.1},
+        "vendors": ["nvidia", "nvidia"], "placement": placement([[cluster.device("a100-80gb-0")], [cluster.device("a100-80gb-1")]]),
+    }  # fmt: skip
+    save_stages(stages, str(tmp_path), meta, inputs={"x": x}, targets=y)
+    return tmp_path
+
+
+def _torchrun(folder, *args):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "hetcc.launch", str(folder), *args]  # fmt: skip
+    env = {**os.environ, "HETCC_COMM_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a GPU plan started on a host without GPUs")
+def test_a_gpu_plan_stops_on_a_cpu_host_unless_substitutes_are_allowed(tmp_path):
+    folder = _gpu_planned_folder(tmp_path)
+    refused = _torchrun(folder, "--steps", "1")
+    assert refused.returncode != 0
+    assert (
+        "rank 0 (stage 0) was planned on a100-80gb-0, a A100-80GB (nvidia), but found CPU (cpu)"
+        in refused.stderr
+    )
+    assert "--allow-substitute" in refused.stderr
+    allowed = _torchrun(folder, "--steps", "2", "--checkpoint-every", "1", "--allow-substitute")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert allowed.stderr.count("running on it anyway (--allow-substitute)") == 2  # once per rank
+    assert "step 1 loss" in allowed.stdout
+    assert ckpt.latest_complete_step(folder / "checkpoints", 2) == 2  # the trained weights, by default
+    assert set(hetcc.export(folder)) == {"a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"}

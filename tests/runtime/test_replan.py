@@ -1,0 +1,44 @@
+"""Re-plan on a changed cluster: a run on three devices loses one, the same model is planned for the
+two left, the checkpoint moves into the new stages, and training goes on as eager training would."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from models import eager_training, gpt2, token_ids
+
+import hetcc
+
+ADAM = {"name": "adam", "lr": 0.01}
+
+
+def _cpus(count: int) -> hetcc.Cluster:
+    return hetcc.Cluster.from_spec(
+        {"nodes": [{"name": "host", "intra_link": {"kind": "loopback", "bandwidth": "5 GB/s"},
+                    "devices": [{"type": "cpu", "count": count, "memory": "2 GiB"}]}]}
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_three_stages_become_two_and_training_continues_like_eager(tmp_path):
+    model = gpt2(n_layer=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = token_ids(4, 16)
+    example = {"input_ids": ids, "labels": ids, "use_cache": False}
+    batch = {"input_ids": ids, "labels": ids}
+    compiled = hetcc.compile(
+        copy.deepcopy(model), _cpus(3), example_kwargs=example, microbatches=2, replicate=False
+    )
+    assert len(compiled.stages) == 3
+    first = hetcc.run_local(compiled, batch, steps=2, optimizer=ADAM, checkpoint_dir=tmp_path / "ckpt")
+
+    replanned = hetcc.replan(tmp_path / "ckpt", _cpus(2), copy.deepcopy(model), example_kwargs=example,
+                             out=tmp_path / "two", replicate=False)  # fmt: skip
+    assert len(replanned.stages) == 2
+    second = hetcc.run_local(tmp_path / "two", batch, steps=2, optimizer=ADAM,
+                             checkpoint_dir=tmp_path / "two" / "checkpoints", resume=True)  # fmt: skip
+
+    want, _ = eager_training(model, example, None, None, 4, 2, ADAM)
+    got = first.losses + second.losses
+    for a, b in zip(got, want, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (got, want)
