@@ -6,6 +6,8 @@ A checkpoint folder holds one folder per saved step; every rank writes its own s
     <dir>/step-00000004/stage<k>.json            step, optimizer hyper-parameters and scalar state
     <dir>/step-00000004/stage<k>.manifest.json   sha256 of the two files above; written last
 
+Each stage keeps its two newest complete steps (``prune``).
+
 Each file is written to a temporary name, fsynced and renamed, and the manifest comes last, so a crash
 mid-write leaves at most a step without a manifest (or with a file whose checksum disagrees): such a
 step is not complete and the previous one is used. A step is complete when every stage's manifest is
@@ -152,6 +154,21 @@ def latest_complete_step(root: str | os.PathLike, num_stages: int) -> int | None
     return None
 
 
+def prune(root: str | os.PathLike, stage: int, keep: int = 2) -> None:
+    """Delete this stage's files from all but its ``keep`` newest complete steps (and step folders left
+    empty). Two are enough to resume: ranks agree on the newest step all of them have, and a rank is
+    never more than one checkpoint ahead of another (the step after needs every rank)."""
+    complete = [step for step in saved_steps(root) if stage_is_complete(root, stage, step)]
+    for step in complete[keep:]:
+        folder = step_dir(root, step)
+        for name in (f"stage{stage}.manifest.json", f"stage{stage}.safetensors", f"stage{stage}.json"):
+            (folder / name).unlink(missing_ok=True)  # the manifest first: never a manifest without files
+        try:
+            folder.rmdir()  # only when empty: other stages' files may still be there
+        except OSError:
+            pass
+
+
 # ----------------------------------------------------------------------------------------- load
 
 
@@ -161,7 +178,7 @@ def load_checkpoint(root: str | os.PathLike, stage: int, step: int) -> dict[str,
     if not stage_is_complete(root, stage, step):
         raise PlanFormatError(
             f"{folder}: the checkpoint of stage {stage} is incomplete or its checksums do not match",
-            hint="resume from an earlier step (hetcc keeps every step folder) or start again",
+            hint="resume from the step before (each stage keeps its two newest) or start again",
         )
     tensors = safetensors.torch.load_file(str(folder / f"stage{stage}.safetensors"))
     document = json.loads((folder / f"stage{stage}.json").read_text())

@@ -176,3 +176,18 @@ def test_hetcc_export_on_the_command_line_writes_the_merged_state_dict(tmp_path,
     loaded = safetensors.torch.load_file(str(tmp_path / "out.safetensors"))
     missing = model.load_state_dict(loaded, strict=False).missing_keys
     assert missing == ["lm_head.weight"]  # the tied weight is stored once
+
+
+def test_each_stage_keeps_its_two_newest_complete_steps(tmp_path):
+    for step in (2, 4, 6):
+        for stage in (0, 1):
+            ckpt.save_checkpoint(tmp_path, stage, step, _trained_state(1))
+            ckpt.prune(tmp_path, stage)
+    assert ckpt.saved_steps(tmp_path) == [6, 4]
+    (ckpt.step_dir(tmp_path, 8)).mkdir()
+    ckpt.save_checkpoint(tmp_path, 0, 8, _trained_state(1))  # stage 1 died before step 8
+    ckpt.prune(tmp_path, 0)
+    assert ckpt.latest_complete_step(tmp_path, 2) == 6  # still there for a resume
+    assert (
+        ckpt.latest_stage_step(tmp_path, 0) == 8 and not (ckpt.step_dir(tmp_path, 4) / "stage0.json").exists()
+    )
