@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no config notes between the demo's tables
 
 import torch  # noqa: E402
 
@@ -71,7 +73,8 @@ def train_scaled_copy(planned) -> None:
     same_split = _same_split(small, planned.plan)
     stages = len(same_split.pipeline.stages)
     print(
-        f"\n== the same {stages}-stage split, GPT-2 with hidden 32, trained on {stages} local CPU processes =="
+        f"\n== the same {stages}-stage split (same blocks per stage), GPT-2 with hidden 32, on {stages} local "
+        "CPU processes (one per stage; a replica group runs as one rank here) =="
     )
     started = time.perf_counter()
     result = hetcc.run_local(same_split, batch, steps=STEPS, optimizer={"name": "sgd", "lr": LR})
@@ -89,9 +92,9 @@ def _same_split(small, plan) -> object:
         n.name: block_stage[info(n).block] for n in gm.graph.nodes if info(n) is not None and info(n).block
     }
     stages = codegen(split_stages(gm, stage_of, len(plan.stages)))
-    meta = {
-        k: v for k, v in small.pipeline.meta.items() if k not in ("vendors", "placement")
-    }  # one rank each
+    scalar = ("schedule", "microbatches", "optimizer", "loss", "inputs", "precision")  # not per-stage lists
+    meta = {k: v for k, v in small.pipeline.meta.items() if k in scalar}  # one CPU rank per stage
+    meta["recompute"] = [bool(getattr(s, "recompute", False)) for s in plan.stages]
     return dataclasses.replace(small, pipeline=Pipeline(stages, meta))
 
 
