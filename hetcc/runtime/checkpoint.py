@@ -5,6 +5,7 @@ A checkpoint folder holds one folder per saved step; every rank writes its own s
     <dir>/step-00000004/stage<k>.safetensors     weights (model.*), optimizer tensors (optimizer.*), RNG (rng.*)
     <dir>/step-00000004/stage<k>.json            step, optimizer hyper-parameters and scalar state
     <dir>/step-00000004/stage<k>.manifest.json   sha256 of the two files above; written last
+    <dir>/step-00000004/stage<k>.replica<r>.rng.safetensors   the RNG of replica r > 0 of a replicated stage
 
 Each stage keeps its two newest complete steps (``prune``).
 
@@ -62,11 +63,29 @@ def save_checkpoint(root: str | os.PathLike, stage: int, step: int, state: Mappi
     return folder
 
 
+def save_replica_rng(root: str | os.PathLike, stage: int, replica: int, step: int, rng: Mapping) -> None:
+    """A replica other than 0 keeps only its RNG (weights and optimizer state equal replica 0's)."""
+    folder = step_dir(root, step)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.cpu().contiguous() for k, v in rng.items()}
+    _write_atomic(folder / f"stage{stage}.replica{replica}.rng.safetensors", safetensors.torch.save(tensors))
+
+
+def load_replica_rng(root: str | os.PathLike, stage: int, replica: int, step: int) -> dict | None:
+    """The replica's RNG at ``step`` (None if it did not write it: the replica then takes replica 0's,
+    and a resume with dropout on that replica is no longer bit-identical)."""
+    path = step_dir(root, step) / f"stage{stage}.replica{replica}.rng.safetensors"
+    try:
+        return safetensors.torch.load_file(str(path))
+    except (OSError, safetensors.SafetensorError):
+        return None
+
+
 def _split_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors (module, optimizer state, RNG) for safetensors; the rest as JSON-able values."""
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in _unaliased(state["module"]).items()}
     tensors.update({f"rng.{k}": v.cpu().contiguous() for k, v in state.get("rng", {}).items()})
-    document: dict[str, Any] = {"optimizer": None}
+    document: dict[str, Any] = {"optimizer": None, "loss_scale": state.get("loss_scale")}
     optimizer = state.get("optimizer")
     if optimizer is not None:
         scalars: dict[str, dict[str, Any]] = {}
@@ -161,7 +180,9 @@ def prune(root: str | os.PathLike, stage: int, keep: int = 2) -> None:
     complete = [step for step in saved_steps(root) if stage_is_complete(root, stage, step)]
     for step in complete[keep:]:
         folder = step_dir(root, step)
-        for name in (f"stage{stage}.manifest.json", f"stage{stage}.safetensors", f"stage{stage}.json"):
+        names = [f"stage{stage}.manifest.json", f"stage{stage}.safetensors", f"stage{stage}.json"]
+        names += [p.name for p in folder.glob(f"stage{stage}.replica*.rng.safetensors")]
+        for name in names:
             (folder / name).unlink(missing_ok=True)  # the manifest first: never a manifest without files
         try:
             folder.rmdir()  # only when empty: other stages' files may still be there
@@ -183,6 +204,8 @@ def load_checkpoint(root: str | os.PathLike, stage: int, step: int) -> dict[str,
     tensors = safetensors.torch.load_file(str(folder / f"stage{stage}.safetensors"))
     document = json.loads((folder / f"stage{stage}.json").read_text())
     state: dict[str, Any] = {"module": {}, "rng": {}, "optimizer": None, "step": int(document["step"])}
+    if document.get("loss_scale"):
+        state["loss_scale"] = dict(document["loss_scale"])
     optimizer_tensors: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         kind, _, rest = key.partition(".")

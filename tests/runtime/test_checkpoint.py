@@ -19,7 +19,7 @@ from hetcc.passes.comm import split_stages
 from hetcc.runtime import checkpoint as ckpt
 from hetcc.runtime.executor import FAULT_ENV
 from hetcc.runtime.local import run_local
-from hetcc.runtime.store import save_stages
+from hetcc.runtime.store import Pipeline, save_stages
 
 ADAM = {"name": "adam", "lr": 0.01}
 
@@ -40,7 +40,7 @@ def _trained_state(step: int = 3) -> dict:
         model.b(model.a(torch.randn(2, 4))).sum().backward()
         optimizer.step()
     return {"module": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-            "rng": ckpt.rng_state(torch.device("cpu"))}  # fmt: skip
+            "rng": ckpt.rng_state(torch.device("cpu")), "loss_scale": {"scale": 1024.0, "good_steps": 3}}  # fmt: skip
 
 
 def test_a_checkpoint_round_trips_weights_optimizer_state_rng_and_step(tmp_path):
@@ -48,6 +48,7 @@ def test_a_checkpoint_round_trips_weights_optimizer_state_rng_and_step(tmp_path)
     ckpt.save_checkpoint(tmp_path, 0, 3, state)
     loaded = ckpt.load_checkpoint(tmp_path, 0, 3)
     assert loaded["step"] == 3 and torch.equal(loaded["rng"]["cpu"], state["rng"]["cpu"])
+    assert loaded["loss_scale"] == {"scale": 1024.0, "good_steps": 3}
     assert set(loaded["module"]) == {"a.weight", "a.bias", "b.bias"}  # the tied weight once
     for name, tensor in loaded["module"].items():
         assert torch.equal(tensor, state["module"][name])
@@ -95,22 +96,30 @@ class DropoutMLP(torch.nn.Module):
         return self.b(self.drop(torch.relu(self.a(x))))
 
 
+def _replicated(stages):
+    """Stage 1 on two replicas (ranks 1 and 2); microbatch 1 of each step runs on replica 1."""
+    placement = [{"stage": 0, "replica": 0}, {"stage": 1, "replica": 0}, {"stage": 1, "replica": 1}]
+    return Pipeline(stages, {"placement": placement, "routing": [[0, 0], [0, 1]]})
+
+
 @pytest.mark.slow
-def test_resume_after_a_killed_rank_is_bit_identical_to_an_uninterrupted_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", ["one-rank-per-stage", "replicated"])
+def test_resume_after_a_killed_rank_is_bit_identical_to_an_uninterrupted_run(tmp_path, monkeypatch, layout):
     torch.manual_seed(0)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     gm = export(DropoutMLP().train(), (x[:4],))
     stages = split_stages(gm, stages_by_module(gm, [("a", 0), ("drop", 1), ("b", 1)]), 2)
+    pipeline, dying = (stages, 1) if layout == "one-rank-per-stage" else (_replicated(stages), 2)
 
     def run(folder, steps, **options):
         return run_local(
-            stages, {"x": x}, y, F.mse_loss, steps=steps, microbatches=2, optimizer=ADAM,
+            pipeline, {"x": x}, y, F.mse_loss, steps=steps, microbatches=2, optimizer=ADAM,
             checkpoint_dir=tmp_path / folder, checkpoint_every=2, **options,
         )  # fmt: skip
 
     straight = run("straight", 4)
-    monkeypatch.setenv(FAULT_ENV, "1:3")  # rank 1 dies at the start of its fourth step
-    with pytest.raises(RuntimeFailure, match="rank 1 exited with code 1"):
+    monkeypatch.setenv(FAULT_ENV, f"{dying}:3")  # the rank dies at the start of its fourth step
+    with pytest.raises(RuntimeFailure, match=f"rank {dying} exited with code 1"):
         run("interrupted", 4)
     monkeypatch.delenv(FAULT_ENV)
     assert ckpt.latest_complete_step(tmp_path / "interrupted", 2) == 2
