@@ -46,7 +46,7 @@ def test_the_readme_walkthrough_runs_line_by_line(tmp_path):
         assert "Traceback" not in done.stderr, line
         outputs[words[1]] = done.stdout
     build = tmp_path / "build" / "gpt2"
-    assert "predicted step" in outputs["explain"] and "simulated step" in outputs["simulate"]
+    assert "hetcc plan:" in outputs["explain"] and "simulated step" in outputs["simulate"]
     losses = [float(line.split()[-1]) for line in outputs["run"].splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
     assert (build / "report.html").exists()

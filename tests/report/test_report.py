@@ -61,7 +61,8 @@ def test_the_report_marks_used_and_unused_devices_and_shows_the_schedule(dump):
     for device in used:
         assert f"{device} (" in page  # the device box names it with its type
     events = saved.simulation.events
-    assert {e.kind for e in events} >= {"F", "B", "SEND_F", "SEND_B"}
+    kinds = {e.kind for e in events}
+    assert kinds >= {"F", "B"} and (len(saved.stages) == 1 or kinds >= {"SEND_F", "SEND_B"})
     assert page.count("<title>F0:") == len(saved.stages)  # every stage's first forward in the Gantt chart
 
 
