@@ -83,11 +83,14 @@ def chain_chart(saved: SavedPlan) -> str:
 
 
 def baseline_chart(saved: SavedPlan) -> str:
-    """Per-stage time (compute + comm per microbatch) of hetcc's plan and of each baseline."""
-    rows = [("hetcc", [(number(s.get("compute_s")), number(s.get("comm_s"))) for s in saved.stages],
+    """Per-stage busy time in one step (compute and cut transfers of every microbatch the stage's busiest
+    replica runs) of hetcc's plan and of each baseline: the longest bar bounds the pipeline's period."""
+    m = saved.problem.microbatches
+    rows = [("hetcc", [(number(s.get("compute_s")) * _share(s, m), number(s.get("comm_s")) * m) for s in saved.stages],
              number(saved.plan.get("step_time_s")))]  # fmt: skip
     for name, solution in saved.baselines.items():
-        rows.append((name, [(s.compute_s, s.comm_s) for s in solution.stages], solution.step_time_s))
+        stages = [(s.compute_s * m, s.comm_s * m) for s in solution.stages]
+        rows.append((name, stages, number(saved.plan.get("baselines", {}).get(name), solution.step_time_s)))
     finite = [c + m for _, stages, _ in rows for c, m in stages if math.isfinite(c + m)]
     top = axis_top(max(finite, default=1e-3))
     bar_h, gap = 12, 4
@@ -103,8 +106,14 @@ def baseline_chart(saved: SavedPlan) -> str:
             body.append(rect(LABEL_W + width_c, y, CHART_W * comm_s / top, bar_h, "#bbbbbb", tip))
             y += bar_h + 1
         y += max(gap, 32 - len(stages) * (bar_h + 1)) + gap
-    body += x_axis(LABEL_W, y, CHART_W, top, "ms per microbatch (colour: compute, grey: comm)", 1e3)
+    body += x_axis(LABEL_W, y, CHART_W, top, "ms busy per step (colour: compute, grey: cut transfers)", 1e3)
     return svg(LABEL_W + CHART_W + 20, y + 34, body, "per-stage time of hetcc and each baseline")
+
+
+def _share(stage: dict, microbatches: int) -> int:
+    """Microbatches the stage's busiest replica runs in a step (all of them without replicas)."""
+    shares = stage.get("shares") or ()
+    return max(shares) if shares else microbatches
 
 
 def memory_chart(saved: SavedPlan) -> str:
@@ -189,7 +198,7 @@ def bound_chart(saved: SavedPlan) -> str:
     """Step times side by side: the lower bound, hetcc's prediction and simulation, the baselines."""
     plan = saved.plan
     rows = [("lower bound", number(plan.get("lower_bound_s")), "#999999"),
-            ("hetcc (predicted)", number(plan.get("step_time_s")), "#4e79a7")]  # fmt: skip
+            ("hetcc (plan)", number(plan.get("step_time_s")), "#4e79a7")]  # fmt: skip
     simulated = number(plan.get("simulated_step_s"))
     if math.isnan(simulated) and saved.simulation is not None:
         simulated = saved.simulation.step_time_s
