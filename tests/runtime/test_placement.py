@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,28 @@ def test_a_gpu_plan_stops_on_a_cpu_host_unless_substitutes_are_allowed(tmp_path)
     assert "step 1 loss" in allowed.stdout
     assert ckpt.latest_complete_step(folder / "checkpoints", 2) == 2  # the trained weights, by default
     assert set(hetcc.export(folder)) == {"a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_launch_runs_the_command_of_one_node(tmp_path):
+    folder = _gpu_planned_folder(tmp_path)
+    cpus = hetcc.Cluster.from_file(ROOT / "examples" / "clusters" / "cpu4.yaml")
+    meta = json.loads((folder / "pipeline.json").read_text())
+    meta["meta"].update(
+        vendors=["cpu", "cpu"], placement=placement([[cpus.device("cpu-0")], [cpus.device("cpu-1")]])
+    )
+    (folder / "pipeline.json").write_text(json.dumps(meta))
+    command = [sys.executable, "-m", "hetcc.cli", "launch", str(folder), "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
+               "--node", "0", "--steps", "2"]  # fmt: skip
+    env = {**os.environ, "HETCC_COMM_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--nnodes=1 --node-rank=0 --nproc-per-node=2" in done.stderr  # the command it ran
+    assert "step 1 loss" in done.stdout
+    assert ckpt.latest_complete_step(folder / "checkpoints", 2) == 2
