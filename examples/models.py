@@ -11,8 +11,13 @@ architectures built from configs (random weights, nothing downloaded).
 
 from __future__ import annotations
 
+import os
+
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no config notes above the plan table
+
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 
 def _token_batch(vocab: int, batch: int, seq: int) -> dict:
