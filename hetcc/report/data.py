@@ -55,6 +55,7 @@ def load(folder: str | Path) -> SavedPlan:
     """Read a folder written by ``hetcc compile`` (build folder or dump folder)."""
     folder = Path(folder)
     plan = _read_json(folder / "plan.json")
+    _check_plan(plan, folder / "plan.json")
     problem_path = folder / "problem.json"
     if not problem_path.exists():
         raise PlanFormatError(
@@ -107,6 +108,28 @@ def number(value: Any, default: float = math.nan) -> float:
         return float(value)
     except (TypeError, ValueError):
         return default
+
+
+def _check_plan(plan: Any, path: Path) -> None:
+    """The shape the report relies on (other fields are read with defaults): stages in order, each with
+    its device(s) and blocks as strings."""
+
+    def strings(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+    stages = plan.get("stages") if isinstance(plan, dict) else None
+    problem = None if isinstance(stages, list) and stages else "no stages"
+    for k, stage in enumerate(stages if problem is None else []):
+        if not isinstance(stage, dict) or stage.get("index") != k or not isinstance(stage.get("device"), str):
+            problem = f"stage {k} has no index {k} or no device name"
+        elif not strings(stage.get("blocks")) or not stage["blocks"]:
+            problem = f"stage {k}'s blocks are not a list of block names"
+        elif "devices" in stage and not strings(stage["devices"]):
+            problem = f"stage {k}'s devices are not a list of device names"
+        if problem:
+            break
+    if problem:
+        raise PlanFormatError(f"{path}: {problem}", hint="compile the model again with `hetcc compile`")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

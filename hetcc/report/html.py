@@ -14,7 +14,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from hetcc.errors import format_bytes
+from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.report import charts
 from hetcc.report.data import CLUSTER_FILE, SavedPlan, load, number
 
@@ -38,8 +38,16 @@ def write_report(folder: str | Path, cluster=None) -> Path:
     folder = Path(folder)
     if cluster is not None:
         (folder / CLUSTER_FILE).write_text(json.dumps(cluster.to_spec(), indent=1))
+    saved = load(folder)
+    try:
+        page = render(saved)
+    except (TypeError, ValueError, KeyError, AttributeError, ZeroDivisionError) as exc:  # an edited plan.json
+        raise PlanFormatError(
+            f"{folder}/plan.json has a field the report cannot read ({type(exc).__name__}: {exc})",
+            hint="compile the model again with `hetcc compile`",
+        ) from exc
     path = folder / REPORT_FILE
-    path.write_text(render(load(folder)))
+    path.write_text(page)
     return path
 
 

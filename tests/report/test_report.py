@@ -141,3 +141,22 @@ def test_headless_chromium_renders_the_report_without_console_errors(dump, tmp_p
     dom, messages = _console_messages(dump / REPORT_FILE)
     assert messages == []
     assert dom.count("<svg") == 6 and "Simulated schedule" in dom
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda plan: plan["stages"][0].update(blocks=7), "stage 0's blocks are not a list"),
+        (lambda plan: plan["stages"][0].update(devices=[1, 2]), "stage 0's devices are not a list"),
+        (lambda plan: plan.update(stages=[]), "no stages"),
+        (lambda plan: plan["stages"][0].update(memory="lots"), "a field the report cannot read"),
+    ],
+)
+def test_an_edited_plan_is_a_plan_format_error_naming_the_field(dump, tmp_path, edit, message):
+    folder = tmp_path / "edited"
+    shutil.copytree(dump, folder)
+    plan = json.loads((folder / "plan.json").read_text())
+    edit(plan)
+    (folder / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(PlanFormatError, match=message):
+        write_report(folder)
