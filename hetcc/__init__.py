@@ -4,7 +4,7 @@ Where each step lives is mapped in ``hetcc/README.md``.
 """
 
 from hetcc import config, ir
-from hetcc.api import Analysis, Compiled, analyze, compile, run_local
+from hetcc.api import Analysis, Compiled, analyze, compile, replan, run_local
 from hetcc.errors import (
     AnalysisError,
     ClusterError,
@@ -20,6 +20,7 @@ from hetcc.hardware.measure import calibrate
 from hetcc.hardware.presets import DeviceType, get_preset
 from hetcc.passes.trace import trace
 from hetcc.plan import Plan, PlanStage
+from hetcc.runtime.checkpoint import export
 
 __all__ = [
     "Analysis",
@@ -31,6 +32,8 @@ __all__ = [
     "Plan",
     "PlanStage",
     "compile",
+    "export",
+    "replan",
     "run_local",
     "Device",
     "DeviceType",

@@ -2,9 +2,15 @@
 
     torchrun --standalone --nproc-per-node K -m hetcc.launch build/ --steps 10
 
-Rank k runs stage k. Inputs (and targets) come from ``inputs.safetensors`` / ``targets.safetensors`` in
-the folder; schedule, microbatches, optimizer and loss default to ``pipeline.json``'s ``meta``. The last
-rank prints one ``step <i> loss <value>`` line per step (and writes them to ``--losses-out``); with
+Rank k runs the stage (and replica) ``meta["placement"]`` gives it, else stage k. With a placement
+written by ``hetcc.compile``, the process torchrun starts as (GROUP_RANK, LOCAL_RANK) is the rank planned
+for that node's GPU (``hetcc.runtime.placement``; ``hetcc launch DIR --rdzv-endpoint HOST:PORT`` prints
+the torchrun command of every node), and it checks at start that it found the planned device: vendor,
+and type by name and memory. ``--allow-substitute`` runs on whatever it found, and says so.
+Checkpoints (``--checkpoint-dir``, default ``DIR/checkpoints``; ``--checkpoint-every``; ``--resume``)
+are written as ``run_local`` writes them; the trained weights are saved there at the end. Inputs (and targets)
+come from ``inputs.safetensors`` / ``targets.safetensors`` in the folder; schedule, microbatches,
+optimizer and loss default to ``pipeline.json``'s ``meta``. The last stage's first replica prints one ``step <i> loss <value>`` line per step (and writes them to ``--losses-out``); with
 ``--stats-out DIR`` every rank writes its counters (``RunResult.stats``) to ``DIR/stats_rank<k>.json``.
 """
 
@@ -14,6 +20,8 @@ import argparse
 import datetime
 import json
 import os
+import shlex
+import subprocess
 import sys
 
 import torch
@@ -21,9 +29,12 @@ import torch.distributed as dist
 
 from hetcc import config
 from hetcc.errors import HetccError, PlanFormatError
+from hetcc.runtime.checkpoint import write_build_pointer
 from hetcc.runtime.graph_json import resolve_function
 from hetcc.runtime.groups import GPU_VENDORS, world_backend
-from hetcc.runtime.local import run_rank
+from hetcc.runtime.layout import placements
+from hetcc.runtime.local import Checkpointing, run_rank
+from hetcc.runtime.placement import device_mismatch, rank_at, torchrun_commands
 from hetcc.runtime.store import load_inputs, load_pipeline
 
 
@@ -32,16 +43,24 @@ def main(argv: list[str] | None = None) -> int:
     pipeline = load_pipeline(args.directory)
     meta = pipeline.meta
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != len(pipeline.stages):
+    ranks = placements(meta, len(pipeline.stages))  # replicas of a stage are ranks of their own
+    if world != len(ranks):
         raise PlanFormatError(
-            f"{args.directory} has {len(pipeline.stages)} stages but WORLD_SIZE is {world}",
-            hint=f"start torchrun with --nproc-per-node {len(pipeline.stages)} (times the node count)",
+            f"{args.directory} has {len(ranks)} ranks ({len(pipeline.stages)} stages) but WORLD_SIZE is {world}",
+            hint=f"start torchrun with {len(ranks)} processes in all (--nproc-per-node times the node count)",
         )
-    vendors = meta.get("vendors") or ["cpu"] * world
-    rank = int(os.environ.get("RANK", "0"))
-    device = _device(vendors[rank])
+    vendors = [placement.vendor for placement in ranks]
+    rank = _rank(meta)
+    device = _device(vendors[rank], meta, rank)
+    _check_device(meta, rank, device, args.allow_substitute)
+    if not torch.cuda.is_available():  # a GPU plan on CPU hosts (allowed above): every link is gloo
+        vendors = ["cpu"] * len(ranks)
+    checkpoint = Checkpointing(args.checkpoint_dir or os.path.join(args.directory, "checkpoints"),
+                               args.checkpoint_every, args.resume)  # fmt: skip
+    if rank == 0:
+        write_build_pointer(checkpoint.directory, args.directory)
     timeout = datetime.timedelta(seconds=config.comm_timeout_s)
-    dist.init_process_group(world_backend(vendors), timeout=timeout)
+    dist.init_process_group(world_backend(vendors), timeout=timeout, rank=rank, world_size=len(ranks))
     try:
         inputs, targets = load_inputs(args.directory)
         result = run_rank(
@@ -52,12 +71,13 @@ def main(argv: list[str] | None = None) -> int:
             loss_fn=loss_function(meta.get("loss")),
             optimizer=meta.get("optimizer"),
             device=device,
+            checkpoint=checkpoint,
         )  # fmt: skip
     finally:
         dist.destroy_process_group()
     if args.stats_out:
         _write_json(os.path.join(args.stats_out, f"stats_rank{rank}.json"), result["stats"])
-    if pipeline.stages[rank].is_last:
+    if pipeline.stages[ranks[rank].stage].is_last and ranks[rank].replica == 0:  # one replica prints
         for step, loss in enumerate(result["losses"]):
             print(f"step {step} loss {loss!r}", flush=True)
         if args.losses_out:
@@ -79,7 +99,19 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--microbatches", type=int, help="default: pipeline.json meta")
     parser.add_argument("--losses-out", help="last rank writes the per-step losses here as JSON")
     parser.add_argument("--stats-out", help="folder: every rank writes stats_rank<k>.json (RunResult.stats)")
+    add_run_options(parser)
     return parser
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """Options ``hetcc launch`` passes on to every rank."""
+    parser.add_argument("--checkpoint-dir", metavar="D", help="checkpoint folder (default: DIR/checkpoints); "
+                        "the trained weights are saved there at the end")  # fmt: skip
+    parser.add_argument("--checkpoint-every", metavar="N", type=int, default=0,
+                        help="checkpoint every N steps (default: only at the end)")  # fmt: skip
+    parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    parser.add_argument("--allow-substitute", action="store_true",
+                        help="run even where a rank finds another device than the plan's (and say so)")  # fmt: skip
 
 
 def loss_function(name: str | None):
@@ -89,10 +121,95 @@ def loss_function(name: str | None):
     return resolve_function(f"torch.nn.functional.{name}", "pipeline.json meta.loss")
 
 
-def _device(vendor: str) -> torch.device:
+def read_placement(directory: str) -> list[dict]:
+    """The saved placement: ``placement.json`` (every compiled folder) or ``pipeline.json``'s meta."""
+    for name, pick in (
+        ("placement.json", lambda d: d),
+        ("pipeline.json", lambda d: d.get("meta", {}).get("placement")),
+    ):
+        path = os.path.join(directory, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                entries = pick(json.load(f))
+            if entries:
+                return entries
+    raise PlanFormatError(
+        f"{directory} holds no placement (placement.json or pipeline.json meta.placement)",
+        hint="compile again with this hetcc: `hetcc compile ... --out DIR` saves the placement",
+    )
+
+
+def node_commands(directory: str, endpoint: str, passthrough: list[str]) -> list[tuple[str, str]]:
+    """``(node, command)`` for every node of the folder's placement (``placement.torchrun_commands``)."""
+    try:
+        return torchrun_commands(read_placement(directory), directory, endpoint, passthrough)
+    except ValueError as error:
+        raise HetccError(
+            str(error), hint="pass --rdzv-endpoint HOST:PORT of node 0, reachable from every node"
+        ) from None
+
+
+def launch_node(directory: str, endpoint: str, node: int | None, passthrough: list[str]) -> int:
+    """Print every node's torchrun command, or (``node`` given) run that node's and return its exit code."""
+    commands = node_commands(directory, endpoint, passthrough)
+    if node is None:
+        print("\n\n".join(command for _, command in commands))
+        return 0
+    if not 0 <= node < len(commands):
+        raise HetccError(f"--node {node}: the plan has nodes 0..{len(commands) - 1}")
+    comment, line = commands[node][1].split("\n", 1)
+    words = shlex.split(line)
+    print(f"{comment}\n{line}", file=sys.stderr, flush=True)
+    return subprocess.call([sys.executable, "-m", "torch.distributed.run", *words[1:]])
+
+
+def _rank(meta: dict) -> int:
+    """This process's pipeline rank: the placement entry of its (node rank, local rank), else RANK."""
+    entries = meta.get("placement") or []
+    if entries and all("node_rank" in e for e in entries) and "GROUP_RANK" in os.environ:
+        node_rank, local_rank = int(os.environ["GROUP_RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        try:
+            return int(rank_at(entries, node_rank, local_rank)["rank"])
+        except LookupError as error:
+            raise PlanFormatError(
+                str(error), hint="start each node with the command `hetcc launch DIR` prints"
+            ) from None
+    return int(os.environ.get("RANK", "0"))
+
+
+def _device(vendor: str, meta: dict, rank: int) -> torch.device:
+    """The planned GPU of this node (``local_index``), else cuda:LOCAL_RANK, else the CPU."""
     if vendor.lower() in GPU_VENDORS and torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        entries = meta.get("placement") or []
+        local = entries[rank].get("local_index") if entries else None
+        return torch.device("cuda", int(local if local is not None else os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def found_device(device: torch.device) -> dict:
+    """What this rank runs on, as ``device_mismatch`` compares it with the plan."""
+    if device.type != "cuda":
+        return {"vendor": "cpu", "name": "CPU", "memory_bytes": 0}
+    props = torch.cuda.get_device_properties(device)
+    vendor = "amd" if getattr(torch.version, "hip", None) else "nvidia"
+    return {"vendor": vendor, "name": props.name, "memory_bytes": props.total_memory}
+
+
+def _check_device(meta: dict, rank: int, device: torch.device, allow_substitute: bool) -> None:
+    entries = meta.get("placement") or []
+    if not entries or "type" not in entries[rank]:
+        return
+    found = found_device(device)
+    problem = device_mismatch(entries[rank], found)
+    if problem is None:
+        return
+    if not allow_substitute:
+        raise HetccError(
+            f"{problem}: the plan's stage sizes and times do not hold there",
+            hint="start each node with the command `hetcc launch DIR --rdzv-endpoint HOST:PORT` prints, or "
+            "pass --allow-substitute to run anyway",
+        )
+    print(f"hetcc.launch: {problem}; running on it anyway (--allow-substitute)", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -114,12 +114,37 @@ def assert_chain_in_compute_order(gm: torch.fx.GraphModule) -> list[str]:
     return order
 
 
-def eager_training(model, inputs: dict, targets, loss_fn, steps: int, microbatches: int, optimizer: dict):
+def refuse_active_dropout(model: torch.nn.Module) -> None:
+    """A pipeline's ranks draw their own dropout masks (rank r from seed + r) and eager draws others, so
+    with dropout active their losses differ by about the dropout's effect (~0.1-1% for a random GPT-2),
+    which reads like a numerical bug of the runtime: compare deterministic models only (``*_pdrop=0.0``
+    or ``model.eval()``)."""
+    active = [
+        name or "<root>"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.training and module.p > 0
+    ]
+    if active:
+        raise ValueError(
+            f"eager reference of a model with active dropout ({', '.join(active[:3])}"
+            f"{', ...' if len(active) > 3 else ''}): no pipeline run can match it; build the model with "
+            "dropout 0 (e.g. gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)) or call model.eval()"
+        )
+
+
+def eager_training(
+    model, inputs: dict, targets, loss_fn, steps: int, microbatches: int, optimizer: dict, autocast=None
+):
     """The eager reference of a pipeline run, in one process: each step runs the microbatches one after
     the other (train-mode BatchNorm sees the same batches), backward of ``loss / microbatches``, then
     the optimizer (``{"name": "sgd" | "adam", **options}``). ``loss_fn(output, target)``, or the model's
     own ``.loss``. Returns the mean microbatch loss per step and the last step's gradients under every
-    parameter name (a tied weight under each of its names; parameters the loss misses have none)."""
+    parameter name (a tied weight under each of its names; parameters the loss misses have none).
+
+    The model must be deterministic: refuses one with active dropout (``refuse_active_dropout``).
+    ``autocast`` (a dtype): forwards run under ``torch.autocast("cpu", autocast)``, as mixed precision
+    runs them; backward and the optimizer step stay outside it."""
+    refuse_active_dropout(model)
     model = copy.deepcopy(model)
     options = dict(optimizer)
     opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[options.pop("name")](
@@ -135,7 +160,8 @@ def eager_training(model, inputs: dict, targets, loss_fn, steps: int, microbatch
         opt.zero_grad()
         step = []
         for chunk, target in zip(chunks, target_chunks):
-            out = model(**chunk)
+            with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                out = model(**chunk)
             loss = out.loss if loss_fn is None else loss_fn(out, target)
             (loss / microbatches).backward()
             step.append(loss.detach())

@@ -84,9 +84,15 @@ def codegen(stages: list[StageGraph]) -> list[StageGraph]:
     return stages
 
 
-def stage_source(stage: StageGraph) -> str:
-    """Readable Python for one stage: a header of what it holds, receives and sends, then its code."""
+def stage_source(stage: StageGraph, *, recompute: bool = False, precision: str = "fp32") -> str:
+    """Readable Python for one stage: a header of what it holds, receives and sends, then its code.
+    ``recompute`` / ``precision``: how the runtime wraps the forward (one header line says so)."""
     lines = [f"# hetcc pipeline stage {stage.index} of {stage.num_stages} (generated; read-only)"]
+    wraps = [f"torch.autocast({precision.removesuffix('-mixed')})"] if precision != "fp32" else []
+    if recompute:
+        wraps.append("torch.utils.checkpoint (recomputed in backward: recvs replayed, no re-send)")
+    if wraps:
+        lines.append(f"# forward runs under {' and '.join(wraps)}")
     lines.append("# parameters:")
     for local, name in stage.param_names.items():
         param = stage.module.get_parameter(local)

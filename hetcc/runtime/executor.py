@@ -11,8 +11,12 @@ interprets the actions of ``hetcc.solver.schedules.stage_actions``:
   ``loss_m / M``, so gradients are the mean over microbatches: full-batch gradients when the loss is a
   mean over equal microbatches. Then the transport settles the gradients autograd did not move.
 
-After the last action the sends are waited for, tied parameters' gradients are summed over the
-stages that hold them (all-reduce on their group), and the optimizer steps.
+A replicated stage runs on several ranks, each with the actions of the microbatches routed to it
+(``RankLayout.actions``). After the last action the sends are waited for, the replicas' gradients are
+summed (all-reduce over the stage's replicas), tied parameters' gradients are summed over every rank
+holding them (all replicas of their stages), and the optimizer steps. The layout's ``recompute`` runs
+the forward under ``torch.utils.checkpoint`` (the transport replays what was received), its
+``precision`` under autocast, with loss scaling agreed by every rank for fp16 (``runtime.precision``).
 """
 
 from __future__ import annotations
@@ -22,13 +26,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import StageGraph
 from hetcc.passes.partition import optimizer
 from hetcc.runtime.groups import Links
+from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.ops import use_transport
+from hetcc.runtime.precision import LossScaler, forward_context
+from hetcc.runtime.recorder import ActionRecorder
 from hetcc.runtime.transport import LinkTransport
 from hetcc.solver.schedules import Action
 
@@ -52,8 +60,10 @@ def build_optimizer(spec: Mapping | None, params: list[torch.nn.Parameter]) -> t
 class StepResult:
     """What one training step produced on this rank (losses and outputs only on the last stage)."""
 
-    losses: list[torch.Tensor] = field(default_factory=list)  # per microbatch
+    losses: list[torch.Tensor] = field(default_factory=list)  # per microbatch this rank ran
     outputs: list[tuple] = field(default_factory=list)  # per microbatch: the model's flat outputs
+    microbatches: list[int] = field(default_factory=list)  # which microbatch each loss/output is
+    mean_loss: float | None = None  # over all M microbatches, every replica's (last stage only)
 
 
 class StageExecutor:
@@ -67,15 +77,23 @@ class StageExecutor:
         loss_fn: Callable | None = None,
         optimizer: Mapping | None = None,
         device: torch.device | str = "cpu",
+        layout: RankLayout | None = None,
     ):
         self.stage, self.links, self.microbatches, self.loss_fn = stage, links, microbatches, loss_fn
         self.device = torch.device(device)
         self.module = module_for_device(stage, self.device).to(self.device)
-        self.transport = LinkTransport(links, stage, microbatches)
+        self.recompute = layout is not None and layout.recompute[stage.index]
+        self.precision = layout.precision if layout is not None else "fp32"
+        self.scaler = LossScaler(**layout.loss_scale) if self.precision == "fp16-mixed" else None
+        self.transport = LinkTransport(
+            links, stage, microbatches, layout, announce_dtypes=self.precision != "fp32",
+            keep_received=self.recompute,
+        )  # fmt: skip
         self.params = _unique_parameters(self.module)
         self.optimizer = build_optimizer(optimizer, self.params)
         self.roots: dict[int, list[torch.Tensor]] = {}  # microbatch -> where its backward starts
         self.step_index = 0
+        self.recorder = ActionRecorder(links.rank)
 
     def step(self, inputs: list[dict], targets: list | None, actions: list[Action]) -> StepResult:
         """Run one optimizer step over all microbatches (``inputs[m]``: model input name -> value)."""
@@ -86,15 +104,19 @@ class StageExecutor:
         with use_transport(self.transport):
             for action in actions:
                 m = self.transport.microbatch = action.microbatch
-                if action.kind == "F":
-                    self._forward(m, inputs[m], targets[m] if targets is not None else None, result)
-                else:
-                    self._backward(m)
+                with self.recorder.record(action.kind, m):  # timed only under HETCC_TRACE_DIR
+                    if action.kind == "F":
+                        self._forward(m, inputs[m], targets[m] if targets is not None else None, result)
+                    else:
+                        self._backward(m)
         self.links.wait_sends()
+        self._reduce_replica_grads()
         self._reduce_tied_grads()
-        if self.optimizer is not None:
-            self.optimizer.step()
+        self._optimizer_step()
+        if self.stage.is_last:
+            result.mean_loss = self._mean_loss(result.losses)
         self.step_index += 1
+        self.recorder.end_step()
         return result
 
     def named_grads(self) -> dict[str, torch.Tensor]:
@@ -106,20 +128,64 @@ class StageExecutor:
                 grads[name] = grad.detach().cpu().clone()
         return grads
 
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of this stage: weights and buffers, optimizer state, steps taken, and
+        the fp16 loss scale (JSON-able values only besides the tensors)."""
+        optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
+        state = {"module": self.module.state_dict(), "optimizer": optimizer, "step": self.step_index}
+        if self.scaler is not None:
+            state["loss_scale"] = {"scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
+        return state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from ``state_dict()``'s output: values are copied in place (tied names share one)."""
+        result = self.module.load_state_dict(state["module"], strict=False)
+        own = self.module.state_dict(keep_vars=True)
+        loaded = {id(own[name]) for name in state["module"] if name in own}
+        missing = [name for name in result.missing_keys if id(own[name]) not in loaded]  # aliases are fine
+        if result.unexpected_keys or missing:
+            raise RuntimeFailure(
+                f"stage {self.stage.index}: checkpoint does not fit the stage: missing {missing[:5]}, "
+                f"unexpected {result.unexpected_keys[:5]}",
+                hint="resume with the pipeline the checkpoint was written by",
+            )
+        if self.optimizer is not None and state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("loss_scale"):
+            self.scaler.scale = float(state["loss_scale"]["scale"])
+            self.scaler.good_steps = int(state["loss_scale"]["good_steps"])
+        self.step_index = int(state["step"])
+
     def _forward(self, m: int, inputs: dict, target, result: StepResult) -> None:
-        outputs = self.module(*(_to(inputs[name], self.device) for name in self.stage.inputs))
+        args = [_to(inputs[name], self.device) for name in self.stage.inputs]
+        with forward_context(self.precision, self.device):
+            if self.recompute:  # keeps the inputs only; backward runs the forward again
+                outputs = checkpoint(self.module, *args, use_reentrant=False)
+            else:
+                outputs = self.module(*args)
+            loss = self._loss(outputs, _to(target, self.device)) if self.stage.is_last else None
         roots = outputs  # the send tokens of a non-last stage
-        if self.stage.is_last:
-            loss = self._loss(outputs, _to(target, self.device))
-            result.losses.append(loss.detach())
+        if loss is not None:
+            result.losses.append(loss.detach().float())
             result.outputs.append(tuple(_detach(o) for o in outputs))
-            roots = (loss / self.microbatches,)
+            result.microbatches.append(m)
+            scaled = self.scaler.scale_loss(loss) if self.scaler is not None else loss
+            roots = (scaled / self.microbatches,)
         self.roots[m] = [root for root in roots if root.requires_grad]
 
     def _backward(self, m: int) -> None:
         roots = self.roots.pop(m)
-        if roots:
-            torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])
+        self.transport.replaying = self.recompute  # a forward op running now is the recomputation
+        buffers = _buffer_snapshot(self.module) if self.recompute else []
+        try:
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])
+        finally:
+            self.transport.replaying = False
+        with torch.no_grad():
+            for buffer, before in buffers:
+                buffer.copy_(before)
+        self.transport.forget(m)
         self.transport.settle_gradients()
 
     def _loss(self, outputs: tuple, target) -> torch.Tensor:
@@ -133,6 +199,47 @@ class StageExecutor:
             hint="pass loss_fn= and targets= (e.g. torch.nn.functional.cross_entropy)",
         )
 
+    def _reduce_replica_grads(self) -> None:
+        """Sum the gradients of the stage's replicas, in one flat all-reduce; a parameter no replica
+        reached keeps ``None`` (as in eager, so the optimizer skips it). Tied parameters are summed
+        over all their holders in ``_reduce_tied_grads`` instead."""
+        if self.links.replicas is None:
+            return
+        tied = {id(self.module.get_parameter(name)) for group in self.stage.tied for s, name in group.members
+                if s == self.stage.index}  # fmt: skip
+        params = [p for p in self.params if id(p) not in tied]
+        if not params:  # every replica of the stage holds the same parameters: all return here
+            return
+        flat = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+            + [torch.tensor([float(p.grad is not None) for p in params], device=self.device)]
+        )
+        self.links.sum_over_replicas(flat, f"gradient sum over the replicas of stage {self.stage.index}")
+        offset = 0
+        for param, reached in zip(params, flat[-len(params) :].tolist()):
+            grad = flat[offset : offset + param.numel()].view_as(param)
+            param.grad = grad.clone() if reached else None
+            offset += param.numel()
+
+    def _optimizer_step(self) -> None:
+        """Step; under fp16 loss scaling, unscale first and skip the step on every rank if any rank
+        found an inf or nan (the ranks agree on it), then adjust the scale."""
+        if self.scaler is None:
+            if self.optimizer is not None:
+                self.optimizer.step()
+            return
+        found_inf = self.scaler.unscale(p.grad for p in self.params)
+        found_inf = self.links.any_rank(found_inf, "the ranks' agreement on skipping an fp16 step")
+        if self.optimizer is not None and not found_inf:
+            self.optimizer.step()
+        self.scaler.update(found_inf)
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
+        """The step's loss: the mean over all M microbatches, whichever replica ran them."""
+        total = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, device=self.device)
+        self.links.sum_over_replicas(total, "loss sum over the replicas of the last stage")
+        return float(total) / self.microbatches
+
     def _reduce_tied_grads(self) -> None:
         for index, group in enumerate(self.stage.tied):
             if self.stage.index not in group.stages:
@@ -142,6 +249,12 @@ class StageExecutor:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             self.links.all_reduce(param.grad, index, f"gradient sum of tied parameter {group.name}")
+
+
+def _buffer_snapshot(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each buffer with a copy of its value: a recomputed forward updates running statistics (train-mode
+    BatchNorm) a second time, and restoring the copies after backward undoes that."""
+    return [(buffer, buffer.clone()) for buffer in module.buffers() if not buffer.requires_grad]
 
 
 def _unique_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
