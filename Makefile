@@ -18,10 +18,15 @@ venv: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(PY) examples/demo.py
 
+# Plan quality, compile time, runtime overhead, cost-model fidelity -> benchmarks/RESULTS.md.
+# Quick mode (~10 min on 2 cores); BENCH_FLAGS=--full for the larger models.
+bench: $(VENV)/.installed
+	$(PY) benchmarks/run_all.py $(BENCH_FLAGS)
+
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check hetcc tests benchmarks examples
 
-.PHONY: venv demo test lint
+.PHONY: venv demo test lint bench

@@ -10,7 +10,15 @@ after each step is written as numbered files; with ``HETCC_CHECK=1`` ``hetcc.ver
 from __future__ import annotations
 
 import functools
+import inspect
+import json
+import logging
+import math
+import os
+import pickle
+import shutil
 import sys
+import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
@@ -22,26 +30,31 @@ import torch
 
 from hetcc import config, ir, verify
 from hetcc.dump import Dumper
-from hetcc.errors import AnalysisError, HetccError
+from hetcc.errors import AnalysisError, HetccError, InfeasiblePlanError, did_you_mean
 from hetcc.hardware.cluster import Cluster
+from hetcc.hardware.schema import short_repr
 from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
 from hetcc.passes.codegen import codegen, stage_source
 from hetcc.passes.comm import StageGraph, split_stages
-from hetcc.passes.cost import cost
+from hetcc.passes.cost import block_times_at, cost
 from hetcc.passes.flops import flops, format_flops
 from hetcc.passes.fuse import fuse
 from hetcc.passes.memory import memory
-from hetcc.passes.partition import PlanSettings, partition
+from hetcc.passes.partition import PRECISIONS, RERANK, PlanSettings, build_problem, partition
 from hetcc.passes.partition import optimizer as optimizer_entry
 from hetcc.passes.shapes import shapes
 from hetcc.passes.trace import trace
 from hetcc.plan import Plan
+from hetcc.report import write_report
 from hetcc.runtime.interop import pipelining_schedule
 from hetcc.runtime.local import run_local as run_pipeline
 from hetcc.runtime.local import split_microbatches
+from hetcc.runtime.placement import placement
 from hetcc.runtime.store import Pipeline, pipeline_meta, save_stages
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
+from hetcc.solver.schedules import SCHEDULES
+from hetcc.solver.solve import solve
 
 # ------------------------------------------------------------------------------------ analyze
 
@@ -79,7 +92,7 @@ class Analysis:
         )
 
     def summary(self) -> str:
-        return format_blocks(self.blocks, self.tied_params)
+        return format_blocks(self.blocks, self.tied_params, self.dim_symbols)
 
     def dump(self, folder: str | Path) -> None:
         dumper = Dumper(folder)
@@ -112,6 +125,7 @@ def analyze(
 
     ``dumper`` continues a dump folder's numbering (``hetcc.compile`` passes its own).
     """
+    _check_analyze_args(model, example_inputs, example_kwargs, training, dump_dir, max_block_bytes)
     dumper = dumper or Dumper(dump_dir)
     with _step(
         dumper, "trace", lambda: traced.gm.code, lambda: verify.check_graph(traced.gm, "trace", False)
@@ -180,12 +194,16 @@ class Compiled:
         return self.pipeline.stages
 
     def save_plan(self, folder: str | Path) -> Path:
-        """Write ``plan.json``, ``problem.json`` and ``explain.txt`` (what a model without weights has)."""
+        """Write ``plan.json``, ``problem.json``, ``explain.txt``, ``placement.json`` (rank -> stage,
+        device, node, local GPU index: what ``hetcc launch`` prints torchrun commands from) and
+        ``report.html`` (with the ``cluster.json`` it reads)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        (folder / "placement.json").write_text(json.dumps(self.pipeline.meta.get("placement", []), indent=1))
         (folder / "plan.json").write_text(self.plan.to_json())
         (folder / "problem.json").write_text(self.problem.to_json())
         (folder / "explain.txt").write_text(self.explain() + "\n")
+        write_report(folder, self.cluster)
         return folder
 
     def save(self, folder: str | Path, inputs: dict[str, torch.Tensor] | None = None, targets=None) -> Path:
@@ -209,17 +227,40 @@ def compile(  # noqa: A001 - the public API name
     cluster: Cluster | str | Path,
     example_inputs: tuple = (),
     example_kwargs: dict[str, Any] | None = None,
-    microbatches: int = 8,
+    microbatches: int | str = "auto",
     schedule: str = "1f1b",
     training: bool = True,
     optimizer: str = "adam",
     dtype: object | None = None,
     dump_dir: str | Path | None = None,
+    *,
+    precision: str = "fp32",
+    recompute: bool | str = "auto",
+    replicate: bool = True,
 ) -> Compiled:
     """Plan ``model`` over ``cluster``. ``example_inputs`` are one step's batch; dim 0 is split into
-    ``microbatches`` equal microbatches, and every cost is per microbatch."""
+    ``microbatches`` equal microbatches, and every cost is per microbatch. ``microbatches="auto"``
+    tries every divisor of the batch, pricing each from one trace with a symbolic batch dimension
+    (``search_microbatches``), and keeps the count whose plan simulates fastest.
+
+    ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer
+    state; fp16 with loss scaling), priced at each device's peak for that format. ``recompute``:
+    "auto" recomputes a stage's activations where memory needs it, True everywhere, False never.
+    ``replicate``: stages may run on groups of identical devices (False: one device per stage)."""
+    _check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir)
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
     optimizer_entry(optimizer)  # reject an unknown optimizer before the slow steps
+    _check_plan_space(precision, recompute, replicate)
+    if dtype is None:
+        dtype = PRECISIONS[precision]
+    rows = _batch_rows(example_inputs, example_kwargs or {})
+    search: list[tuple[int, float]] = []
+    notes: list[str] = []
+    if microbatches == "auto":
+        microbatches, search, notes = search_microbatches(
+            model, cluster, example_inputs, example_kwargs or {},
+            PlanSettings(1, schedule, training, optimizer, precision, recompute, replicate, rows), dtype,
+        )  # fmt: skip
     args, kwargs = _first_microbatch(example_inputs, example_kwargs or {}, microbatches)
     dumper = Dumper(dump_dir)
     analysis = analyze(model, args, kwargs, dump_dir=dump_dir, training=training, dumper=dumper)
@@ -231,11 +272,17 @@ def compile(  # noqa: A001 - the public API name
         _dump_kernels(gm, dumper)
     with _step(dumper, "cost", lambda: ir.format(gm), lambda: verify.check_graph(gm, "cost")):
         cost(gm, device_types=cluster.types, dtype=dtype, training=training)
-    settings = PlanSettings(microbatches, schedule, training, optimizer)
+    settings = PlanSettings(
+        microbatches, schedule, training, optimizer, precision, recompute, replicate, rows
+    )
     with _step(dumper, "partition", lambda: plan.explain(), lambda: verify.check_stages(gm, plan)):
         plan, problem, solution = partition(gm, analysis.blocks, analysis.tied_params, cluster, settings)
+        plan = replace(plan, microbatch_search=tuple(search), notes=plan.notes + tuple(notes))
+    if precision != "fp32":  # autocast changes dtypes that export's metadata asserts pinned to fp32
+        _drop_dtype_asserts(gm)
     with _step(dumper, "comm", lambda: _format_stages(stages), lambda: verify.check_pipeline(stages)):
-        stages = split_stages(gm, plan.stage_of, len(plan.stages))
+        present = {node.name for node in gm.graph.nodes}
+        stages = split_stages(gm, {n: k for n, k in plan.stage_of.items() if n in present}, len(plan.stages))
     sources = functools.cache(lambda: [stage_source(s) for s in stages])  # only made when dumped
     with _step(dumper, "codegen", lambda: "\n".join(sources()), None):
         codegen(stages)
@@ -244,14 +291,116 @@ def compile(  # noqa: A001 - the public API name
         dumper.write("problem.json", problem.to_json(), numbered=False)
         for stage, source in zip(stages, sources()):
             dumper.write(f"stage{stage.index}.py", source, numbered=False)
+        write_report(dumper.folder, cluster)  # report.html and cluster.json beside plan.json
     if config.debug >= 1:
         print(plan.explain(), file=sys.stderr)
     vendors = [cluster.device(s.device).vendor for s in plan.stages]
+    stage_devices = [[cluster.device(d) for d in getattr(s, "devices", (s.device,))] for s in plan.stages]
     meta = {
         "schedule": plan.schedule, "microbatches": plan.microbatches, "optimizer": {"name": optimizer},
-        "loss": "model", "vendors": vendors,
+        "loss": "model", "vendors": vendors, "placement": placement(stage_devices),
+        "inputs": [n.target for n in gm.graph.find_nodes(op="placeholder")],
+        "routing": [list(s.route) for s in solution.stages], "recompute": [s.recompute for s in plan.stages],
+        "precision": plan.precision,
     }  # fmt: skip
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
+
+
+def search_microbatches(
+    model: torch.nn.Module, cluster: Cluster, args, kwargs: dict, settings: PlanSettings, dtype: object | None
+) -> tuple[int, list[tuple[int, float]], list[str]]:
+    """(best M, (M, simulated step) for every M tried, notes): one trace of the whole batch with its
+    dim 0 symbolic (``torch.export.Dim``), then for every divisor M of the batch the analysis is
+    evaluated at batch / M rows (sympy), priced, planned and simulated; no retrace per M.
+
+    Fused kernels are not priced here (the graph is traced once, unfused); the chosen M is then
+    compiled as usual. A model that does not trace with a symbolic batch keeps the largest divisor
+    of the batch up to 8, and the plan says why.
+    """
+    rows = settings.batch_rows
+    if rows <= 1:
+        return 1, [], []
+    fallback = max(m for m in range(1, min(rows, 8) + 1) if rows % m == 0)
+    batch = torch.export.Dim("batch", min=1, max=rows)
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        shapes = {
+            name: ({0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows else None)
+            for name, v in bound.arguments.items()
+        }
+        with _quiet():
+            symbolic = analyze(model, args, kwargs, dynamic_shapes=shapes, training=settings.training)
+        symbol = symbolic.dim_symbols["batch"]
+    except (HetccError, TypeError, KeyError, RuntimeError, ValueError) as error:
+        reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        return fallback, [], [f"microbatches: kept {fallback} (no trace with a symbolic batch: {reason})"]
+    tried = []
+    for m in (m for m in range(1, rows + 1) if rows % m == 0):
+        at = symbolic.evaluate(batch=rows // m)
+        times = block_times_at(
+            symbolic.graph, [b.nodes for b in at.blocks], cluster.types, {symbol: rows // m},
+            dtype=dtype, training=settings.training,
+        )  # fmt: skip
+        problem = build_problem(
+            symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m), times
+        )
+        try:
+            tried.append((m, solve(problem, rerank=RERANK).simulated_s))
+        except InfeasiblePlanError:
+            tried.append((m, math.inf))
+    best_s, best_m = min((s, m) for m, s in tried)
+    if math.isinf(best_s):
+        return fallback, tried, [f"microbatches: no count fits in memory; kept {fallback}"]
+    return best_m, tried, []
+
+
+@contextmanager
+def _quiet():
+    """torch.export's own warnings about the symbolic dim are not the user's business here."""
+    names = ("torch._dynamo", "torch.fx.experimental.symbolic_shapes", "torch.export")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
+    """Remove ``aten._assert_tensor_metadata`` checks (export's record of the traced dtypes): under
+    mixed precision a matmul's output is half precision, which the recorded fp32 would reject."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    for node in list(gm.graph.find_nodes(op="call_function", target=check)):
+        if not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _check_plan_space(precision: object, recompute: object, replicate: object) -> None:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise HetccError(
+            f"unknown precision {precision!r}{did_you_mean(precision, PRECISIONS)}",
+            hint=f"use one of {', '.join(PRECISIONS)}",
+        )
+    if not (recompute == "auto" or isinstance(recompute, bool)):
+        raise HetccError(f"recompute must be 'auto', True or False, got {recompute!r}")
+    if not isinstance(replicate, bool):
+        raise HetccError(f"replicate must be True or False, got {replicate!r}")
+
+
+def _batch_rows(args, kwargs: dict) -> int:
+    """Rows of one step's batch: dim 0 of the first tensor input (0 if there is none)."""
+    values = list(args) if isinstance(args, (tuple, list)) else [args]
+    for value in [*values, *kwargs.values()]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 0
 
 
 def _format_stages(stages: list[StageGraph]) -> str:
@@ -270,11 +419,17 @@ def run_local(
     loss_fn=None,
     steps: int = 1,
     optimizer: dict[str, Any] | None = None,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
 ):
     """Train ``steps`` steps with one local process per stage (gloo) and return ``RunResult``
     (``.losses`` per step, ``.outputs`` of the last step, ``.grads`` by the model's parameter names,
     ``.stats`` per rank: transfers through the send/recv ops and fused-kernel launches by backend).
-    ``inputs`` is one step's batch; schedule and microbatches come from the plan."""
+    ``inputs`` is one step's batch; schedule and microbatches come from the plan. ``checkpoint_dir``:
+    checkpoints every ``checkpoint_every`` steps and at the end; ``resume=True`` continues from the
+    newest complete one there (``hetcc.runtime.checkpoint``)."""
+    _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer)
     if isinstance(compiled_or_dir, Compiled):
         pipeline = compiled_or_dir.pipeline
         meta = pipeline.meta
@@ -284,7 +439,50 @@ def run_local(
     return run_pipeline(
         pipeline, inputs, targets=targets, loss_fn=loss_fn, steps=steps, schedule=meta.get("schedule", "1f1b"),
         microbatches=meta.get("microbatches", 1), optimizer=optimizer or meta.get("optimizer"),
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
     )  # fmt: skip
+
+
+def replan(
+    source: str | Path,
+    cluster: Cluster | str | Path,
+    model: torch.nn.Module,
+    example_inputs: tuple = (),
+    example_kwargs: dict[str, Any] | None = None,
+    out: str | Path | None = None,
+    **compile_options: Any,
+) -> Compiled:
+    """Plan the same model again for ``cluster`` (say, the devices left after one was lost) and carry on
+    training where a checkpoint left off.
+
+    ``source``: a build folder with ``checkpoints/``, a checkpoint folder, or one ``step-<n>`` folder.
+    ``model`` and the example inputs are those compiled before (a folder holds the stage graphs, not the
+    model); its weights are replaced by the checkpoint's. Writes the new build to ``out`` (default
+    ``<source>-replanned``) with the checkpoint moved into its stages at the same step in
+    ``out/checkpoints``: ``run_local(out, ..., checkpoint_dir=out / "checkpoints", resume=True)`` goes on.
+    ``compile_options`` go to ``compile`` (microbatches, schedule and optimizer are the old run's).
+    """
+    from hetcc.runtime import checkpoint as ckpt
+    from hetcc.runtime.replan import move_checkpoint
+
+    build, found = ckpt.locate(Path(source))
+    if found is None:
+        raise HetccError(f"{source} holds no complete checkpoint", hint="train with checkpoint_dir= first")
+    root, step = found
+    meta = pipeline_meta(str(build))
+    model.load_state_dict(ckpt.export(Path(root) / f"step-{step:08d}"))
+    compiled = compile(
+        model, cluster, example_inputs, example_kwargs, microbatches=int(meta.get("microbatches", 1)),
+        schedule=meta.get("schedule", "1f1b"), optimizer=(meta.get("optimizer") or {}).get("name", "adam"),
+        **compile_options,
+    )  # fmt: skip
+    out = Path(out) if out is not None else Path(f"{Path(source).resolve()}-replanned")
+    compiled.save(out)
+    for name in ("inputs.safetensors", "targets.safetensors"):  # what `hetcc run` trains on
+        if (Path(build) / name).exists():
+            shutil.copyfile(Path(build) / name, out / name)
+    move_checkpoint(build, root, step, out, out / "checkpoints")
+    return compiled
 
 
 def _first_microbatch(args: tuple, kwargs: dict[str, Any], microbatches: int) -> tuple[tuple, dict]:
@@ -306,4 +504,124 @@ def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
             write_kernel(group, dumper.folder)
 
 
-__all__ = ["Analysis", "Compiled", "analyze", "compile", "run_local"]
+# ------------------------------------------------------------------------------------ arguments
+# Checked first, so a wrong argument fails at once with its name instead of deep in a pass or a rank.
+def _check_analyze_args(model, example_inputs, example_kwargs, training, dump_dir, max_block_bytes) -> None:
+    _check_model(model)
+    _check_examples(example_inputs, example_kwargs)
+    _check_flag(training, "training")
+    _check_dump_dir(dump_dir)
+    if max_block_bytes is not None and not (_is_number(max_block_bytes) and max_block_bytes > 0):
+        raise HetccError(
+            f"max_block_bytes must be a positive number of bytes or None, got {short_repr(max_block_bytes)}"
+        )
+
+
+def _check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir) -> None:
+    _check_model(model)
+    if not isinstance(cluster, (Cluster, str, os.PathLike)):
+        raise HetccError(
+            f"cluster must be a hetcc.Cluster or the path of a cluster file, got {type(cluster).__name__}",
+            hint="hetcc.Cluster.from_file('cluster.yaml')",
+        )
+    _check_examples(example_inputs, example_kwargs)  # microbatches: split_microbatches names the input
+    if schedule not in SCHEDULES:
+        raise HetccError(f"schedule must be one of {', '.join(SCHEDULES)}, got {short_repr(schedule)}")
+    _check_flag(training, "training")
+    _check_dump_dir(dump_dir)
+
+
+def _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer) -> None:
+    if not isinstance(compiled_or_dir, (Compiled, str, os.PathLike)):
+        raise HetccError(
+            f"run_local takes a Compiled or a saved folder, got {type(compiled_or_dir).__name__}",
+            hint="pass what hetcc.compile returned, or the folder Compiled.save wrote",
+        )
+    if not isinstance(inputs, (dict, tuple, list)) or (
+        isinstance(inputs, dict) and not all(isinstance(k, str) for k in inputs)
+    ):
+        raise HetccError(
+            f"inputs must be a dict of input name -> tensor (or a tuple), got {short_repr(inputs)}",
+            hint="pass one step's batch, e.g. {'input_ids': ids}",
+        )
+    _check_examples(
+        inputs if isinstance(inputs, (tuple, list)) else (),
+        inputs if isinstance(inputs, dict) else None,
+        name="inputs",
+    )
+    if targets is not None and not isinstance(targets, torch.Tensor):
+        raise HetccError(f"targets must be a tensor or None, got {type(targets).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise HetccError(f"steps must be a positive integer, got {short_repr(steps)}")
+    if optimizer is not None and not (isinstance(optimizer, dict) and isinstance(optimizer.get("name"), str)):
+        raise HetccError(
+            f"optimizer must be None or a dict with a 'name', got {short_repr(optimizer)}",
+            hint="e.g. {'name': 'adam', 'lr': 1e-4}",
+        )
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise HetccError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        try:
+            pickle.dumps(loss_fn)
+        except Exception:  # noqa: BLE001 - whatever pickling raises, the fix is the same
+            raise HetccError(
+                f"loss_fn {short_repr(loss_fn)} cannot be pickled, so it cannot reach the rank processes",
+                hint="use a function defined at module level (not a lambda or a local function)",
+            ) from None
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise HetccError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _check_examples(args: object, kwargs: object, name: str = "example") -> None:
+    """Positional inputs a tuple/list (or one tensor), keyword inputs a dict by name; no empty batch."""
+    args_name, kwargs_name = (
+        ("inputs", "inputs") if name == "inputs" else ("example_inputs", "example_kwargs")
+    )
+    if not isinstance(args, (tuple, list, torch.Tensor)):
+        raise HetccError(f"{args_name} must be a tuple of positional inputs, got {type(args).__name__}")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise HetccError(
+            f"{kwargs_name} must be a dict of input name -> value, got {short_repr(kwargs)}",
+            hint="e.g. {'input_ids': ids}",
+        )
+    named = [(args_name, args)] if isinstance(args, torch.Tensor) else [(args_name, a) for a in args]
+    named += [(f"{kwargs_name}[{key!r}]", value) for key, value in (kwargs or {}).items()]
+    for where, value in named:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 0:
+            raise HetccError(
+                f"{where}: a batch of 0 rows (shape {tuple(value.shape)})",
+                hint="pass at least one row per microbatch",
+            )
+
+
+def _check_flag(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise HetccError(f"{name} must be True or False, got {short_repr(value)}")
+
+
+def _check_dump_dir(dump_dir: object) -> None:
+    """None, or a folder that exists or can be made, and can be written."""
+    if dump_dir is None:
+        return
+    if not isinstance(dump_dir, (str, os.PathLike)) or "\0" in str(dump_dir):
+        raise HetccError(f"dump_dir must be a folder path, got {short_repr(dump_dir)}")
+    folder = Path(dump_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reason = "is a file" if folder.exists() and not folder.is_dir() else (error.strerror or str(error))
+        raise HetccError(
+            f"dump_dir {str(folder)!r} cannot be used: {reason}", hint="give a writable folder"
+        ) from None
+    if not os.access(folder, os.W_OK):
+        raise HetccError(f"dump_dir {str(folder)!r} is not writable", hint="give a writable folder")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+__all__ = ["Analysis", "Compiled", "analyze", "compile", "replan", "run_local"]

@@ -1,43 +1,109 @@
-"""The ``hetcc`` command: ``compile``, ``explain``, ``simulate``, ``run``, ``calibrate`` (mirrors the API).
+"""The ``hetcc`` command: ``compile``, ``explain``, ``simulate``, ``run``, ``report``, ``calibrate``
+(mirrors the API).
 
-A model reaches the CLI as ``pkg.module:factory``: a function returning ``(model, example_inputs)``,
-where ``example_inputs`` is a tuple (positional) or a dict (keyword arguments) holding one step's batch.
+A model reaches the CLI as ``pkg.module:factory`` or ``path/to/file.py:factory``: a function taking no
+arguments and returning ``(model, example_inputs)``, where ``example_inputs`` is a tuple (positional) or a
+dict (keyword arguments) holding one step's batch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from hetcc.errors import HetccError
+from hetcc.errors import HetccError, did_you_mean
+
+FACTORY_FORM = "pkg.module:factory or path/to/file.py:factory"
 
 
 def _load_factory(spec: str):
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise HetccError(f"model {spec!r} is not of the form pkg.module:factory")
-    sys.path.insert(0, str(Path.cwd()))
+    """Import the factory named by ``spec``, call it, and check what it returns."""
+    source, _, attr = spec.rpartition(":")
+    if not source or not attr:
+        raise HetccError(f"model {spec!r} is not of the form {FACTORY_FORM}")
+    module = _import_source(source, spec)
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise HetccError(
+            f"{source} has no function {attr!r}",
+            hint=f"define `def {attr}(): return model, example_inputs` there"
+            + did_you_mean(attr, dir(module)),
+        )
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise HetccError(f"cannot load model factory {spec!r}: {exc}") from exc
-    model, example = factory()
-    return model, (example, None) if isinstance(example, (tuple, list)) else ((), example)
+        result = factory()
+    except Exception as exc:
+        raise HetccError(
+            f"model factory {spec!r} raised {type(exc).__name__}: {exc}",
+            hint="call the factory in Python to see the full traceback",
+        ) from exc
+    return _check_factory_result(spec, result)
+
+
+def _import_source(source: str, spec: str):
+    """The module a factory lives in: a ``.py`` file by path, or a module importable from here."""
+    is_file = source.endswith(".py") or "/" in source or "\\" in source
+    path = Path(source).resolve()
+    if is_file and not path.is_file():
+        raise HetccError(f"model file {source} does not exist (from {spec!r})", hint=f"use {FACTORY_FORM}")
+    sys.path.insert(0, str(path.parent if is_file else Path.cwd()))  # so its own imports resolve
+    try:
+        if not is_file:
+            return importlib.import_module(source)
+        module_spec = importlib.util.spec_from_file_location(f"_hetcc_model_{path.stem}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+        return module
+    except ImportError as exc:
+        raise HetccError(
+            f"cannot import {source!r} for model {spec!r}: {exc}",
+            hint=f"run from the folder that holds the package, or use {FACTORY_FORM}",
+        ) from exc
+    except Exception as exc:
+        raise HetccError(f"importing {source} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _check_factory_result(spec: str, result):
+    import torch
+
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)):
+        got = type(result).__name__ if not isinstance(result, tuple) else f"a tuple of {len(result)}"
+        raise HetccError(
+            f"model factory {spec!r} returned {got}, not (model, example_inputs)",
+            hint="return a torch.nn.Module and one step's batch: a tuple of tensors or a dict of inputs",
+        )
+    model, example = result
+    if isinstance(example, torch.Tensor):
+        example = (example,)
+    if isinstance(example, (tuple, list)):
+        return model, (tuple(example), None)
+    if isinstance(example, dict):
+        return model, ((), example)
+    raise HetccError(
+        f"model factory {spec!r} returned example inputs of type {type(example).__name__}",
+        hint="return a tuple of positional inputs or a dict of keyword inputs",
+    )
 
 
 def _compile(args: argparse.Namespace) -> None:
     import torch
 
     import hetcc
+    from hetcc.report import write_report
 
+    _check_out_folder(args.out)
     model, (inputs, kwargs) = _load_factory(args.model)
     out = Path(args.out)
     compiled = hetcc.compile(
         model, args.cluster, example_inputs=inputs, example_kwargs=kwargs, microbatches=args.microbatches,
         schedule=args.schedule, training=not args.inference, optimizer=args.optimizer, dump_dir=out / "ir",
+        precision=args.precision, recompute={"auto": "auto", "always": True, "never": False}[args.recompute],
+        replicate=not args.no_replicate,
     )  # fmt: skip
     if any(p.is_meta for p in model.parameters()):  # planned without weights: nothing to run yet
         compiled.save_plan(out)
@@ -46,17 +112,28 @@ def _compile(args: argparse.Namespace) -> None:
         tensors = {k: v for k, v in (kwargs or {}).items() if isinstance(v, torch.Tensor)}
         compiled.save(out, inputs=tensors or None)
         note = "plan, stage code, weights and kernels; run it with `hetcc run` or hetcc.launch"
+    report = write_report(out, compiled.cluster)
     print(compiled.explain())
-    print(f"\nwritten to {out}/: {note}")
+    print(f"\nwritten to {out}/: {note}\nreport: {report} (open it in a browser)")
 
 
 def _read_plan(folder: str):
+    from hetcc.hardware.schema import read_text
     from hetcc.plan import Plan
 
     path = Path(folder) / "plan.json"
     if not path.exists():
         raise HetccError(f"{path} does not exist", hint="run `hetcc compile ... --out DIR` first")
-    return Plan.from_json(path.read_text())
+    text = read_text(path, "plan file", error=HetccError, max_bytes=64 * 2**20)  # UTF-8, not huge
+    try:
+        return Plan.from_json(text)
+    except HetccError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a plan.json hetcc did not write, whatever breaks first
+        raise HetccError(
+            f"{path} is not a plan hetcc wrote ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
+            hint="compile again with `hetcc compile ... --out DIR`",
+        ) from None
 
 
 def _explain(args: argparse.Namespace) -> None:
@@ -64,49 +141,100 @@ def _explain(args: argparse.Namespace) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> None:
-    from hetcc.solver.problem import PartitionProblem
+    from hetcc.report import load, simulated_trace, write_trace
     from hetcc.solver.schedules import format_grid
-    from hetcc.solver.simulate import simulate
 
-    plan = _read_plan(args.build)
-    problem = PartitionProblem.from_json((Path(args.build) / "problem.json").read_text())
-    names = [d.name for d in problem.devices]
-    boundaries = [0]
-    for stage in plan.stages:
-        boundaries.append(boundaries[-1] + len(stage.blocks))
-    devices = [names.index(s.device) for s in plan.stages]
-    result = simulate(problem, boundaries, devices)
-    print(
-        f"simulated step {result.step_time_s * 1e3:.2f} ms (planner predicted {plan.step_time_s * 1e3:.2f} ms)"
-    )
+    saved = load(args.build)
+    if saved.simulation is None:
+        raise HetccError(f"cannot replay the plan in {args.build}: {saved.simulation_error}")
+    result, problem = saved.simulation, saved.problem
+    formula = saved.plan.get("objective_s", saved.plan.get("step_time_s", float("nan")))
+    print(f"simulated step {result.step_time_s * 1e3:.2f} ms (the search's formula: {formula * 1e3:.2f} ms)")
+    devices = [", ".join(saved.stage_devices(s)) for s in saved.stages]
     for k, (busy, bubble) in enumerate(zip(result.busy_s, result.bubble_fraction)):
-        print(f"  stage {k} on {plan.stages[k].device}: busy {busy * 1e3:.2f} ms, bubble {bubble:.0%}")
+        print(f"  stage {k} on {devices[k]}: busy {busy * 1e3:.2f} ms, bubble {bubble:.0%}")
     print(
         format_grid(
-            problem.schedule, len(plan.stages), problem.microbatches, training=problem.training, comm=False
+            problem.schedule, len(devices), problem.microbatches, training=problem.training, comm=False
         )
     )
+    if args.trace:
+        path = write_trace(simulated_trace(result, saved.rows), args.trace)
+        print(f"trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
 
 
 def _run(args: argparse.Namespace) -> None:
+    import os
+    import tempfile
+
     from hetcc.api import run_local
     from hetcc.launch import loss_function
+    from hetcc.runtime.recorder import TRACE_DIR_ENV
     from hetcc.runtime.store import load_inputs
 
+    build = Path(args.build)
+    if not (build / "pipeline.json").exists():
+        what = "a plan only" if (build / "plan.json").exists() else "no compiled pipeline"
+        raise HetccError(
+            f"{build} holds {what}: nothing to run",
+            hint="compile a factory whose model has weights, e.g. `hetcc compile examples.models:gpt2_tiny "
+            "--cluster examples/clusters/cpu4.yaml --out build`",
+        )
     inputs, targets = load_inputs(args.build)
     loss_fn = loss_function(args.loss)
-    result = run_local(args.build, inputs, targets=targets, loss_fn=loss_fn, steps=args.steps)
-    for step, loss in enumerate(result.losses):
-        print(f"step {step} loss {loss:.6f}")
+    with tempfile.TemporaryDirectory(prefix="hetcc-trace-") as scratch:
+        if args.trace:
+            os.environ[TRACE_DIR_ENV] = scratch  # the spawned ranks inherit it
+        try:
+            result = run_local(
+                args.build, inputs, targets=targets, loss_fn=loss_fn, steps=args.steps,
+                checkpoint_dir=args.checkpoint_dir or build / "checkpoints",
+                checkpoint_every=args.checkpoint_every, resume=args.resume,
+            )  # fmt: skip
+        finally:
+            os.environ.pop(TRACE_DIR_ENV, None)
+        for step, loss in enumerate(result.losses):
+            print(f"step {step} loss {loss:.6f}")
+        if args.trace:
+            _write_measured_trace(build, scratch, args.trace)
+
+
+def _write_measured_trace(build: Path, scratch: str, out: str) -> None:
+    import json
+
+    from hetcc.report import measured_trace, write_trace
+
+    pipeline = json.loads((build / "pipeline.json").read_text())
+    stages = json.loads((build / "plan.json").read_text()).get("stages", [])
+    placement = pipeline.get("meta", {}).get("placement") or [
+        {"stage": k, "replica": 0, "device": s.get("device", "?")} for k, s in enumerate(stages)
+    ]
+    ranks = [(int(p["stage"]), int(p.get("replica", 0)), str(p.get("device", "?"))) for p in placement]
+    path = write_trace(measured_trace(scratch, ranks), out)
+    print(f"trace: {path} (measured on this machine; open in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def _report(args: argparse.Namespace) -> None:
+    from hetcc.report import write_report
+
+    print(f"report: {write_report(args.build)}")
 
 
 def _calibrate(args: argparse.Namespace) -> None:
     from hetcc.hardware.measure import calibrate
 
+    out = Path(args.out or f"build/calibration-{args.device.replace(':', '')}.yaml")
+    if out.suffix.lower() not in (".yaml", ".yml", ".json") or out.is_dir():
+        raise HetccError(f"--out {out}: a calibration file must end in .yaml, .yml or .json")
+    _check_out_folder(str(out.parent))  # before measuring, which takes a while
     calibration = calibrate(args.device, dtypes=tuple(args.dtypes), quick=args.quick)
-    calibration.save(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    calibration.save(out)
     print(calibration.describe())
-    print(f"written to {args.out}; name it in a cluster file as `calibration: {args.out}`")
+    print(
+        f"written to {out}\nto use it, add to a cluster file:  calibration: {out.resolve()}\n"
+        "(a relative `calibration:` path is read relative to the cluster file, not to this folder)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,48 +242,193 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hetcc", description="Compile PyTorch models for heterogeneous clusters"
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    compile_cmd = commands.add_parser(
-        "compile", help="plan a model over a cluster and write the build folder"
-    )
-    compile_cmd.add_argument("model", help="pkg.module:factory returning (model, example_inputs)")
-    compile_cmd.add_argument("--cluster", required=True, help="cluster YAML/JSON file")
-    compile_cmd.add_argument("--out", required=True, help="build folder")
-    compile_cmd.add_argument("--microbatches", type=int, default=8)
-    compile_cmd.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
-    compile_cmd.add_argument("--optimizer", default="adam")
-    compile_cmd.add_argument("--inference", action="store_true", help="plan forward only")
-    compile_cmd.set_defaults(run=_compile)
+    _add_compile(commands)
     for name, run, text in (
-        ("explain", _explain, "print a build's plan"),
-        ("simulate", _simulate, "replay a plan"),
+        ("explain", _explain, "print a build's plan table"),
+        (
+            "simulate",
+            _simulate,
+            "replay a plan's schedule event by event: step time, bubbles, rank x step grid",
+        ),
+        ("report", _report, "write DIR/report.html: the plan, cluster, memory and schedule as one page"),
     ):
-        sub = commands.add_parser(name, help=text)
-        sub.add_argument("build", help="build folder written by `hetcc compile`")
+        sub = commands.add_parser(name, help=text, description=text)
+        sub.add_argument("build", help="build folder written by `hetcc compile --out`")
+        if name == "simulate":
+            sub.add_argument("--trace", metavar="OUT.json", help="also write the simulated step as "
+                             "Chrome trace / Perfetto JSON (one row per stage, microseconds)")  # fmt: skip
         sub.set_defaults(run=run)
-    run_cmd = commands.add_parser("run", help="train a saved build locally, one process per stage (gloo)")
-    run_cmd.add_argument("build", help="build folder written by `hetcc compile` with weights")
-    run_cmd.add_argument("--steps", type=int, default=1)
+    text = "train a saved build locally, one process per stage (gloo, on CPU)"
+    run_cmd = commands.add_parser("run", help=text, description=text)
+    run_cmd.add_argument("build", help="build folder written by `hetcc compile` from a model with weights")
+    run_cmd.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
     run_cmd.add_argument("--loss", default=None, help="torch.nn.functional loss name (default: the model's)")
+    run_cmd.add_argument("--trace", metavar="OUT.json", help="also write the measured steps as "
+                         "Chrome trace / Perfetto JSON (one row per stage, microseconds)")  # fmt: skip
+    _add_checkpoint_options(run_cmd)
     run_cmd.set_defaults(run=_run)
-    calibrate_cmd = commands.add_parser(
-        "calibrate", help="measure this machine's device and write a calibration"
+    _add_launch_and_export(commands)
+    text = "measure this machine's device and write a calibration file"
+    calibrate_cmd = commands.add_parser("calibrate", help=text, description=text)
+    calibrate_cmd.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    calibrate_cmd.add_argument("--out", default=None,
+                               help="where to write it (default build/calibration-<device>.yaml)")  # fmt: skip
+    calibrate_cmd.add_argument(
+        "--dtypes", nargs="+", default=["fp32"], help="matmul dtypes to time (default fp32)"
     )
-    calibrate_cmd.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    calibrate_cmd.add_argument("--out", default="calibration.yaml")
-    calibrate_cmd.add_argument("--dtypes", nargs="+", default=["fp32"], help="matmul dtypes to time")
     calibrate_cmd.add_argument("--quick", action="store_true", help="fewer sizes and repeats")
     calibrate_cmd.set_defaults(run=_calibrate)
     return parser
 
 
+def _add_checkpoint_options(sub) -> None:
+    sub.add_argument("--checkpoint-dir", metavar="D", help="where every stage checkpoints (default "
+                     "BUILD/checkpoints); the trained weights are saved there at the end")  # fmt: skip
+    sub.add_argument("--checkpoint-every", metavar="N", type=int, default=0,
+                     help="checkpoint every N steps (default: only at the end)")  # fmt: skip
+    sub.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+
+
+def _add_launch_and_export(commands) -> None:
+    text = "print the torchrun command of every node that puts each stage on its planned device"
+    launch_cmd = commands.add_parser("launch", help=text, description=text)
+    launch_cmd.add_argument("build", help="build folder written by `hetcc compile --out`")
+    launch_cmd.add_argument("--rdzv-endpoint", required=True, metavar="HOST:PORT",
+                            help="node 0's address and a free port, reachable from every node")  # fmt: skip
+    launch_cmd.add_argument("--node", type=int, metavar="N", help="run node N's command here instead")
+    launch_cmd.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
+    launch_cmd.add_argument("--allow-substitute", action="store_true",
+                            help="let a rank run on another device than the plan's (it says so)")  # fmt: skip
+    _add_checkpoint_options(launch_cmd)
+    launch_cmd.set_defaults(run=_launch)
+    text = "merge a build's or a checkpoint's stages into one safetensors state dict of the model"
+    export_cmd = commands.add_parser("export", help=text, description=text)
+    export_cmd.add_argument("source", help="build folder, checkpoint folder or one step-<n> folder")
+    export_cmd.add_argument("out", help="the .safetensors file to write")
+    export_cmd.set_defaults(run=_export)
+    text = "plan the same model for a changed cluster and move a checkpoint into the new stages"
+    replan_cmd = commands.add_parser("replan", help=text, description=text)
+    replan_cmd.add_argument(
+        "source", help="build folder with checkpoints/, a checkpoint folder or a step-<n> folder"
+    )
+    replan_cmd.add_argument("--model", required=True, help=f"the factory compiled before ({FACTORY_FORM})")
+    replan_cmd.add_argument("--cluster", required=True, help="the cluster left (YAML/JSON file)")
+    replan_cmd.add_argument(
+        "--out", required=True, help="the new build folder (its checkpoints/ holds the moved state)"
+    )
+    replan_cmd.set_defaults(run=_replan)
+
+
+def _launch(args: argparse.Namespace) -> None:
+    from hetcc.launch import launch_node
+
+    passthrough = ["--steps", str(args.steps)]
+    if args.checkpoint_dir:
+        passthrough += ["--checkpoint-dir", args.checkpoint_dir]
+    if args.checkpoint_every:
+        passthrough += ["--checkpoint-every", str(args.checkpoint_every)]
+    passthrough += ["--resume"] * args.resume + ["--allow-substitute"] * args.allow_substitute
+    code = launch_node(args.build, args.rdzv_endpoint, args.node, passthrough)
+    if code:
+        raise HetccError(
+            f"torchrun on node {args.node} exited with code {code}", hint="see the ranks' errors above"
+        )
+
+
+def _replan(args: argparse.Namespace) -> None:
+    import hetcc
+
+    model, (inputs, kwargs) = _load_factory(args.model)
+    compiled = hetcc.replan(args.source, args.cluster, model, inputs, kwargs, out=args.out)
+    print(compiled.explain())
+    print(
+        f"\nwritten to {args.out}/; go on with `hetcc run {args.out} --resume` or `hetcc launch {args.out} --resume ...`"
+    )
+
+
+def _export(args: argparse.Namespace) -> None:
+    import hetcc
+
+    state = hetcc.export(args.source, args.out)
+    print(f"written {args.out}: {len(state)} tensors by the model's parameter names (model.load_state_dict)")
+
+
+def _add_compile(commands) -> None:
+    text = "plan a model over a cluster; write the build folder and report.html"
+    compile_cmd = commands.add_parser("compile", help=text, description=text)
+    compile_cmd.add_argument(
+        "model", help=f"{FACTORY_FORM}: a function returning (model, example_inputs), where "
+        "example_inputs is one training step's batch (a tuple of tensors or a dict of keyword inputs)",
+    )  # fmt: skip
+    compile_cmd.add_argument(
+        "--cluster", required=True, help="cluster YAML/JSON file (see examples/clusters/)"
+    )
+    compile_cmd.add_argument("--out", required=True, help="build folder to write (created if missing)")
+    compile_cmd.add_argument("--microbatches", type=_microbatches, default="auto", metavar="M",
+                             help="split each step's batch into M equal microbatches along dim 0, or 'auto': "
+                             "try every divisor of the batch from one trace and keep the fastest (default auto)")  # fmt: skip
+    compile_cmd.add_argument("--precision", choices=("fp32", "bf16-mixed", "fp16-mixed"), default="fp32",
+                             help="training precision, priced at each device's peak for it (default fp32)")  # fmt: skip
+    compile_cmd.add_argument("--recompute", choices=("auto", "always", "never"), default="auto",
+                             help="recompute stage activations in backward: where memory needs it, in every "
+                             "stage, or never (default auto)")  # fmt: skip
+    compile_cmd.add_argument(
+        "--no-replicate", action="store_true", help="one device per stage (no replicated stages)"
+    )
+    compile_cmd.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+                             help="pipeline schedule: 1f1b holds fewer activations, gpipe runs all "
+                             "forwards first (default 1f1b)")  # fmt: skip
+    compile_cmd.add_argument("--optimizer", default="adam",
+                             help="optimizer whose state the memory plan counts: adam, adamw, sgd, "
+                             "sgd_momentum or none (default adam)")  # fmt: skip
+    compile_cmd.add_argument("--inference", action="store_true", help="plan forward only (no gradients)")
+    compile_cmd.set_defaults(run=_compile)
+
+
+def _microbatches(text: str) -> int | str:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {text!r}")
+    return int(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; a failure prints one error line and its hint (a traceback only with HETCC_DEBUG)."""
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
     except HetccError as exc:
+        if _debug():
+            traceback.print_exc()
         print(f"hetcc: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # noqa: BLE001 - unchecked input or a bug: still one line, not a traceback
+        if _debug():
+            raise
+        message = " ".join(str(exc).split())[:300]
+        print(
+            f"hetcc: error: {type(exc).__name__}: {message}\n  hint: set HETCC_DEBUG=1 to see the traceback; "
+            "if the input was valid, please report it",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _debug() -> bool:
+    """HETCC_DEBUG set to a level of 1 or more (now, or when hetcc.config was read)."""
+    from hetcc import config
+
+    return config.debug >= 1 or os.environ.get("HETCC_DEBUG", "0").strip() not in ("", "0")
+
+
+def _check_out_folder(out: str, what: str = "--out") -> None:
+    """``out`` names a folder that exists or can be made (not a file, not under one)."""
+    path = Path(out)
+    blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise HetccError(f"{what} {out}: {blocking} is a file, not a folder", hint="give a folder path")
 
 
 if __name__ == "__main__":

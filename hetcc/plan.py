@@ -125,12 +125,15 @@ def _stage_from_dict(data: dict) -> PlanStage:
     return PlanStage(**{**data, **tuples, "memory": MemoryBreakdown(**data["memory"])})
 
 
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _check_plan(plan: Plan) -> None:
     """Values a plan file may hold, so a bad one fails here and not in arithmetic later."""
 
     def fail(field_name: str, why: str) -> PlanFormatError:
         return PlanFormatError(f"plan field {field_name!r}: {why}", hint="write plans with Plan.to_json()")
-
 
     if isinstance(plan.microbatches, bool) or not isinstance(plan.microbatches, int) or plan.microbatches < 1:
         raise fail("microbatches", f"must be a positive integer, got {plan.microbatches!r}")
@@ -142,9 +145,17 @@ def _check_plan(plan: Plan) -> None:
             raise fail(name, f"must be a positive number of seconds, got {value!r}")
     if not plan.stages or [s.index for s in plan.stages] != list(range(len(plan.stages))):
         raise fail("stages", "must be a non-empty list indexed 0, 1, ... in order")
+    if not isinstance(plan.baselines, dict) or not all(_number(v) for v in plan.baselines.values()):
+        raise fail("baselines", "must map a baseline name to seconds")
     for stage in plan.stages:
-        if not stage.devices or not all(isinstance(d, str) for d in stage.devices):
+        if not stage.devices or not all(isinstance(d, str) for d in (stage.device, *stage.devices)):
             raise fail("stages", f"stage {stage.index} names no devices")
+        if not all(isinstance(b, str) for b in (*stage.blocks, *stage.nodes)):
+            raise fail("stages", f"stage {stage.index}: blocks and nodes must be lists of names")
+        numbers = [getattr(stage, f.name) for f in fields(PlanStage) if f.type in ("float", "int")]
+        numbers += [getattr(stage.memory, f.name) for f in fields(MemoryBreakdown)]
+        if not all(_number(v) for v in numbers):
+            raise fail("stages", f"stage {stage.index}: a time, count or size is not a number")
         if stage.shares and (
             len(stage.shares) != len(stage.devices) or sum(stage.shares) != plan.microbatches
         ):

@@ -6,10 +6,10 @@ import torch
 from models import gpt2, lm_kwargs, token_ids
 
 import hetcc
-from hetcc.passes.partition import RERANK
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.ir import info
 from hetcc.passes.codegen import stage_source
+from hetcc.passes.partition import RERANK
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.solve import solve
 

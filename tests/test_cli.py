@@ -23,7 +23,7 @@ def test_compile_writes_the_plan_and_the_ir(build, capsys):
 
 def test_explain_prints_the_plan_table(build, capsys):
     assert main(["explain", str(build)]) == 0
-    assert "predicted step" in capsys.readouterr().out
+    assert "hetcc plan:" in capsys.readouterr().out
 
 
 def test_simulate_replays_the_plan_and_prints_the_grid(build, capsys):
@@ -68,3 +68,102 @@ def test_compile_with_weights_then_run_trains_from_the_folder(tmp_path, capsys):
         float(line.split()[-1]) for line in capsys.readouterr().out.splitlines() if line.startswith("step")
     ]
     assert len(losses) == 2 and all(loss > 0 for loss in losses)
+
+
+FACTORY_FILE = """
+import torch
+
+def factory():
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)), (torch.randn(8, 8),)
+
+def broken():
+    raise RuntimeError("no weights here")
+
+def wrong():
+    return torch.nn.Linear(2, 2)
+"""
+
+
+def test_compile_takes_a_factory_by_file_path_and_writes_the_report(tmp_path, capsys):
+    (tmp_path / "heldout.py").write_text(FACTORY_FILE)
+    out = tmp_path / "build"
+    spec = f"{tmp_path / 'heldout.py'}:factory"
+    assert main(["compile", spec, "--cluster", str(CLUSTERS / "cpu4.yaml"), "--out", str(out),
+                 "--microbatches", "2"]) == 0  # fmt: skip
+    assert (out / "report.html").exists() and (out / "stage0.py").exists()
+    assert "report.html" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("attr", "message"),
+    [
+        ("broken", "raised RuntimeError: no weights here"),
+        ("wrong", "returned Linear, not (model, example_inputs)"),
+        ("missing", "has no function 'missing'"),
+    ],
+)
+def test_a_factory_that_fails_is_one_error_line_not_a_traceback(tmp_path, capsys, attr, message):
+    (tmp_path / "heldout.py").write_text(FACTORY_FILE)
+    spec = f"{tmp_path / 'heldout.py'}:{attr}"
+    assert (
+        main(["compile", spec, "--cluster", str(CLUSTERS / "cpu4.yaml"), "--out", str(tmp_path / "b")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("hetcc: error: ") and message in err and "Traceback" not in err
+
+
+def test_a_missing_factory_file_is_named(tmp_path, capsys):
+    spec = f"{tmp_path / 'nowhere.py'}:factory"
+    assert main(["compile", spec, "--cluster", "x.yaml", "--out", str(tmp_path)]) == 2
+    assert "nowhere.py does not exist" in capsys.readouterr().err
+
+
+def test_every_option_of_every_command_has_help_text():
+    from argparse import _HelpAction, _SubParsersAction
+
+    from hetcc.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, _SubParsersAction))
+    assert {"compile", "explain", "simulate", "run", "report", "calibrate"} <= set(commands.choices)
+    for name, sub in commands.choices.items():
+        for action in sub._actions:
+            if not isinstance(action, _HelpAction):
+                assert action.help, f"hetcc {name} {action.option_strings or action.dest} has no help"
+
+
+def test_simulate_writes_a_chrome_trace(build, tmp_path, capsys):
+    import json
+
+    trace = tmp_path / "sim.json"
+    assert main(["simulate", str(build), "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["cat"] for e in events if e["ph"] == "X"} >= {"forward", "backward"}
+
+
+def test_report_rewrites_the_page_from_the_folder(build, capsys):
+    (build / "report.html").unlink()
+    assert main(["report", str(build)]) == 0
+    assert (build / "report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_run_on_a_plan_only_folder_says_which_factory_to_use(build, capsys):
+    assert main(["run", str(build)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a plan only" in err and "examples.models:gpt2_tiny" in err
+
+
+def test_calibrate_prints_a_path_that_works_from_any_cluster_file(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", "--quick"]) == 0
+    written = tmp_path / "build" / "calibration-cpu.yaml"
+    assert written.exists() and not (tmp_path / "calibration.yaml").exists()
+    hint = next(line for line in capsys.readouterr().out.splitlines() if "calibration: " in line)
+    elsewhere = tmp_path / "clusters" / "deep"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "cluster.yaml").write_text(
+        f"{hint.split('  ', 1)[1]}\nnodes:\n  - name: host\n    intra_link: {{kind: loopback, bandwidth: 5 GB/s}}\n"
+        "    devices: [{type: cpu, count: 2}]\n"
+    )
+    from hetcc import Cluster
+
+    Cluster.from_file(elsewhere / "cluster.yaml")  # the printed line resolves

@@ -1,7 +1,9 @@
 """hetcc.compile -> run_local on gloo equals eager training, for models the plan splits itself.
 
 The cluster gives each `cpu` device too little memory for the whole model, so the planner must cut it;
-everything after that (split, send/recv, schedule, optimizer) is the product path a user runs.
+everything after that (split, send/recv, schedule, optimizer) is the product path a user runs. Stages
+are single devices here (`replicate=False`) so transfers can be counted per stage; replicated plans
+run end to end in `tests/runtime/test_planned_plan_space.py`.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def test_llama_compiled_over_three_devices_trains_like_eager_with_1f1b():
     ids = token_ids(4, 16)
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     compiled = hetcc.compile(model, _cpu_cluster(3, "1.5 MiB"), example_kwargs=inputs, microbatches=MICROBATCHES,
-                             schedule="1f1b", optimizer="adam")  # fmt: skip
+                             schedule="1f1b", optimizer="adam", replicate=False)  # fmt: skip
     assert len(compiled.plan.stages) >= 2
     optimizer = {"name": "adam", "lr": 1e-3}
     result = hetcc.run_local(compiled, inputs, steps=3, optimizer=optimizer)
@@ -82,7 +84,7 @@ def test_gpt2_with_tied_embeddings_and_fused_kernels_trains_like_eager_with_gpip
     ids = token_ids(4, 16)
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     compiled = hetcc.compile(model, _cpu_cluster(3, "1.5 MiB"), example_kwargs=inputs, microbatches=MICROBATCHES,
-                             schedule="gpipe", optimizer="sgd")  # fmt: skip
+                             schedule="gpipe", optimizer="sgd", replicate=False)  # fmt: skip
     stages = compiled.pipeline.stages
     assert len(stages) == 3, "1.5 MiB per device should need all three"
     groups = [group for stage in stages for group in _fused_groups(stage)]
@@ -102,7 +104,7 @@ def test_bert_compiled_saved_and_run_from_its_folder_with_gpipe(tmp_path):
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     targets = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(2))
     compiled = hetcc.compile(model, _cpu_cluster(3, "1 MiB"), example_kwargs=inputs, microbatches=MICROBATCHES,
-                             schedule="gpipe", optimizer="sgd")  # fmt: skip
+                             schedule="gpipe", optimizer="sgd", replicate=False)  # fmt: skip
     assert len(compiled.plan.stages) >= 2
     folder = compiled.save(tmp_path / "build", inputs=inputs, targets=targets)
     assert (folder / "plan.json").exists() and (folder / "stage0.py").exists()

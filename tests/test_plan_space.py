@@ -69,7 +69,7 @@ def homogeneous_groups(problem: PartitionProblem):
     def extend(prefix, used):
         if prefix:
             yield list(prefix)
-        for t, members in by_type.items():
+        for members in by_type.values():
             free = [d for d in members if d not in used]
             for r in range(1, len(free) + 1):
                 group = tuple(free[:r])

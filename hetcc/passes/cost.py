@@ -12,13 +12,16 @@ that move no bytes and do no FLOPs (views, getitem) launch no kernel and cost no
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 
+import sympy
 import torch
 import torch.fx
 
 from hetcc.errors import AnalysisError, ClusterError
 from hetcc.hardware.presets import DeviceType, flops_key
 from hetcc.ir import annotate, info, is_concrete
+from hetcc.kernels import FUSION_META_KEY
 
 BACKWARD_MEMORY_PASSES = 2.0
 # When a device type has no peak for a dtype, the nearest format its matrix units run instead.
@@ -43,22 +46,26 @@ def cost(
         floating = record.dtype is not None and record.dtype.is_floating_point
         key = flops_key(dtype if dtype is not None else (record.dtype if floating else torch.float32))
         has_backward = training and floating
-        times = [(name, _times(rate, record, key, has_backward)) for name, rate in rates.items()]
+        group = node.meta.get(FUSION_META_KEY)
+        replays = group is not None and group.backward == "recompute"
+        times = [(name, _times(rate, record, key, has_backward, replays)) for name, rate in rates.items()]
         annotate(node, fwd_s=tuple((n, t[0]) for n, t in times), bwd_s=tuple((n, t[1]) for n, t in times))
     return gm
 
 
-def _times(rate: _Rates, record, key: str, has_backward: bool) -> tuple[float, float]:
+def _times(rate: _Rates, record, key: str, has_backward: bool, replays: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one node on one device type.
 
     A fused node runs as one Triton kernel on GPUs. Where Triton does not run (a ``cpu`` device, short
-    of the interpreter used for testing), its original ops run instead and the backward recomputes
-    them, so it costs what its members cost plus one more forward.
+    of the interpreter used for testing), its original ops run instead. A group without a generated
+    backward kernel (``replays``: row groups, and every group on a ``cpu``) differentiates its
+    original ops, recomputing them first: its backward costs its members' forwards and backwards.
     """
-    if record.members and rate.type.vendor == "cpu":
+    if record.members and (rate.type.vendor == "cpu" or (replays and has_backward)):
         parts = [_times(rate, member, key, has_backward) for member in record.members]
-        fwd = sum(f for f, _ in parts)
-        return fwd, (sum(b for _, b in parts) + fwd if has_backward else 0.0)
+        members_fwd = sum(f for f, _ in parts)
+        fwd = members_fwd if rate.type.vendor == "cpu" else rate.time_s(record.fwd_flops, record.bytes, key)
+        return fwd, (sum(b for _, b in parts) + members_fwd if has_backward else 0.0)
     fwd = rate.time_s(record.fwd_flops, record.bytes, key)
     bwd = rate.time_s(record.bwd_flops, BACKWARD_MEMORY_PASSES * record.bytes, key) if has_backward else 0.0
     return fwd, bwd
@@ -102,6 +109,50 @@ def _require_concrete(node: torch.fx.Node, record) -> None:
                 f"node %{node.name} has symbolic cost {value}; times need concrete sizes",
                 hint="call analysis.evaluate(batch=..., seq=...) before costing, or trace without dynamic_shapes",
             )
+
+
+def block_times_at(
+    gm: torch.fx.GraphModule,
+    block_nodes: Sequence[Sequence[str]],
+    device_types: Sequence[DeviceType],
+    subs: dict,
+    *,
+    dtype: object | None = None,
+    training: bool = True,
+):
+    """``block_times`` of a symbolic analysis (sizes in sympy dims) at the dims ``subs`` gives, without
+    annotating the graph: how the microbatch search prices every microbatch size from one trace."""
+    rates = {t.name: _Rates(t) for t in device_types}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    fwd = {t: [0.0] * len(block_nodes) for t in rates}
+    bwd = {t: [0.0] * len(block_nodes) for t in rates}
+    for i, names in enumerate(block_nodes):
+        for name in names:
+            node = by_name[name]
+            if node.op not in ("call_function", "call_method", "call_module"):
+                continue
+            record = info(node)
+            values = {f: _at(getattr(record, f), subs) for f in ("fwd_flops", "bwd_flops", "bytes")}
+            at = SimpleNamespace(**values, members=None)
+            floating = record.dtype is not None and record.dtype.is_floating_point
+            key = flops_key(dtype if dtype is not None else (record.dtype if floating else torch.float32))
+            for t, rate in rates.items():
+                f, b = _times(rate, at, key, training and floating, False)
+                fwd[t][i] += f
+                bwd[t][i] += b
+    return fwd, bwd
+
+
+def _at(value, subs: dict) -> float:
+    if is_concrete(value):
+        return float(value)
+    number = sympy.sympify(value).subs(subs)
+    if not number.is_number:
+        raise AnalysisError(
+            f"cost {value} still has free dims {sorted(map(str, number.free_symbols))} at {subs}",
+            hint="mark only the batch dimension dynamic for the microbatch search",
+        )
+    return float(number)
 
 
 def block_times(gm: torch.fx.GraphModule, block_nodes: Sequence[Sequence[str]], type_names: Sequence[str]):

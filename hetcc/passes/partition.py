@@ -100,12 +100,13 @@ def partition(
 
 def build_problem(
     gm: torch.fx.GraphModule, chain: Sequence[Block], tied: Sequence[TiedParam], cluster: Cluster,
-    settings: PlanSettings,
+    settings: PlanSettings, times: tuple[dict, dict] | None = None,
 ) -> PartitionProblem:  # fmt: skip
-    """The partition problem for the chain of ``gm`` (costed with ``passes.cost``) on ``cluster``."""
+    """The partition problem for the chain of ``gm`` (costed with ``passes.cost``, or ``times`` =
+    per-type forward and backward seconds of each block) on ``cluster``."""
     training = settings.training
     type_names = [t.name for t in cluster.types]
-    fwd, bwd = block_times(gm, [b.nodes for b in chain], type_names)
+    fwd, bwd = times if times is not None else block_times(gm, [b.nodes for b in chain], type_names)
     multiplier = state_multiplier(training, settings.optimizer, settings.precision)
     params = [float(b.param_bytes) for b in chain]
     index = {b.name: i for i, b in enumerate(chain)}

@@ -73,31 +73,40 @@ def compute_bound_s(costs: np.ndarray, counts: np.ndarray, slope: int, replicate
     Two bounds on that:
 
     - integrality: every block runs on some device, so sum_j T_j >= sum_i min_t c_t[i], and the stage
-      holding the costliest block has B_j >= c_t[i] * ceil(M / r) / M with r <= counts[t] replicas;
+      holding the costliest block has (M - 1) B_j >= (ceil(M / r) - 1) c_t[i] with r <= counts[t]
+      replicas (the only bound used when replicas are allowed);
     - balance: relax "each block on one device" to fractions x[i, d] >= 0 summing to 1 and let B be
-      the largest device load; min sum c x + (M - 1) * B is a lower bound (a replicated stage is r
-      devices with load T_j * shares_d / M >= T_j / r each). By LP duality, for any weights
+      the largest device load; min sum c x + (M - 1) * B is a lower bound. By LP duality, for any weights
       lambda_d >= 0 with sum_d lambda_d = M - 1 it is at least sum_i min_d (1 + lambda_d) * c_d[i].
       Weights start proportional to device speed and are improved by exponentiated-gradient steps;
       whichever weights are used, the value stays a valid bound.
     """
     cheapest = costs.min(axis=0)
+    if not replicate:
+        integral = float(cheapest.sum()) + slope * float(cheapest.max())
+        return max(integral, _balance_bound(costs, counts, slope))
+    # With replicas B_j = (ceil(M / r) - 1) / (M - 1) * T_j: a block on r <= counts[t] devices of type
+    # t adds at least (ceil(M / counts[t]) - 1) * c_t[i]; the balance relaxation does not carry over.
+    # Also (M - 1) B_j >= M T_j / r_j - T_j, so T >= M * (largest device load T_j / r_j): the balance
+    # relaxation of M * max load, without the fill term.
     m = slope + 1
-    per_replica = np.array([math.ceil(m / c) / m for c in counts]) if replicate else np.ones(len(counts))
-    integral = float(cheapest.sum()) + slope * float((costs * per_replica[:, None]).min(axis=0).max())
-    return max(integral, _balance_bound(costs, counts, slope))
+    steady = np.array([math.ceil(m / c) - 1 for c in counts], dtype=float)
+    integral = float(cheapest.sum()) + float((costs * steady[:, None]).min(axis=0).max())
+    return max(integral, _balance_bound(costs, counts, m, base=0.0))
 
 
-def _balance_bound(costs: np.ndarray, counts: np.ndarray, slope: int, rounds: int = 200) -> float:
-    """max over type weight shares of sum_i min_t (1 + slope * share_t / count_t) * c_t[i]."""
+def _balance_bound(
+    costs: np.ndarray, counts: np.ndarray, slope: int, rounds: int = 200, base: float = 1.0
+) -> float:
+    """max over type weight shares of sum_i min_t (base + slope * share_t / count_t) * c_t[i]."""
     if slope == 0:
-        return float(costs.min(axis=0).sum())
+        return base * float(costs.min(axis=0).sum())
     speed = counts / np.maximum(costs.sum(axis=1), 1e-300)
     share = speed / speed.sum()
     columns = np.arange(costs.shape[1])
     best = 0.0
     for step in range(rounds):
-        scaled = (1 + slope * share / counts)[:, None] * costs
+        scaled = (base + slope * share / counts)[:, None] * costs
         best = max(best, float(scaled.min(axis=0).sum()))
         owner = scaled.argmin(axis=0)
         per_device = np.bincount(owner, weights=costs[owner, columns], minlength=len(counts)) / counts

@@ -39,6 +39,7 @@ from hetcc.solver.problem import (
     inflight_microbatches,
     replica_inflight,
     round_trip_slots,
+    steady_share,
 )
 
 PROBES_PER_ROUND = 32
@@ -67,7 +68,7 @@ class SequenceSlot:
     block, the period shares of the stage and its outgoing link, and the round-trip slots."""
 
     modes: tuple[Mode, ...]
-    share: float  # B_j = share * T_j: ceil(M / r) / M
+    share: float  # B_j = share * T_j: steady_share(ceil(M / r), M)
     comm_s: np.ndarray  # (N+1,) C_j for a stage ending at block i (inf where it cannot end)
     link_share: float  # L_j = link_share * C_j
     slots: float  # W_j when the round trip limits this stage (R_j <= P * W_j), else inf
@@ -135,12 +136,12 @@ class Chain:
             if j + 1 < k:
                 nxt = groups[j + 1][0]
                 link = (problem.latency_s[d][nxt], problem.bandwidth_bps[d][nxt])
-                link_share = -(-m // math.lcm(r, replicas[j + 1])) / m
+                link_share = steady_share(-(-m // math.lcm(r, replicas[j + 1])), m)
             slots = round_trip_slots(problem, j, k, replicas)
             out.append(
                 SequenceSlot(
-                    self._modes(device, group, held),
-                    -(-m // r) / m,
+                    self._modes(device, group, held, first=j == 0),
+                    steady_share(-(-m // r), m),
                     self._comm(link),
                     link_share,
                     math.inf if slots is None else float(slots),
@@ -148,10 +149,10 @@ class Chain:
             )
         return out
 
-    def _modes(self, device, group: tuple[int, ...], held: int) -> tuple[Mode, ...]:
+    def _modes(self, device, group: tuple[int, ...], held: int, first: bool) -> tuple[Mode, ...]:
         row = self.type_row[device.type]
         per_byte, constant = 0.0, 0.0
-        if len(group) > 1 and self.problem.training:  # ring all-reduce of the stage's gradients
+        if first and len(group) > 1 and self.problem.training:  # ring all-reduce of the stage's gradients
             pairs = [(a, b) for a in group for b in group if a != b]
             bandwidth = min(self.problem.bandwidth_bps[a][b] for a, b in pairs)
             latency = max(self.problem.latency_s[a][b] for a, b in pairs)
@@ -169,6 +170,8 @@ class Chain:
             if key not in self._sums:
                 self._sums[key] = term + per_byte * self.param_prefix if per_byte else term
             window = self._memory_window(device.memory_bytes, held, recompute)
+            if recompute and modes and np.array_equal(window, modes[0].hi_memory):
+                continue  # memory does not bind without recomputation here: it would only cost time
             modes.append(Mode(recompute, term, self._sums[key], constant, window))
         return tuple(modes)
 
@@ -241,6 +244,7 @@ class Chain:
         table = np.full((len(self._log2_levels), rows, width), math.inf)
         flat = table.reshape(-1)
         windows: dict[tuple, tuple] = {}
+        reaches: dict[tuple, np.ndarray] = {}
         links: dict[tuple, np.ndarray] = {}  # -> T+A prefix + C_j with link terms above b made inf
         kept = []
         for j in range(len(stages) - 1, -1, -1):
@@ -250,7 +254,8 @@ class Chain:
             for mode in stage.modes:
                 key = (id(stage.comm_s), stage.link_share, id(mode.sum_prefix), mode.constant_s)
                 if key not in links:
-                    over = stage.comm_s[None, :] * stage.link_share > slack[:, None]
+                    link_term = stage.comm_s * stage.link_share if stage.link_share else np.zeros(width)
+                    over = link_term[None, :] > slack[:, None]
                     links[key] = np.where(over, math.inf, stage.comm_s + mode.sum_prefix + mode.constant_s)
                 np.add(g, links[key], out=table[0])  # h[i] = S-prefix(i) + C_j(i) + g_{j+1}(i)
                 for level, span in enumerate(self._log2_levels[:-1]):
@@ -261,7 +266,10 @@ class Chain:
                     )
                 wkey = (id(mode.term_prefix), stage.share, id(mode.hi_memory))
                 if wkey not in windows:
-                    windows[wkey] = self._window_indices(mode, stage.share, slack)
+                    rkey = (id(mode.term_prefix), stage.share)
+                    if rkey not in reaches:
+                        reaches[rkey] = self._reach(mode.term_prefix, stage.share, slack)
+                    windows[wkey] = self._window_indices(reaches[rkey], mode.hi_memory, rows)
                 hi, left, right, empty = windows[wkey]
                 found = np.minimum(flat.take(left), flat.take(right))
                 found -= mode.sum_prefix
@@ -275,14 +283,19 @@ class Chain:
             kept.append(per_mode)
         return (g[:, 0], kept[::-1]) if keep else g[:, 0]
 
-    def _window_indices(self, mode: Mode, share: float, slack: np.ndarray):
+    def _reach(self, term_prefix: np.ndarray, share: float, slack: np.ndarray) -> np.ndarray:
+        """Per bound row and start a: the last end whose period term share * T stays within the bound."""
+        rows, width = len(slack), self.n + 1
+        allowed = slack[:, None] / share if share > 0 else np.full((rows, 1), math.inf)
+        ends = np.searchsorted(term_prefix, (term_prefix[None, :] + allowed).ravel(), side="right") - 1
+        return ends.reshape(rows, width)
+
+    def _window_indices(self, reach: np.ndarray, hi_memory: np.ndarray, rows: int):
         """Per bound row: window ends hi[a] (compute term and memory both within their limits), and
         flat sparse-table indices of the two power-of-two halves covering (a, hi] (``empty`` where the
         window has no end)."""
-        rows, width = len(slack), self.n + 1
-        p = mode.term_prefix
-        reach = np.searchsorted(p, (p[None, :] + slack[:, None] / share).ravel(), side="right") - 1
-        hi = np.minimum(reach.reshape(rows, width), mode.hi_memory[None, :])
+        width = self.n + 1
+        hi = np.minimum(reach, hi_memory[None, :])
         starts = np.arange(width)
         length = hi - starts
         level = self._log2[np.maximum(length, 1)]

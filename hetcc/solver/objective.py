@@ -1,16 +1,19 @@
 """The planner's step-time model: what one plan costs.
 
-    T = sum_j (T_j + C_j + A_j) + (M - 1) * P,
+    T = sum_j (T_j + C_j) + A_0 + (M - 1) * P,
     P = max(max_j max(B_j, L_j), max_{j throttled} R_j / W_j)
 
 Stage j runs on a replica group (one device, or several holding the same blocks). T_j is the
 forward+backward seconds (plus one more forward when the stage recomputes its activations) of its
 blocks per microbatch on one replica, the slowest where replicas differ. Microbatches are routed to
-replicas by speed (``problem.route_microbatches``); B_j = max_d shares_d * T_j(d) / M is the stage's
-share of the period. C_j moves the cut activations to the next stage and, when training, their
+replicas by speed (``problem.route_microbatches``); B_j = max_d (shares_d - 1) * T_j(d) / (M - 1) is
+the stage's part of the steady state (a replica's first microbatch is in the fill already, so r
+replicas of a stage add (ceil(M / r) - 1) * T_j, not (M - 1) * T_j / r). C_j moves the cut activations to the next stage and, when training, their
 gradients back: ``2 * (latency + x / bandwidth)`` per microbatch (one way for inference; 0 for the last
-stage); L_j = the busiest replica-to-replica link's share of the period. A_j is the ring all-reduce of
-a replicated stage's gradients at step end. R_j = sum_{i >= j} (T_i + C_i + A_i) is the round trip a
+stage); L_j = the busiest replica-to-replica link's part of it, in the same way. A_j is the ring all-reduce of
+a replicated stage's gradients at step end: stage 0 finishes last, so only A_0 is counted; a later
+stage's all-reduce overlaps the backwards still running before it (the simulator times every one).
+R_j = sum_{i >= j} (T_i + C_i) (+ A_0 for j = 0) is the round trip a
 1F1B stage holding W_j < M microbatches must wait for (W_j = min(M, replicas of stages j..K-1)).
 
 Memory of one replica: ``sum w + held * sum a`` (``held`` = the microbatches its share of the
@@ -37,6 +40,7 @@ from hetcc.solver.problem import (
     ring_allreduce_s,
     round_trip_slots,
     route_microbatches,
+    steady_share,
 )
 from hetcc.solver.schedules import max_inflight, replica_actions, stage_actions
 
@@ -97,7 +101,7 @@ def _objective_s(problem: PartitionProblem, stages: tuple[StageCost, ...]) -> tu
     fill_drain, period = step_terms(
         [s.compute_s for s in stages], [s.comm_s for s in stages], slots,
         busy_s=[s.busy_s for s in stages], link_busy_s=[s.link_busy_s for s in stages],
-        extra_s=[s.allreduce_s for s in stages],
+        extra_s=[stages[0].allreduce_s] + [0.0] * (k - 1),
     )  # fmt: skip
     if not all(s.fits for s in stages):
         return math.inf, period
@@ -145,7 +149,7 @@ def _stage_plan(problem, boundaries, groups, routes, seconds, actions, recompute
         pairs = Counter((group[a], groups[j + 1][b]) for a, b in zip(route, routes[j + 1]))
         times = {pair: link_time_s(problem, *pair, problem.cut_bytes[stop - 1]) for pair in pairs}
         comm = max(times.values())
-        link_busy = max(count * times[pair] for pair, count in pairs.items()) / m
+        link_busy = max(steady_share(count, m) * times[pair] for pair, count in pairs.items())
     state = math.fsum(problem.state_bytes[start:stop])
     act = math.fsum(problem.act_bytes[start:stop])
     kept = problem.cut_bytes[start - 1] if start > 0 else 0.0  # what a recomputing stage keeps
@@ -172,7 +176,7 @@ def _stage_plan(problem, boundaries, groups, routes, seconds, actions, recompute
         shares=shares,
         route=tuple(route),
         recompute=recompute,
-        busy_s=max(c * t for c, t in zip(shares, seconds)) / m,
+        busy_s=max(steady_share(c, m) * t for c, t in zip(shares, seconds) if c),
         link_busy_s=link_busy,
         allreduce_s=_allreduce_s(problem, group, start, stop),
     )

@@ -91,11 +91,13 @@ class PartitionProblem:
             for key in ("bandwidth_bps", "latency_s"):
                 data[key] = [[math.inf if v == "inf" else v for v in row] for row in data[key]]
             problem = cls(**data)
+            problem.validate()
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            if isinstance(exc, PlanFormatError):
+                raise
             raise PlanFormatError(
                 f"not a partition problem: {exc}", hint="write it with PartitionProblem.to_json"
             ) from exc
-        problem.validate()
         return problem
 
 
@@ -259,6 +261,13 @@ def route_microbatches(microbatches: int, seconds: Sequence[float]) -> list[int]
     return route
 
 
+def steady_share(count: int, microbatches: int) -> float:
+    """The part of the (M - 1) steady-state periods that ``count`` back-to-back microbatches on one
+    replica (or one link) fill: (count - 1) / (M - 1). The first of them is in the fill S already,
+    so a replica taking every r-th microbatch adds (ceil(M / r) - 1) * T_j, not (M - 1) * T_j / r."""
+    return (count - 1) / (microbatches - 1) if microbatches > 1 else 1.0
+
+
 def ring_allreduce_s(nbytes: float, replicas: int, bandwidth_bps: float, latency_s: float) -> float:
     """Seconds of a ring all-reduce of ``nbytes`` over ``replicas`` devices: 2 (r - 1) steps of
     nbytes / r each over the slowest link of the ring."""
@@ -282,6 +291,34 @@ def validate_problem(problem: PartitionProblem) -> None:
     n, d = len(problem.blocks), len(problem.devices)
     if n == 0 or d == 0:
         raise _fail("blocks" if n == 0 else "devices", "is empty", "a problem needs blocks and devices")
+    for name in ("blocks", "state_bytes", "act_bytes", "cut_bytes", "devices", "bandwidth_bps", "latency_s"):
+        if not isinstance(getattr(problem, name), list):
+            raise _fail(name, f"must be a list, got {type(getattr(problem, name)).__name__}", "see to_json")
+    for name in ("fwd_s", "bwd_s"):
+        if not isinstance(getattr(problem, name), dict):
+            raise _fail(name, "must map device type -> seconds per block", "see to_json")
+    for name in ("precision", "optimizer", "batch_dim"):
+        if not isinstance(getattr(problem, name), str):
+            raise _fail(name, f"must be a string, got {getattr(problem, name)!r}", "see to_json")
+    if (
+        isinstance(problem.batch_size, bool)
+        or not isinstance(problem.batch_size, int)
+        or problem.batch_size < 0
+    ):
+        raise _fail(
+            "batch_size", f"must be a non-negative integer, got {problem.batch_size!r}", "see to_json"
+        )
+    if not all(isinstance(b, str) for b in problem.blocks):
+        raise _fail("blocks", "must be block names", "see to_json")
+    for device in problem.devices:
+        if not (
+            isinstance(device.name, str) and isinstance(device.type, str) and isinstance(device.node, str)
+        ):
+            raise _fail("devices", f"{device!r}: name, type and node must be strings", "see to_json")
+        if isinstance(device.memory_bytes, bool) or not isinstance(device.memory_bytes, (int, float)):
+            raise _fail(
+                "devices", f"{device.name}: memory_bytes must be a number", "give usable memory in bytes"
+            )
     if problem.schedule not in SCHEDULES:
         raise _fail(
             "schedule", f"unknown schedule {problem.schedule!r}", f"use one of {', '.join(SCHEDULES)}"
@@ -319,6 +356,8 @@ def validate_problem(problem: PartitionProblem) -> None:
 
 
 def _check_vector(field: str, values, length: int) -> None:
+    if not isinstance(values, list):
+        raise _fail(field, f"must be a list, got {type(values).__name__}", "one number per block")
     if len(values) != length:
         raise _fail(
             field, f"has {len(values)} entries, expected {length}", "one entry per block (cuts: blocks - 1)"
@@ -329,12 +368,14 @@ def _check_vector(field: str, values, length: int) -> None:
 
 
 def _check_matrix(field: str, rows, size: int, *, positive: bool) -> None:
-    if len(rows) != size or any(len(r) != size for r in rows):
+    if len(rows) != size or any(not isinstance(r, list) or len(r) != size for r in rows):
         raise _fail(
             field, f"must be {size}x{size} (one row and column per device)", "rebuild it from the cluster"
         )
     for i, row in enumerate(rows):
         for j, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise _fail(field, f"entry [{i}][{j}] is {v!r}", 'use numbers (or "inf" on the diagonal)')
             ok = (v > 0) if positive else (0 <= v < math.inf)
             if i != j and not ok:
                 raise _fail(

@@ -282,11 +282,19 @@ def _seeds(problem: PartitionProblem, groups: list[list[int]], max_length: int, 
     roomiest = sorted(range(len(groups)), key=lambda g: -devices[groups[g][0]].memory_bytes)
     for order in (by_node, fastest, roomiest):
         slots = [(g, 1) for g in order for _ in groups[g]][:max_length]
-        if problem.replicate:  # every label as one replicated stage, or as two
+        if problem.replicate:  # every label as one replicated stage, as two, or as stages of r devices
             yield from _prefixes([(g, len(groups[g])) for g in order][:max_length], True)
             halves = [(g, r) for g in order for r in _halves(len(groups[g]))][:max_length]
             yield from _prefixes(halves, True)
+            for width in (2, 4):
+                split = [(g, r) for g in order for r in _widths(len(groups[g]), width)][:max_length]
+                yield from _prefixes(split, every_prefix)
         yield from _prefixes(slots, every_prefix)
+
+
+def _widths(size: int, width: int) -> list[int]:
+    """``size`` devices as stages of ``width`` replicas (the remainder as one more stage)."""
+    return [width] * (size // width) + ([size % width] if size % width else [])
 
 
 def _halves(size: int) -> list[int]:

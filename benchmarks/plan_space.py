@@ -1,0 +1,120 @@
+"""Plans as wide as the cluster: replicated stages, recomputation, precision and microbatch search.
+
+For GPT-2 medium (24 layers, hidden 1024, seq 1024, global batch 32, fp32, Adam, 1F1B) on two mixed
+clusters, print hetcc's plan (``microbatches="auto"``, replicas and recomputation allowed), hetcc's best
+pure pipeline (``replicate=False``) and the Metis-style peer plan of the issue expressed as replica
+groups and simulated by hetcc's simulator at the peer's M = 8. Then plan a Llama-2-70B-shaped model
+(batch 64 x seq 4096, bf16-mixed, Adam) on 64 GPUs (32 H100, 16 MI250X, 16 A100-40GB), and time the
+solver on a 96-block x 64-device synthetic chain. Every figure is a simulated step from the same run.
+
+Run: ``python benchmarks/plan_space.py [--skip-llama]`` (the Llama part traces an 80-layer model twice
+on the meta device: a few minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import hetcc  # noqa: E402
+from examples.models import gpt2_medium, llama_70b  # noqa: E402
+from hetcc.solver.simulate import simulate  # noqa: E402
+from hetcc.solver.solve import solve  # noqa: E402
+
+CLUSTERS = ROOT / "examples" / "clusters"
+# (cluster file, peer plan: boundaries over the 26 blocks, device-name prefix of each replica group)
+PEERS = {
+    "mixed_a100_t4.yaml": ([0, 22, 26], ["a100", "t4"]),
+    "three_nodes_h100_v100_mi250x.yaml": ([0, 11, 16, 26], ["h100", "v100", "mi250x"]),
+}
+
+
+def _groups(problem, prefixes):
+    return [tuple(i for i, d in enumerate(problem.devices) if d.name.startswith(p)) for p in prefixes]
+
+
+def _plan_line(label: str, plan) -> str:
+    groups = " -> ".join(f"{len(s.devices)}x {s.device_type} [{len(s.blocks)}]" for s in plan.stages)
+    recompute = sum(s.recompute for s in plan.stages)
+    return (
+        f"  {label:<28} M={plan.microbatches:<3} simulated {plan.step_time_s * 1e3:8.1f} ms   "
+        f"{groups}{f'  ({recompute} recomputing)' if recompute else ''}"
+    )
+
+
+def gpt2_clusters() -> None:
+    model, batch = gpt2_medium(batch=32, seq=1024)
+    for name, (bounds, prefixes) in PEERS.items():
+        cluster = CLUSTERS / name
+        print(f"GPT-2 medium, batch 32 x 1024, fp32, Adam, 1F1B on {name}")
+        start = time.perf_counter()
+        ours = hetcc.compile(model, cluster, example_kwargs=batch)
+        took = time.perf_counter() - start
+        pure = hetcc.compile(model, cluster, example_kwargs=batch, replicate=False)
+        at8 = hetcc.compile(model, cluster, example_kwargs=batch, microbatches=8)
+        peer_s = simulate(at8.problem, bounds, _groups(at8.problem, prefixes)).step_time_s
+        print(_plan_line("hetcc", ours.plan) + f"   (compile {took:.0f} s)")
+        print(_plan_line("hetcc, pure pipeline", pure.plan))
+        print(
+            f"  {'Metis-style peer plan':<28} M=8   simulated {peer_s * 1e3:8.1f} ms   {prefixes} cuts {bounds}"
+        )
+        print(
+            f"  hetcc vs peer: {peer_s / ours.plan.step_time_s:.2f}x; vs its best pure pipeline: "
+            f"{pure.plan.step_time_s / ours.plan.step_time_s:.2f}x ({1 - ours.plan.step_time_s / pure.plan.step_time_s:.0%} faster)"
+        )
+        tried = ", ".join(f"{m}: {s * 1e3:.0f}" for m, s in ours.plan.microbatch_search)
+        print(f"  microbatch search (M: simulated ms): {tried}\n")
+
+
+def llama_70b_run() -> None:
+    model, batch = llama_70b(batch=64, seq=4096)
+    cluster = CLUSTERS / "llama70b_64gpus.yaml"
+    print("Llama-2-70B shape, batch 64 x 4096, bf16-mixed, Adam, 1F1B on 32 H100 + 16 MI250X + 16 A100-40GB")
+    start = time.perf_counter()
+    compiled = hetcc.compile(model, cluster, example_kwargs=batch, precision="bf16-mixed")
+    took = time.perf_counter() - start
+    plan = compiled.plan
+    used = sum(len(s.devices) for s in plan.stages)
+    print(_plan_line("hetcc", plan) + f"   (compile {took:.0f} s)")
+    print(
+        f"  {used} of 64 devices, {len(plan.stages)} stages, {sum(s.recompute for s in plan.stages)} recomputing; "
+        f"simulated {plan.step_time_s:.2f} s, bound {plan.lower_bound_s:.2f} s, gap {plan.gap:.0%}"
+    )
+    start = time.perf_counter()
+    solve(compiled.problem, rerank=6)
+    print(
+        f"  solve time for its {len(compiled.problem.blocks)} blocks x 64 devices: {time.perf_counter() - start:.2f} s\n"
+    )
+
+
+def solver_time() -> None:
+    from solver import synthetic_problem
+
+    problem = synthetic_problem(96, 64)
+    problem.replicate = problem.recompute = True
+    start = time.perf_counter()
+    found = solve(problem, rerank=6)
+    print(
+        f"synthetic 96 blocks x 64 devices, replicas + recompute: solve {time.perf_counter() - start:.2f} s, "
+        f"{len(found.stages)} stages, simulated {found.simulated_s:.3f} s, exact={found.exact}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-llama", action="store_true", help="leave out the 80-layer Llama plan")
+    args = parser.parse_args()
+    gpt2_clusters()
+    if not args.skip_llama:
+        llama_70b_run()
+    solver_time()
+
+
+if __name__ == "__main__":
+    main()
