@@ -33,6 +33,7 @@ import safetensors.torch
 import torch
 
 from hetcc.errors import PlanFormatError
+from hetcc.runtime.store import folder_file, read_document, read_tensors
 
 FORMAT = "hetcc-checkpoint"
 VERSION = 1
@@ -201,8 +202,18 @@ def load_checkpoint(root: str | os.PathLike, stage: int, step: int) -> dict[str,
             f"{folder}: the checkpoint of stage {stage} is incomplete or its checksums do not match",
             hint="resume from the step before (each stage keeps its two newest) or start again",
         )
-    tensors = safetensors.torch.load_file(str(folder / f"stage{stage}.safetensors"))
-    document = json.loads((folder / f"stage{stage}.json").read_text())
+    try:  # checksums matched: a failure here is a manifest written for other files
+        tensors = read_tensors(str(folder / f"stage{stage}.safetensors"))
+        document = json.loads((folder / f"stage{stage}.json").read_text(encoding="utf-8"))
+        return _unpack(tensors, document)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise PlanFormatError(
+            f"{folder}: the checkpoint of stage {stage} cannot be read ({type(error).__name__}: {error})",
+            hint="resume from the step before (each stage keeps its two newest) or start again",
+        ) from error
+
+
+def _unpack(tensors: dict[str, torch.Tensor], document: dict) -> dict[str, Any]:
     state: dict[str, Any] = {"module": {}, "rng": {}, "optimizer": None, "step": int(document["step"])}
     if document.get("loss_scale"):
         state["loss_scale"] = dict(document["loss_scale"])
@@ -270,10 +281,10 @@ def export(source: str | os.PathLike, path: str | os.PathLike | None = None) -> 
 def _stage_weights(source: Path) -> tuple[list[dict[str, str]], list[dict[str, torch.Tensor]]]:
     """Per stage: local name -> model name, and the stage's weights by local name."""
     build, checkpoint = locate(source)
-    document = json.loads((build / "pipeline.json").read_text())
+    document = read_document(str(build))  # validated: types, paths, stage indices
     names = [dict(entry["param_names"]) for entry in document["stages"]]
     if checkpoint is None:
-        states = [safetensors.torch.load_file(str(build / e["weights"])) for e in document["stages"]]
+        states = [read_tensors(folder_file(str(build), e["weights"], "weights")) for e in document["stages"]]
         return names, states
     root, step = checkpoint
     states = [load_checkpoint(root, k, step)["module"] for k in range(len(names))]
@@ -307,7 +318,13 @@ def _build_of(root: Path) -> Path:
         return root / "pipeline"
     pointer = root / "build.json"
     if pointer.exists():
-        return Path(json.loads(pointer.read_text())["build"])
+        try:
+            return Path(json.loads(pointer.read_text(encoding="utf-8"))["build"])
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise PlanFormatError(
+                f"{pointer} does not name a build folder ({type(error).__name__}: {error})",
+                hint="pass the build folder itself, or rerun with checkpoint_dir=",
+            ) from error
     if (root.parent / "pipeline.json").exists():
         return root.parent
     raise PlanFormatError(
@@ -317,7 +334,7 @@ def _build_of(root: Path) -> Path:
 
 
 def _num_stages(build: Path) -> int:
-    return int(json.loads((build / "pipeline.json").read_text())["num_stages"])
+    return int(read_document(str(build))["num_stages"])
 
 
 def write_build_pointer(root: str | os.PathLike, build: str | os.PathLike) -> None:

@@ -34,6 +34,7 @@ from hetcc.solver.dp import Chain, SequenceOptimum, screen_sequence, solve_seque
 from hetcc.solver.problem import PartitionProblem
 
 LOCAL_SEARCH_EVALUATIONS = 400  # sequences solved by the heuristic's local search at most
+FINALIST_SLACK = 0.05  # runners-up within 5% of the best objective are kept for the simulator to judge
 
 
 def interchangeable_groups(problem: PartitionProblem) -> list[list[int]]:
@@ -141,8 +142,16 @@ class _Search:
         return out
 
     def finalists(self) -> list[tuple[SequenceOptimum, tuple]]:
-        """The best sequence and up to ``keep - 1`` earlier incumbents, best first."""
-        return self._finalists[::-1][: self.keep]
+        """The best sequence and up to ``keep - 1`` runners-up (within ``FINALIST_SLACK`` of the
+        incumbent when they were solved), best first."""
+        ranked = sorted(self._finalists, key=lambda item: item[0].step_s)
+        return [item for item in ranked if item[0].step_s <= self.best_s * (1 + FINALIST_SLACK)][: self.keep]
+
+    @property
+    def threshold_s(self) -> float:
+        """What a sequence must beat to be solved: the incumbent, or with runners-up kept (``keep`` > 1)
+        the incumbent plus ``FINALIST_SLACK``, so plans the simulator may prefer are not discarded."""
+        return self.best_s * (1 + FINALIST_SLACK) if self.keep > 1 else self.best_s
 
     def try_labels(self, labels) -> bool:
         """Solve one label sequence exactly against the incumbent; True when it became the new best."""
@@ -155,16 +164,18 @@ class _Search:
         if labels in self.seen or not labels or len(labels) > self.max_length:
             return False
         self.seen.add(labels)
-        return self._set_bound(labels) < self.best_s
+        return self._set_bound(labels) < self.threshold_s
 
     def _solve(self, labels: tuple[int, ...]) -> bool:
         self.solved += 1
-        found = solve_sequence(self.chain, self.devices(labels), self.best_s)
+        found = solve_sequence(self.chain, self.devices(labels), self.threshold_s)
         if found is None:
+            return False
+        self._finalists.append((found, labels))
+        if found.step_s >= self.best_s:
             return False
         self.best, self.best_s = found, found.step_s
         self.best_labels = labels
-        self._finalists.append((found, labels))
         return True
 
     def _set_bound(self, labels) -> float:
