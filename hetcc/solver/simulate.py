@@ -68,9 +68,11 @@ def simulate(
     )
     routes = [route_microbatches(problem.microbatches, _replica_times(problem, s)) for s in stages]
     lanes = [
-        _Lane(j, r, groups[j][r], replica_actions(actions[j], routes[j], r))
+        _Lane(
+            j, r, groups[j][r], replica_actions(actions[j], routes[j], r), *_durations(problem, stages[j], d)
+        )
         for j in range(k)
-        for r in range(len(groups[j]))
+        for r, d in enumerate(groups[j])
     ]
     timeline = _Timeline(problem, stages, routes)
     remaining = sum(len(lane.actions) for lane in lanes)
@@ -90,14 +92,17 @@ def simulate(
 
 
 def _replica_times(problem: PartitionProblem, stage) -> list[float]:
+    return [sum(_durations(problem, stage, d)) for d in stage.group]
+
+
+def _durations(problem: PartitionProblem, stage, device: int) -> tuple[float, float]:
+    """(forward, backward) seconds of one microbatch of ``stage`` on ``device`` (a recomputing stage's
+    backward includes the forward it recomputes)."""
     start, stop = stage.blocks
-    out = []
-    for d in stage.group:
-        kind = problem.devices[d].type
-        fwd = math.fsum(problem.fwd_s[kind][start:stop])
-        bwd = math.fsum(problem.bwd_s[kind][start:stop]) if problem.training else 0.0
-        out.append(fwd + bwd + (fwd if stage.recompute and problem.training else 0.0))
-    return out
+    kind = problem.devices[device].type
+    fwd = math.fsum(problem.fwd_s[kind][start:stop])
+    bwd = math.fsum(problem.bwd_s[kind][start:stop]) if problem.training else 0.0
+    return fwd, bwd + (fwd if stage.recompute and problem.training else 0.0)
 
 
 @dataclass
@@ -106,8 +111,11 @@ class _Lane:
     replica: int
     device: int
     actions: list
+    fwd_s: float
+    bwd_s: float
     cursor: int = 0
     free_s: float = 0.0
+    busy_s: float = 0.0
 
 
 class _Timeline:
@@ -119,15 +127,6 @@ class _Timeline:
         self.arrival_s: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> time
         self.events: list[Event] = []
 
-    def _seconds(self, lane: _Lane, kind: str) -> float:
-        stage = self.stages[lane.stage]
-        start, stop = stage.blocks
-        device_type = self.problem.devices[lane.device].type
-        fwd = math.fsum(self.problem.fwd_s[device_type][start:stop])
-        if kind == "F":
-            return fwd
-        return math.fsum(self.problem.bwd_s[device_type][start:stop]) + (fwd if stage.recompute else 0.0)
-
     def run(self, lane: _Lane, action) -> bool:
         """Schedule one compute and its outgoing send; False if its input has not been produced yet."""
         k, stage, kind, m = len(self.stages), lane.stage, action.kind, action.microbatch
@@ -136,8 +135,9 @@ class _Timeline:
         if ready_s is None:
             return False
         start = max(lane.free_s, ready_s)
-        end = start + self._seconds(lane, kind)
+        end = start + (lane.fwd_s if kind == "F" else lane.bwd_s)
         lane.free_s = end
+        lane.busy_s += end - start
         name = self.problem.devices[lane.device].name
         self.events.append(Event(stage, kind, m, start, end, lane.replica, name))
         target = stage + 1 if kind == "F" else stage - 1
@@ -174,19 +174,11 @@ class _Timeline:
 
     def result(self, lanes: list[_Lane], num_stages: int) -> Simulation:
         step = max((e.end_s for e in self.events), default=0.0)
-        busy_lane = {
-            (lane.stage, lane.replica): math.fsum(
-                e.end_s - e.start_s
-                for e in self.events
-                if e.stage == lane.stage and e.replica == lane.replica and e.kind in ("F", "B")
-            )
-            for lane in lanes
-        }
         busy = tuple(
-            math.fsum(v for (s, _), v in busy_lane.items() if s == j) / len(self.stages[j].group)
+            math.fsum(lane.busy_s for lane in lanes if lane.stage == j) / len(self.stages[j].group)
             for j in range(num_stages)
         )
         bubble = tuple(1 - b / step if step > 0 else 0.0 for b in busy)
-        overall = 1 - sum(busy_lane.values()) / (step * len(lanes)) if step > 0 else 0.0
+        overall = 1 - sum(lane.busy_s for lane in lanes) / (step * len(lanes)) if step > 0 else 0.0
         events = tuple(sorted(self.events, key=lambda e: (e.start_s, e.stage, e.replica, e.kind)))
         return Simulation(step, busy, bubble, overall, events)

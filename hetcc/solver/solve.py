@@ -37,12 +37,15 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
         scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
     _, _, plan, simulated = min(scored, key=lambda item: item[:2])
     if rerank:
-        plan, simulated = _refine_by_simulation(problem, plan, simulated, budget=REFINE_SIMULATIONS)
+        lanes = sum(len(stage.group) for stage in plan.stages)
+        budget = max(8, min(REFINE_SIMULATIONS, REFINE_ACTIONS // (lanes * problem.microbatches)))
+        plan, simulated = _refine_by_simulation(problem, plan, simulated, budget=budget)
     gap = simulated / plan.lower_bound_s - 1 if plan.lower_bound_s > 0 else math.inf
     return replace(plan, exact=found.exact, orders_searched=found.solved, simulated_s=simulated, gap=gap)
 
 
-REFINE_SIMULATIONS = 80  # simulations spent moving the re-ranked winner's cuts
+REFINE_SIMULATIONS = 80  # simulations spent moving the re-ranked winner's cuts, at most
+REFINE_ACTIONS = 60_000  # ... and about this many replayed microbatch-replica actions in all
 
 
 def _refine_by_simulation(
