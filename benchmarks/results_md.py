@@ -64,10 +64,11 @@ def _plan_section(rows) -> list[str]:
     out = [
         "## Plan quality",
         "",
-        "Predicted step time per training step (16 microbatches, 1F1B) of hetcc's plan, the simulator's replay",
-        "of it, the lower bound, and each baseline on all devices in listed order (`inf`: does not fit).",
+        "Step time per training step (16 microbatches, 1F1B) of hetcc's plan: the search's formula and the",
+        "simulator's replay (what the plan reports), the bound on any plan's simulated step, and each",
+        "baseline (simulated) on all devices in listed order (`inf`: does not fit).",
         "",
-        "| model | cluster | stages / devices | hetcc ms | simulated ms | bound ms | gap | uniform ms | "
+        "| model | cluster | stages / devices | formula ms | simulated ms | bound ms | gap | uniform ms | "
         "parameters ms | flops ms | vs best baseline |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]

@@ -27,7 +27,7 @@ def test_three_stages_become_two_and_training_continues_like_eager(tmp_path):
     example = {"input_ids": ids, "labels": ids, "use_cache": False}
     batch = {"input_ids": ids, "labels": ids}
     compiled = hetcc.compile(
-        copy.deepcopy(model), _cpus(3), example_kwargs=example, microbatches=2, replicate=False
+        copy.deepcopy(model), _cpus(3), example_kwargs=example, microbatches=4, replicate=False
     )
     assert len(compiled.stages) == 3
     first = hetcc.run_local(compiled, batch, steps=2, optimizer=ADAM, checkpoint_dir=tmp_path / "ckpt")
