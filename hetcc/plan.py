@@ -105,9 +105,9 @@ class Plan:
             plan = cls(
                 stages=stages, **{**data, "notes": tuple(data.get("notes", ()))}, microbatch_search=search
             )
+            _check_plan(plan)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise PlanFormatError(f"not a hetcc plan: {exc}", hint="write plans with Plan.to_json()") from exc
-        _check_plan(plan)
         return plan
 
     def explain(self) -> str:
@@ -156,6 +156,8 @@ def _check_plan(plan: Plan) -> None:
         numbers += [getattr(stage.memory, f.name) for f in fields(MemoryBreakdown)]
         if not all(_number(v) for v in numbers):
             raise fail("stages", f"stage {stage.index}: a time, count or size is not a number")
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stage.shares):
+            raise fail("stages", f"stage {stage.index}: shares must be microbatch counts")
         if stage.shares and (
             len(stage.shares) != len(stage.devices) or sum(stage.shares) != plan.microbatches
         ):
