@@ -27,7 +27,8 @@ import torch.multiprocessing as mp
 from hetcc.errors import RuntimeFailure
 
 BEAT_S = 0.2  # how often a rank's heartbeat thread writes the time
-STALE_S = 10.0  # a live rank whose heartbeat is this old has stopped (SIGSTOP, frozen)
+STALE_S = 10.0  # a live rank whose heartbeat is this old has stopped (SIGSTOP, frozen) ...
+STALE_SHARE = 0.25  # ... or this share of the communication timeout, if longer (busy machines)
 GRACE_S = 5.0  # after the first failure, how long the other ranks get to report before being killed
 POLL_S = 0.05
 
@@ -63,7 +64,8 @@ def spawn_ranks(world: int, worker: Callable, job: dict) -> tuple[list[dict], li
     try:
         for process in processes:
             process.start()
-        watches = _supervise(processes, beats, job["results"])
+        stale_s = max(STALE_S, STALE_SHARE * float(job.get("timeout_s", 0.0)))
+        watches = _supervise(processes, beats, job["results"], stale_s)
     finally:  # an interrupted caller (Ctrl-C) leaves no rank behind
         for process in processes:
             if process.pid is not None and process.is_alive():
@@ -77,7 +79,7 @@ def spawn_ranks(world: int, worker: Callable, job: dict) -> tuple[list[dict], li
     return [w.report for w in watches], sorted(failures, key=lambda f: f.after_s)
 
 
-def _supervise(processes: list, beats, results: str) -> list[_Watch]:
+def _supervise(processes: list, beats, results: str, stale_s: float) -> list[_Watch]:
     watches = [_Watch() for _ in processes]
     first_failure = None
     while True:
@@ -88,7 +90,7 @@ def _supervise(processes: list, beats, results: str) -> list[_Watch]:
             if watch.ended_at is None and not process.is_alive():
                 watch.ended_at = now
                 watch.report = watch.report or _read_report(results, rank)
-            elif watch.ended_at is None and beats[rank] and now - beats[rank] > STALE_S and not watch.stopped:
+            elif watch.ended_at is None and beats[rank] and now - beats[rank] > stale_s and not watch.stopped:
                 watch.stopped, watch.state = True, _process_state(process.pid)
             if first_failure is None and _has_failed(watch, process):
                 first_failure = now
@@ -127,7 +129,7 @@ def _failure(rank: int, watch: _Watch, code: int | None, beat: float, start: flo
     if watch.stopped:
         state = "; the process was stopped (state T), e.g. by SIGSTOP" if watch.state in ("T", "t") else ""
         return RankFailure(
-            rank, last, f"rank {rank} stopped responding (no heartbeat for {STALE_S:g} s{state}) and was "
+            rank, last, f"rank {rank} stopped responding (its heartbeat stopped{state}) and was "
             "killed by hetcc",
         )  # fmt: skip
     if watch.killed_by_hetcc:
