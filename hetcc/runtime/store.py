@@ -104,8 +104,9 @@ def load_pipeline(directory: str) -> Pipeline:
 
 
 def load_stage(directory: str, index: int) -> StageGraph:
-    """Stage ``index`` alone, what one rank runs: only pipeline.json, the kernels and that stage's own
-    graph and weights are read, so a damaged file of another stage fails only the rank that owns it."""
+    """Stage ``index`` alone: only pipeline.json, the kernels and that stage's own graph and weights are
+    read, so a damaged file of another stage does not fail it. (Ranks still call ``load_pipeline`` today;
+    switching ``runtime/local.py`` and ``launch.py`` to this is open work.)"""
     document = read_document(directory)
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < document["num_stages"]:
         raise PlanFormatError(f"{directory}: no stage {index!r}; the pipeline has {document['num_stages']}")
