@@ -43,14 +43,20 @@ def cost(
             continue
         record = info(node)
         _require_concrete(node, record)
-        floating = record.dtype is not None and record.dtype.is_floating_point
-        key = flops_key(dtype if dtype is not None else (record.dtype if floating else torch.float32))
+        key, floating = _flops_key(record, dtype)
         has_backward = training and floating
         group = node.meta.get(FUSION_META_KEY)
         replays = group is not None and group.backward == "recompute"
         times = [(name, _times(rate, record, key, has_backward, replays)) for name, rate in rates.items()]
         annotate(node, fwd_s=tuple((n, t[0]) for n, t in times), bwd_s=tuple((n, t[1]) for n, t in times))
     return gm
+
+
+def _flops_key(record, dtype: object | None) -> tuple[str, bool]:
+    """(the peak-FLOP/s key a node is priced at, whether its output is floating point): the compile
+    dtype when one is given, else the node's own dtype (fp32 for integer nodes)."""
+    floating = record.dtype is not None and record.dtype.is_floating_point
+    return flops_key(dtype if dtype is not None else (record.dtype if floating else torch.float32)), floating
 
 
 def _times(rate: _Rates, record, key: str, has_backward: bool, replays: bool = False) -> tuple[float, float]:
@@ -134,8 +140,7 @@ def block_times_at(
             record = info(node)
             values = {f: _at(getattr(record, f), subs) for f in ("fwd_flops", "bwd_flops", "bytes")}
             at = SimpleNamespace(**values, members=None)
-            floating = record.dtype is not None and record.dtype.is_floating_point
-            key = flops_key(dtype if dtype is not None else (record.dtype if floating else torch.float32))
+            key, floating = _flops_key(record, dtype)
             for t, rate in rates.items():
                 f, b = _times(rate, at, key, training and floating, False)
                 fwd[t][i] += f

@@ -155,7 +155,7 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> 
         stages=stages,
         step_time_s=simulation.step_time_s,
         lower_bound_s=solution.lower_bound_s,
-        gap=simulation.step_time_s / solution.lower_bound_s - 1 if solution.lower_bound_s > 0 else math.inf,
+        gap=solution.gap,  # simulated step / bound, as solve replayed this same plan
         baselines=base,
         microbatches=problem.microbatches,
         schedule=problem.schedule,

@@ -52,17 +52,19 @@ def evaluate(
     boundaries: Sequence[int],
     devices: Sequence[Device],
     recompute: Sequence[bool] | None = None,
+    bound_s: float | None = None,
 ) -> PartitionSolution:
     """Score one plan: stage k runs blocks ``[boundaries[k], boundaries[k+1])`` on ``devices[k]`` (one
     device index, or a tuple of them: a replica group), recomputing its activations if ``recompute[k]``.
 
     Memory that does not fit makes ``step_time_s`` infinite rather than raising, so baselines that
     overflow a device can still be reported. ``period_s`` is the plan's P (see ``step_time``).
-    ``lower_bound_s`` bounds the simulated step of every plan (``solver.bound.lower_bound``).
+    ``lower_bound_s`` bounds the simulated step of every plan (``solver.bound.lower_bound``; pass
+    ``bound_s`` when it is already known: it depends on the problem alone).
     """
     stages = stage_costs(problem, boundaries, devices, recompute)
     step, period = _objective_s(problem, stages)
-    bound = lower_bound(problem)
+    bound = lower_bound(problem) if bound_s is None else bound_s
     return PartitionSolution(stages, step, period, bound, _gap(step, bound))
 
 
@@ -73,7 +75,10 @@ def stage_costs(problem, boundaries, devices, recompute=None) -> tuple[StageCost
     _check_plan(problem, boundaries, groups, recompute)
     replicas = [len(g) for g in groups]
     k = len(groups)
-    seconds = [[_replica_s(problem, boundaries, j, d, recompute[j]) for d in g] for j, g in enumerate(groups)]
+    seconds = [
+        [sum(replica_seconds(problem, boundaries[j], boundaries[j + 1], d, recompute[j])) for d in g]
+        for j, g in enumerate(groups)
+    ]
     routes = [route_microbatches(problem.microbatches, s) for s in seconds]
     actions = stage_actions(
         problem.schedule, k, problem.microbatches, training=problem.training, replicas=replicas
@@ -84,13 +89,14 @@ def stage_costs(problem, boundaries, devices, recompute=None) -> tuple[StageCost
     )
 
 
-def _replica_s(problem: PartitionProblem, boundaries, j: int, device: int, recompute: bool) -> float:
-    start, stop = boundaries[j], boundaries[j + 1]
+def replica_seconds(problem: PartitionProblem, start: int, stop: int, device: int, recompute: bool):
+    """(forward, backward) seconds of one microbatch of blocks ``[start, stop)`` on ``device``; a
+    recomputing stage's backward includes the forward it recomputes (no backward for inference)."""
     kind = problem.devices[device].type
     fwd = math.fsum(problem.fwd_s[kind][start:stop])
     if not problem.training:
-        return fwd
-    return fwd + math.fsum(problem.bwd_s[kind][start:stop]) + (fwd if recompute else 0.0)
+        return fwd, 0.0
+    return fwd, math.fsum(problem.bwd_s[kind][start:stop]) + (fwd if recompute else 0.0)
 
 
 def _objective_s(problem: PartitionProblem, stages: tuple[StageCost, ...]) -> tuple[float, float]:

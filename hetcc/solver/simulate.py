@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.objective import Device, stage_costs
-from hetcc.solver.problem import PartitionProblem, route_microbatches
+from hetcc.solver.objective import Device, replica_seconds, stage_costs
+from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import replica_actions, stage_actions
 
 
@@ -66,11 +66,15 @@ def simulate(
         training=problem.training,
         replicas=[len(g) for g in groups],
     )
-    routes = [route_microbatches(problem.microbatches, _replica_times(problem, s)) for s in stages]
+    routes = [s.route for s in stages]
     lanes = [
         _Lane(
-            j, r, groups[j][r], replica_actions(actions[j], routes[j], r), *_durations(problem, stages[j], d)
-        )
+            j,
+            r,
+            d,
+            replica_actions(actions[j], routes[j], r),
+            *replica_seconds(problem, *stages[j].blocks, d, stages[j].recompute),
+        )  # fmt: skip
         for j in range(k)
         for r, d in enumerate(groups[j])
     ]
@@ -89,20 +93,6 @@ def simulate(
             raise PlanFormatError("simulated schedule deadlocked", hint="report the plan and schedule")
     timeline.all_reduce(lanes)
     return timeline.result(lanes, k)
-
-
-def _replica_times(problem: PartitionProblem, stage) -> list[float]:
-    return [sum(_durations(problem, stage, d)) for d in stage.group]
-
-
-def _durations(problem: PartitionProblem, stage, device: int) -> tuple[float, float]:
-    """(forward, backward) seconds of one microbatch of ``stage`` on ``device`` (a recomputing stage's
-    backward includes the forward it recomputes)."""
-    start, stop = stage.blocks
-    kind = problem.devices[device].type
-    fwd = math.fsum(problem.fwd_s[kind][start:stop])
-    bwd = math.fsum(problem.bwd_s[kind][start:stop]) if problem.training else 0.0
-    return fwd, bwd + (fwd if stage.recompute and problem.training else 0.0)
 
 
 @dataclass

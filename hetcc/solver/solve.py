@@ -16,7 +16,8 @@ import numpy as np
 
 from hetcc.errors import InfeasiblePlanError, format_bytes
 from hetcc.solver.baselines import min_max_split
-from hetcc.solver.objective import evaluate
+from hetcc.solver.bound import lower_bound
+from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, inflight_microbatches
 from hetcc.solver.search import search
 from hetcc.solver.simulate import simulate
@@ -30,9 +31,10 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
     found = search(problem, keep=max(1, rerank))
     if found is None:
         raise _infeasible_error(problem)
+    bound_s = lower_bound(problem)
     scored = []
     for boundaries, groups, recompute in found.candidates:
-        plan = evaluate(problem, boundaries, groups, recompute)
+        plan = evaluate(problem, boundaries, groups, recompute, bound_s)
         simulated = simulate(problem, boundaries, groups, recompute).step_time_s
         scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
     _, _, plan, simulated = min(scored, key=lambda item: item[:2])
@@ -55,7 +57,7 @@ def _refine_by_simulation(
     fit). The objective is a formula; where it and the simulator disagree about where a cut belongs
     (a replicated stage overlaps more than the formula credits), the simulator decides."""
     groups, recompute = plan.groups, plan.recompute
-    bounds = plan.boundaries
+    bounds = best = plan.boundaries
     improved = True
     while improved and budget > 0:
         improved = False
@@ -65,13 +67,14 @@ def _refine_by_simulation(
                 moved[j] += step
                 if budget <= 0 or not moved[j - 1] < moved[j] < moved[j + 1]:
                     continue
-                candidate = evaluate(problem, moved, groups, recompute)
-                if not all(stage.fits for stage in candidate.stages):
+                if not all(stage.fits for stage in stage_costs(problem, moved, groups, recompute)):
                     continue
                 budget -= 1
                 time_s = simulate(problem, moved, groups, recompute).step_time_s
                 if time_s < simulated_s * (1 - 1e-12):
-                    plan, simulated_s, bounds, improved = candidate, time_s, moved, True
+                    simulated_s, bounds, improved = time_s, moved, True
+    if bounds is not best:
+        plan = evaluate(problem, bounds, groups, recompute, plan.lower_bound_s)
     return plan, simulated_s
 
 
