@@ -1,0 +1,245 @@
+"""Re-price a saved plan for the devices its ranks found (``hetcc.launch --allow-substitute``).
+
+A rank that finds another GPU than its placement names still runs; rank 0 then says what that costs.
+The found name maps to a hardware preset (``preset_for_device_name``). Where that type is one the plan's
+problem already prices, its per-block seconds are used as they are; otherwise they are the planned
+type's scaled by the ratio of the two types' dense peak FLOP/s for the plan's precision. That is an
+approximation (it ignores memory bandwidth, efficiency and per-kernel overhead), and the lines say so.
+The plan is then replayed in the simulator on those devices, and every stage's memory is checked
+against the found devices' usable memory (their memory less the cluster's reserve). A GPU plan run on
+CPU ranks, or a GPU hetcc has no preset for, is not re-priced: the lines say why instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetcc.errors import ClusterError, HetccError, PlanFormatError, format_bytes
+from hetcc.hardware.cluster import Cluster
+from hetcc.hardware.measure import preset_for_device_name
+from hetcc.hardware.presets import PRESETS, flops_key, type_key
+from hetcc.plan import Plan
+from hetcc.report.data import CLUSTER_FILE
+from hetcc.solver.objective import replica_seconds, stage_costs
+from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.simulate import simulate
+
+PREFIX = "hetcc.launch:"
+
+
+@dataclass(frozen=True)
+class Substitution:
+    """One rank on another device than planned, the type it is priced as, and what that does to its stage."""
+
+    rank: int
+    stage: int
+    replica: int
+    replicas: int  # of its stage
+    planned_device: str
+    planned_type: str
+    found_name: str
+    found_memory_bytes: float
+    priced_as: str  # the problem's type whose seconds it gets
+    pricing: str  # how those seconds were found (a type of the plan, or a peak ratio)
+    slowdown: float  # the stage's forward+backward seconds per microbatch on it / as planned
+
+
+@dataclass(frozen=True)
+class Overflow:
+    """A stage whose fullest replica no longer fits its (found) device."""
+
+    stage: int
+    needs_bytes: float
+    usable_bytes: float
+
+
+@dataclass(frozen=True)
+class Repricing:
+    """The plan's simulated step against the one on the devices found; ``not_repriced`` says why
+    there is no re-priced step (``step_s`` is then nan)."""
+
+    planned_step_s: float
+    step_s: float
+    substitutions: tuple[Substitution, ...] = ()
+    overflows: tuple[Overflow, ...] = ()
+    not_repriced: str = ""
+
+
+def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Repricing:
+    """The plan in ``directory`` (``hetcc compile --out``) re-priced with pipeline rank r on the device
+    ``found[r]`` (``{"vendor", "name", "memory_bytes"}``, as ``hetcc.launch.found_device`` gives it).
+    Ranks are numbered as ``placement.placement`` numbers them: stage order, replicas next to each other."""
+    plan, problem, cluster = _read(Path(directory))
+    ranks = [(s.index, r, name) for s in plan.stages for r, name in enumerate(s.devices)]
+    if any(not 0 <= rank < len(ranks) for rank in found):
+        raise PlanFormatError(f"ranks {sorted(found)}: the plan has ranks 0..{len(ranks) - 1}")
+    on_cpu = [str(rank) for rank in sorted(found) if found[rank]["vendor"] == "cpu"]
+    if on_cpu:
+        which = f"rank{'s' if len(on_cpu) > 1 else ''} {', '.join(on_cpu)}"
+        why = f"running a GPU plan on CPU ({which}): times are not re-priced"
+        return Repricing(plan.step_time_s, math.nan, not_repriced=why)
+    priced = {rank: _price(problem, cluster, ranks[rank][2], found[rank], rank) for rank in sorted(found)}
+    reasons = [p for p in priced.values() if isinstance(p, str)]
+    if reasons:
+        return Repricing(plan.step_time_s, math.nan, not_repriced="; ".join(reasons))
+    substituted = problem
+    for rank, pricing in priced.items():
+        substituted = _substitute(substituted, ranks[rank][2], pricing)
+    boundaries, groups, recompute = _layout(plan, problem)
+    subs = tuple(
+        _describe(
+            problem, substituted, ranks[rank], rank, found[rank], priced[rank], boundaries, groups, recompute
+        )
+        for rank in priced
+    )
+    stages = stage_costs(substituted, boundaries, groups, recompute)
+    overflows = tuple(
+        Overflow(j, s.memory_bytes, s.memory_capacity_bytes) for j, s in enumerate(stages) if not s.fits
+    )
+    step = simulate(substituted, boundaries, groups, recompute).step_time_s
+    return Repricing(plan.step_time_s, step, subs, overflows)
+
+
+def repricing_lines(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> list[str]:
+    """What rank 0 prints about the devices found; a folder that cannot be read is one line, not an error."""
+    try:
+        return format_repricing(reprice(directory, found))
+    except HetccError as error:
+        return [f"{PREFIX} cannot re-price the plan for the devices found: {error}"]
+
+
+def format_repricing(repricing: Repricing) -> list[str]:
+    """A headline with both simulated steps, then one line per substituted rank and per stage that no
+    longer fits."""
+    if repricing.not_repriced:
+        return [f"{PREFIX} {repricing.not_repriced}"]
+    lines = [
+        f"{PREFIX} re-priced for the devices found: simulated step {_ms(repricing.step_s)} "
+        f"(plan: {_ms(repricing.planned_step_s)})"
+    ]
+    for s in repricing.substitutions:
+        replica = f" replica {s.replica}" if s.replicas > 1 else ""
+        change = _change(s.slowdown)
+        lines.append(
+            f"  stage {s.stage}{replica} on {s.found_name} ({format_bytes(s.found_memory_bytes)}) instead of "
+            f"{s.planned_type} ({s.planned_device}): stage forward+backward {change} ({s.pricing})"
+        )
+    for o in repricing.overflows:
+        lines.append(
+            f"  stage {o.stage} no longer fits: needs {format_bytes(o.needs_bytes)}, "
+            f"has {format_bytes(o.usable_bytes)} usable"
+        )
+    return lines
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.1f} ms" if ms >= 100 else f"{ms:.3g} ms"
+
+
+def _change(slowdown: float) -> str:
+    if abs(slowdown - 1) < 0.005:
+        return "as fast as planned"
+    return f"{slowdown:.3g}x slower" if slowdown > 1 else f"{1 / slowdown:.3g}x faster"
+
+
+def _read(folder: Path) -> tuple[Plan, PartitionProblem, Cluster]:
+    """The plan, the problem it solved and the cluster it was made for, as ``hetcc compile`` saved them."""
+    texts = {}
+    for name in ("plan.json", "problem.json", CLUSTER_FILE):
+        if not (folder / name).is_file():
+            raise PlanFormatError(
+                f"{folder / name} does not exist", hint="compile again: `hetcc compile ... --out DIR`"
+            )
+        texts[name] = (folder / name).read_text()
+    return (
+        Plan.from_json(texts["plan.json"]),
+        PartitionProblem.from_json(texts["problem.json"]),
+        Cluster.from_file(folder / CLUSTER_FILE),
+    )
+
+
+def _layout(plan: Plan, problem: PartitionProblem):
+    """(boundaries, replica groups as device indices, recompute flags) of the plan's stages."""
+    names = [d.name for d in problem.devices]
+    boundaries, groups = [0], []
+    for stage in plan.stages:
+        boundaries.append(boundaries[-1] + len(stage.blocks))
+        missing = [name for name in stage.devices if name not in names]
+        if missing:
+            raise PlanFormatError(f"stage {stage.index}'s devices {missing} are not in problem.json")
+        groups.append(tuple(names.index(name) for name in stage.devices))
+    return boundaries, groups, [s.recompute for s in plan.stages]
+
+
+@dataclass(frozen=True)
+class _Pricing:
+    """The problem type a found device is priced as, with its per-block seconds where the problem has none."""
+
+    kind: str
+    how: str
+    usable_bytes: float
+    fwd_s: list[float] | None = None
+    bwd_s: list[float] | None = None
+
+
+def _price(problem: PartitionProblem, cluster: Cluster, device: str, found, rank: int) -> _Pricing | str:
+    """How the device ``found`` in place of ``device`` is priced, or why it cannot be."""
+    preset = preset_for_device_name(str(found["name"]), found.get("memory_bytes") or None)
+    if preset is None:
+        gpus = ", ".join(name for name, t in PRESETS.items() if t.vendor != "cpu")
+        return (f"rank {rank} found {found['name']!r}, which names no GPU hetcc has figures for ({gpus}): "
+                "the plan cannot be re-priced for it")  # fmt: skip
+    memory = float(found.get("memory_bytes") or PRESETS[preset].memory_bytes)
+    usable = memory * (1.0 - cluster.memory_reserve)
+    kind = next((t for t in problem.fwd_s if type_key(t) == type_key(preset)), None)
+    if kind is not None:
+        return _Pricing(kind, f"{kind}: a type of the plan", usable)
+    planned = cluster.device(device).type
+    try:
+        key = flops_key(problem.precision.removesuffix("-mixed"))
+        ratio = planned.peak(key) / PRESETS[preset].peak(key)
+    except ClusterError as error:
+        return f"rank {rank} found {found['name']!r} ({preset}): {str(error).splitlines()[0]}"
+    how = (
+        f"{preset}: {planned.name}'s times x its {key} peak over {preset}'s, "
+        f"{planned.peak(key) / 1e12:g}/{PRESETS[preset].peak(key) / 1e12:g} TFLOP/s, an approximation"
+    )
+    fwd_s = [t * ratio for t in problem.fwd_s[planned.name]]
+    bwd_s = [t * ratio for t in problem.bwd_s[planned.name]]
+    return _Pricing(f"{preset} (from {planned.name})", how, usable, fwd_s, bwd_s)
+
+
+def _substitute(problem: PartitionProblem, device: str, pricing: _Pricing) -> PartitionProblem:
+    """``problem`` with ``device`` of the type and usable memory ``pricing`` gives it."""
+    index = next((i for i, d in enumerate(problem.devices) if d.name == device), None)
+    if index is None:
+        raise PlanFormatError(f"the plan's device {device!r} is not in problem.json")
+    devices = list(problem.devices)
+    devices[index] = dataclasses.replace(devices[index], type=pricing.kind, memory_bytes=pricing.usable_bytes)
+    if pricing.fwd_s is None:
+        return dataclasses.replace(problem, devices=devices)
+    fwd_s = {**problem.fwd_s, pricing.kind: pricing.fwd_s}
+    bwd_s = {**problem.bwd_s, pricing.kind: pricing.bwd_s}
+    return dataclasses.replace(problem, devices=devices, fwd_s=fwd_s, bwd_s=bwd_s)
+
+
+def _describe(
+    problem, substituted, where, rank, found, pricing, boundaries, groups, recompute
+) -> Substitution:
+    """One substituted rank: its stage's forward+backward seconds per microbatch before and after."""
+    stage, replica, device = where
+    index, (start, stop) = groups[stage][replica], boundaries[stage : stage + 2]
+    before = sum(replica_seconds(problem, start, stop, index, recompute[stage]))
+    after = sum(replica_seconds(substituted, start, stop, index, recompute[stage]))
+    return Substitution(
+        rank=rank, stage=stage, replica=replica, replicas=len(groups[stage]), planned_device=device,
+        planned_type=problem.devices[index].type, found_name=str(found["name"]),
+        found_memory_bytes=float(found.get("memory_bytes") or 0), priced_as=pricing.kind,
+        pricing=pricing.how, slowdown=after / before if before > 0 else 1.0,
+    )  # fmt: skip
