@@ -14,10 +14,11 @@ ordered by their first compute node, and parameters and inputs belong to the blo
 So data only flows forward along the chain and every contiguous split is a valid pipeline;
 ``collect_blocks`` checks that invariant.
 
-The cut after block i is every tensor produced at or before i and used after it (skip connections and
-inputs shared by all layers, like a mask or rotary cos/sin, included; an encoder's output crosses every
-decoder cut). A parameter used on both sides of a cut (tied embeddings) is not an activation: it is
-reported once as a ``TiedParam``.
+The cut after block i is every tensor produced at or before i and used after it (skip connections
+included; an encoder's output crosses every decoder cut), except model inputs (every stage reads its
+own) and tensors computed cheaply from inputs and constants alone, like a mask or rotary cos/sin, which
+every stage that uses them recomputes (``passes.remat``). A parameter used on both sides of a cut (tied
+embeddings) is not an activation: it is reported once as a ``TiedParam``.
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import sympy
+import torch
 import torch.fx
 
 from hetcc.errors import AnalysisError
 from hetcc.ir import Number, annotate, human, info, nbytes
+from hetcc.passes.remat import rematerialisable, trainable_values
 
 _LAYER_PATH = re.compile(r"(^|\.)\d+$")
 _COMPUTE = ("call_function", "call_method", "call_module")
@@ -42,11 +45,13 @@ _COMPUTE = ("call_function", "call_method", "call_module")
 
 @dataclass(frozen=True)
 class CutTensor:
-    """A tensor alive across a cut: produced by ``node`` and last used in ``last_block``."""
+    """A tensor alive across a cut: produced by ``node`` and last used in ``last_block``; ``grad``: its
+    gradient crosses back in training (it depends on a trainable parameter)."""
 
     node: str
     bytes: Number
     last_block: str
+    grad: bool = True
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,11 @@ class Block:
     act_bytes: Number  # saved for backward, per microbatch
     cut_bytes: Number  # activations crossing to the next block (0 for the last)
     cut_tensors: tuple[CutTensor, ...]
+
+    @property
+    def cut_grad_bytes(self) -> Number:
+        """Gradient bytes crossing back over the cut after this block (training)."""
+        return sum((c.bytes for c in self.cut_tensors if c.grad), 0)
 
 
 def blocks(gm: torch.fx.GraphModule, *, max_block_bytes: float = math.inf) -> torch.fx.GraphModule:
@@ -237,6 +247,8 @@ def _check_forward_only(gm: torch.fx.GraphModule, index: dict[str, int]) -> None
 def _crossings(gm, index: dict[str, int], order: list[str]):
     crossing: list[list[CutTensor]] = [[] for _ in order]
     tied: list[TiedParam] = []
+    trainable = trainable_values(gm)
+    free = rematerialisable(gm, trainable)  # recomputed by each stage that needs it: never sent
     for node in gm.graph.nodes:
         if node.op == "output" or info(node).block is None:
             continue
@@ -248,7 +260,11 @@ def _crossings(gm, index: dict[str, int], order: list[str]):
             blocks_using = tuple(order[i] for i in sorted(set(used) | {produced}))
             tied.append(TiedParam(str(node.target), int(info(node).param_bytes), blocks_using))
             continue
-        cut = CutTensor(node.name, nbytes(node.meta.get("val")), order[used[-1]])
+        if node in free:
+            continue
+        val = node.meta.get("val")
+        grad = node in trainable and bool(getattr(val, "dtype", torch.int64).is_floating_point)
+        cut = CutTensor(node.name, nbytes(val), order[used[-1]], grad)
         for boundary in range(produced, used[-1]):
             crossing[boundary].append(cut)
     return crossing, tied
@@ -296,7 +312,10 @@ def format_blocks(
     )
     lines.append("\ncuts (tensors alive across each boundary, per microbatch):")
     for left, right in zip(chain, chain[1:]):
-        crossing = ", ".join(f"%{c.node} {h(c.bytes, 'B')} (to {c.last_block})" for c in left.cut_tensors)
+        crossing = ", ".join(
+            f"%{c.node} {h(c.bytes, 'B')} (to {c.last_block}{'' if c.grad else ', no gradient'})"
+            for c in left.cut_tensors
+        )
         lines.append(f"  {left.name} | {right.name}: {h(left.cut_bytes, 'B')} = {crossing or 'nothing'}")
     if tied:
         lines.append("\ntied parameters (held by every stage that uses them, counted once above):")

@@ -14,7 +14,9 @@ mapping node name -> stage. Rules, in the order they apply:
   with neither users nor staged inputs are dropped, and so is export's ``_guards_fn``.
 - A tensor used by a later stage goes straight from its producer to each consuming stage (a skip
   connection over several stages is one direct edge, never relayed). A non-tensor (int, SymInt,
-  shape) is recomputed in the consuming stage from what that stage holds.
+  shape) is recomputed in the consuming stage from what that stage holds, and so is a tensor computed
+  cheaply from model inputs and constants alone (a mask, position ids, rotary tables:
+  ``passes.remat``), which the block chain does not charge to any cut either.
 - Only the last stage has the model's outputs; every other stage returns its send tokens.
 """
 
@@ -31,6 +33,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
 from hetcc.errors import PlanFormatError
+from hetcc.passes.remat import rematerialisable, trainable_values
 from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor, new_anchor
 
 log = logging.getLogger(__name__)
@@ -90,7 +93,8 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: in
     """Split ``gm`` into ``num_stages`` stage graphs following ``stage_of`` (node name -> stage)."""
     stages = _assign_stages(gm, stage_of, num_stages)
     builders = [_StageBuilder(gm, k, num_stages) for k in range(num_stages)]
-    cut = _Cut(builders, stages, _trainable_values(gm))
+    trainable = trainable_values(gm)
+    cut = _Cut(builders, stages, trainable, rematerialisable(gm, trainable))
     for node in gm.graph.nodes:
         if node.op == "output":
             builders[-1].output(node, cut)
@@ -129,22 +133,6 @@ def _assign_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: 
             log.info("split_stages: dropping %s (no stage, no users)", node.name)
     _check_order(stage, num_stages)
     return stage
-
-
-def _trainable_values(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value depends on a trainable parameter: only their cut edges carry gradients."""
-    trainable: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            attr = operator.attrgetter(node.target)(gm)
-            if isinstance(attr, torch.nn.Parameter) and attr.requires_grad:
-                trainable.add(node)
-        elif any(arg in trainable for arg in node.all_input_nodes) or (
-            node.op == "call_module"
-            and any(p.requires_grad for p in gm.get_submodule(node.target).parameters())
-        ):
-            trainable.add(node)
-    return trainable
 
 
 def _check_mapping(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> None:
@@ -211,8 +199,20 @@ def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
 class _Cut:
     """Creates the edges of the cut on demand: one send in the producer per (value, consumer stage)."""
 
-    def __init__(self, builders: list[_StageBuilder], stages: dict[fx.Node, int], trainable: set[fx.Node]):
-        self.builders, self.stage, self.trainable, self.edges = builders, stages, trainable, {}
+    def __init__(
+        self,
+        builders: list[_StageBuilder],
+        stages: dict[fx.Node, int],
+        trainable: set[fx.Node],
+        free: set[fx.Node],
+    ):
+        self.builders, self.stage, self.trainable, self.free, self.edges = (
+            builders,
+            stages,
+            trainable,
+            free,
+            {},
+        )
 
     def transfer(self, node: fx.Node, dst: int) -> CommEdge:
         key = (node, dst)
@@ -259,12 +259,14 @@ class _StageBuilder:
         elif node.op == "placeholder":  # the target is the model's own input name ("input", not "input_1")
             new = self.graph.placeholder(node.target)
             new.meta = dict(node.meta)
-        elif _is_tensor(node):
+        elif _is_tensor(node) and node not in self.cut.free:
             new = self._recv(self.cut.transfer(node, self.index))
         else:
             if node.op == "call_module":
                 self._own(node.target)
-            new = self.graph.node_copy(node, self.value)  # recompute a non-tensor (shape, int)
+            new = self.graph.node_copy(
+                node, self.value
+            )  # recompute a non-tensor or a rematerialised constant
         self.env[node] = new
         return new
 

@@ -124,6 +124,7 @@ def build_problem(
         state_bytes=[p * multiplier for p in params],
         act_bytes=[float(b.act_bytes) if training else 0.0 for b in chain],
         cut_bytes=[float(b.cut_bytes) for b in chain[:-1]],
+        cut_grad_bytes=[float(b.cut_grad_bytes) for b in chain[:-1]] if training else None,
         devices=devices,
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
         latency_s=cluster.latency_matrix_s(),

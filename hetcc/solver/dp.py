@@ -109,7 +109,10 @@ class Chain:
         self.act_prefix = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
         self.param_prefix = np.concatenate([[0.0], np.cumsum(problem.block_param_bytes())])
         self.cut_at = np.concatenate([[0.0], np.asarray(problem.cut_bytes, dtype=float), [0.0]])
-        self.factor = 2.0 if problem.training else 1.0
+        grads = [problem.cut_grad_at(i) for i in range(self.n - 1)]
+        self.grad_at = np.concatenate([[0.0], np.asarray(grads, dtype=float), [0.0]])
+        # Messages per cut: the activations forward, and their gradients back where there are any.
+        self.messages_at = (self.cut_at > 0).astype(float) + (self.grad_at > 0)
         self._windows: dict[tuple, np.ndarray] = {}
         self._links: dict[tuple[float, float] | None, np.ndarray] = {}
         self._sums: dict[tuple, np.ndarray] = {}
@@ -182,7 +185,7 @@ class Chain:
                 comm = np.full(self.n + 1, math.inf)
                 comm[self.n] = 0.0
             else:
-                comm = self.factor * (link[0] + self.cut_at / link[1])
+                comm = self.messages_at * link[0] + (self.cut_at + self.grad_at) / link[1]
                 comm[0] = comm[self.n] = math.inf  # a middle stage ends strictly inside the chain
             self._links[link] = comm
         return self._links[link]

@@ -153,7 +153,7 @@ def _stage_plan(problem, boundaries, groups, routes, seconds, actions, recompute
     comm = link_busy = 0.0
     if j + 1 < len(groups):
         pairs = Counter((group[a], groups[j + 1][b]) for a, b in zip(route, routes[j + 1]))
-        times = {pair: link_time_s(problem, *pair, problem.cut_bytes[stop - 1]) for pair in pairs}
+        times = {pair: link_time_s(problem, *pair, stop - 1) for pair in pairs}
         comm = max(times.values())
         link_busy = max(steady_share(count, m) * times[pair] for pair, count in pairs.items())
     state = math.fsum(problem.state_bytes[start:stop])

@@ -55,6 +55,9 @@ class PartitionProblem:
     recompute_all: bool = False  # every stage recomputes (the user asked for it)
     # Bytes of each block's parameters (its gradient in a replica all-reduce); None: ``state_bytes``.
     param_bytes: list[float] | None = None
+    # Gradient bytes sent back over each cut in training (tensors that depend on no trainable parameter,
+    # like masks, send none); None: ``cut_bytes``.
+    cut_grad_bytes: list[float] | None = None
     # Self-description for outside planners (the costs above already include them).
     precision: str = "fp32"
     optimizer: str = ""
@@ -70,6 +73,12 @@ class PartitionProblem:
         if not self.training:
             return list(self.fwd_s[device_type])
         return [f + b for f, b in zip(self.fwd_s[device_type], self.bwd_s[device_type])]
+
+    def cut_grad_at(self, cut: int) -> float:
+        """Gradient bytes sent back over the cut after block ``cut`` (0 outside training)."""
+        if not self.training:
+            return 0.0
+        return (self.cut_bytes if self.cut_grad_bytes is None else self.cut_grad_bytes)[cut]
 
     def block_param_bytes(self) -> list[float]:
         return list(self.state_bytes if self.param_bytes is None else self.param_bytes)
@@ -276,10 +285,18 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth_bps: float, latency
     return 2 * (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_bps)
 
 
-def link_time_s(problem: PartitionProblem, src: int, dst: int, nbytes: float) -> float:
-    """C_j: activations forward and (training) gradients back over the src -> dst link."""
-    one_way = problem.latency_s[src][dst] + nbytes / problem.bandwidth_bps[src][dst]
-    return 2 * one_way if problem.training else one_way
+def transfer_s(problem: PartitionProblem, src: int, dst: int, nbytes: float) -> float:
+    """One message of ``nbytes`` over the src -> dst link (nothing is sent for 0 bytes)."""
+    if nbytes <= 0:
+        return 0.0
+    return problem.latency_s[src][dst] + nbytes / problem.bandwidth_bps[src][dst]
+
+
+def link_time_s(problem: PartitionProblem, src: int, dst: int, cut: int) -> float:
+    """C_j: the activations of the cut after block ``cut`` forward over the src -> dst link, and (training)
+    their gradients back."""
+    forward = transfer_s(problem, src, dst, problem.cut_bytes[cut])
+    return forward + transfer_s(problem, dst, src, problem.cut_grad_at(cut))
 
 
 def _fail(field: str, reason: str, hint: str) -> PlanFormatError:
@@ -331,6 +348,8 @@ def validate_problem(problem: PartitionProblem) -> None:
     _check_vector("cut_bytes", problem.cut_bytes, n - 1)
     if problem.param_bytes is not None:
         _check_vector("param_bytes", problem.param_bytes, n)
+    if problem.cut_grad_bytes is not None:
+        _check_vector("cut_grad_bytes", problem.cut_grad_bytes, n - 1)
     for flag in ("training", "replicate", "recompute", "recompute_all"):
         if not isinstance(getattr(problem, flag), bool):
             raise _fail(flag, f"must be true or false, got {getattr(problem, flag)!r}", "use a JSON boolean")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.objective import Device, replica_seconds, stage_costs
-from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.problem import PartitionProblem, transfer_s
 from hetcc.solver.schedules import replica_actions, stage_actions
 
 
@@ -139,10 +139,8 @@ class _Timeline:
     def _send(self, lane: _Lane, peer: int, target: int, kind: str, m: int, ready_s: float) -> None:
         link = (min(lane.device, peer), max(lane.device, peer))
         cut = self.stages[min(lane.stage, target)].blocks[1] - 1
-        one_way = (
-            self.problem.latency_s[lane.device][peer]
-            + self.problem.cut_bytes[cut] / self.problem.bandwidth_bps[lane.device][peer]
-        )
+        nbytes = self.problem.cut_bytes[cut] if kind == "F" else self.problem.cut_grad_at(cut)
+        one_way = transfer_s(self.problem, lane.device, peer, nbytes)
         start = max(self.link_free_s.get(link, 0.0), ready_s)
         end = start + one_way
         self.link_free_s[link] = end

@@ -22,15 +22,13 @@ def test_gpt2_12_has_embed_twelve_layers_and_head(gpt2_12):
     ]
 
 
-def test_cut_between_layers_is_the_residual_stream_plus_the_shared_mask(gpt2_12):
+def test_cut_between_layers_is_the_residual_stream_alone_the_mask_is_rematerialised(gpt2_12):
     analysis, folder = gpt2_12
     residual = 2 * 64 * 768 * 4
     layer3 = analysis.blocks[4]
-    sizes = sorted(c.bytes for c in layer3.cut_tensors)
-    assert residual in sizes and len(sizes) == 2  # the residual stream and the causal mask
-    mask = next(c for c in layer3.cut_tensors if c.bytes != residual)
-    assert mask.last_block == "transformer.h.11"  # every layer reads it
-    assert layer3.cut_bytes == residual + mask.bytes
+    assert [c.bytes for c in layer3.cut_tensors] == [residual]  # not the causal mask every layer reads
+    assert layer3.cut_tensors[0].grad and layer3.cut_grad_bytes == residual
+    assert layer3.cut_bytes == residual
     text = (folder / "04_blocks.txt").read_text()
     for cut in layer3.cut_tensors:
         assert f"%{cut.node} " in text
@@ -47,13 +45,13 @@ def test_blocks_are_contiguous_and_dependencies_only_go_forward(build):
     assert len(analysis.blocks) == 4  # embed, 2 layers, head
 
 
-def test_llama_cut_carries_rotary_cos_sin_and_mask_to_every_layer():
+def test_llama_rotary_cos_sin_and_mask_are_recomputed_not_carried_to_every_layer():
     analysis = hetcc.analyze(llama(layers=3), example_kwargs=lm_kwargs(token_ids(2, 16)))
     first_layer = analysis.blocks[1]
-    shared = [c for c in first_layer.cut_tensors if c.last_block == "model.layers.2"]
-    head_dim = 64 // 4
-    rotary = [c for c in shared if c.bytes == 16 * head_dim * 4]  # cos and sin: [1, seq, head_dim] f32
-    assert len(rotary) == 2 and len(shared) == 3  # cos, sin and the mask
+    residual = 2 * 16 * 64 * 4
+    assert [(c.bytes, c.last_block, c.grad) for c in first_layer.cut_tensors] == [
+        (residual, "model.layers.1", True)
+    ]
 
 
 def test_a_block_over_the_size_limit_is_split_by_its_children():

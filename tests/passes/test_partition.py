@@ -194,6 +194,7 @@ def test_evaluate_reports_the_stage_breakdown():
 )
 def test_round_trips_set_the_1f1b_period(schedule, microbatches, period):
     problem = chain({"t": 3.0}, {"t": 3}, n=3, schedule=schedule, microbatches=microbatches)
+    problem.cut_bytes = [1.0, 1.0]  # one message each way per cut, priced by its latency
     problem.latency_s = [[0.0 if a == b else 0.75 for b in range(3)] for a in range(3)]  # C_j = 1.5 s
     plan = evaluate(problem, [0, 1, 2, 3], [0, 1, 2])
     assert plan.bottleneck_s == 3.0
