@@ -74,15 +74,15 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
     """The plan in ``directory`` (``hetcc compile --out``) re-priced with pipeline rank r on the device
     ``found[r]`` (``{"vendor", "name", "memory_bytes"}``, as ``hetcc.launch.found_device`` gives it).
     Ranks are numbered as ``placement.placement`` numbers them: stage order, replicas next to each other."""
-    plan, problem, cluster = _read(Path(directory))
-    ranks = [(s.index, r, name) for s in plan.stages for r, name in enumerate(s.devices)]
-    if any(not 0 <= rank < len(ranks) for rank in found):
-        raise PlanFormatError(f"ranks {sorted(found)}: the plan has ranks 0..{len(ranks) - 1}")
     on_cpu = [str(rank) for rank in sorted(found) if found[rank]["vendor"] == "cpu"]
     if on_cpu:
         which = f"rank{'s' if len(on_cpu) > 1 else ''} {', '.join(on_cpu)}"
         why = f"running a GPU plan on CPU ({which}): times are not re-priced"
-        return Repricing(plan.step_time_s, math.nan, not_repriced=why)
+        return Repricing(math.nan, math.nan, not_repriced=why)
+    plan, problem, cluster = _read(Path(directory))
+    ranks = [(s.index, r, name) for s in plan.stages for r, name in enumerate(s.devices)]
+    if any(not 0 <= rank < len(ranks) for rank in found):
+        raise PlanFormatError(f"ranks {sorted(found)}: the plan has ranks 0..{len(ranks) - 1}")
     priced = {rank: _price(problem, cluster, ranks[rank][2], found[rank], rank) for rank in sorted(found)}
     reasons = [p for p in priced.values() if isinstance(p, str)]
     if reasons:

@@ -96,11 +96,16 @@ def test_a_device_with_too_little_memory_says_the_stage_no_longer_fits(build):
     assert format_repricing(result)[-1].endswith(", has 922 KiB usable")
 
 
-def test_a_gpu_plan_on_cpu_ranks_is_not_repriced(build):
+def test_a_gpu_plan_on_cpu_ranks_is_not_repriced(build, tmp_path):
     folder, _ = build
     cpu = {"vendor": "cpu", "name": "CPU", "memory_bytes": 0}
     assert repricing_lines(folder, {0: cpu, 1: cpu}) == [
         "hetcc.launch: running a GPU plan on CPU (ranks 0, 1): times are not re-priced"
+    ]
+    assert repricing_lines(
+        tmp_path, {1: cpu}
+    ) == [  # said before reading the folder (a pipeline without a plan)
+        "hetcc.launch: running a GPU plan on CPU (rank 1): times are not re-priced"
     ]
 
 
