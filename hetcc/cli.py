@@ -193,7 +193,7 @@ def _run(args: argparse.Namespace) -> None:
             )  # fmt: skip
         finally:
             os.environ.pop(TRACE_DIR_ENV, None)
-        for step, loss in enumerate(result.losses):
+        for step, loss in enumerate(result.losses, start=result.first_step):
             print(f"step {step} loss {loss:.6f}")
         if args.trace:
             _write_measured_trace(build, scratch, args.trace)

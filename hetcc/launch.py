@@ -10,7 +10,9 @@ and type by name and memory. ``--allow-substitute`` runs on whatever it found, a
 Checkpoints (``--checkpoint-dir``, default ``DIR/checkpoints``; ``--checkpoint-every``; ``--resume``)
 are written as ``run_local`` writes them; the trained weights are saved there at the end. Inputs (and targets)
 come from ``inputs.safetensors`` / ``targets.safetensors`` in the folder; schedule, microbatches,
-optimizer and loss default to ``pipeline.json``'s ``meta``. The last stage's first replica prints one ``step <i> loss <value>`` line per step (and writes them to ``--losses-out``); with
+optimizer and loss default to ``pipeline.json``'s ``meta``. Each rank reads only ``pipeline.json`` and its
+own stage's files. The last stage's first replica prints one ``step <i> loss <value>`` line per step,
+numbered on from the resumed checkpoint's step (and writes the losses to ``--losses-out``); with
 ``--stats-out DIR`` every rank writes its counters (``RunResult.stats``) to ``DIR/stats_rank<k>.json``.
 """
 
@@ -35,24 +37,25 @@ from hetcc.runtime.groups import GPU_VENDORS, world_backend
 from hetcc.runtime.layout import placements
 from hetcc.runtime.local import Checkpointing, run_rank
 from hetcc.runtime.placement import device_mismatch, rank_at, torchrun_commands
-from hetcc.runtime.store import load_inputs, load_pipeline
+from hetcc.runtime.store import load_inputs, load_stage, read_outline
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    pipeline = load_pipeline(args.directory)
-    meta = pipeline.meta
+    outline = read_outline(args.directory)  # pipeline.json only: this rank reads no other stage's files
+    meta = outline.meta
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    ranks = placements(meta, len(pipeline.stages))  # replicas of a stage are ranks of their own
+    ranks = placements(meta, len(outline.stages))  # replicas of a stage are ranks of their own
     if world != len(ranks):
         raise PlanFormatError(
-            f"{args.directory} has {len(ranks)} ranks ({len(pipeline.stages)} stages) but WORLD_SIZE is {world}",
+            f"{args.directory} has {len(ranks)} ranks ({len(outline.stages)} stages) but WORLD_SIZE is {world}",
             hint=f"start torchrun with {len(ranks)} processes in all (--nproc-per-node times the node count)",
         )
     vendors = [placement.vendor for placement in ranks]
     rank = _rank(meta)
     device = _device(vendors[rank], meta, rank)
     _check_device(meta, rank, device, args.allow_substitute)
+    stage = load_stage(args.directory, ranks[rank].stage)
     if not torch.cuda.is_available():  # a GPU plan on CPU hosts (allowed above): every link is gloo
         vendors = ["cpu"] * len(ranks)
     checkpoint = Checkpointing(args.checkpoint_dir or os.path.join(args.directory, "checkpoints"),
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         inputs, targets = load_inputs(args.directory)
         result = run_rank(
-            pipeline, rank, inputs, targets,
+            outline, stage, rank, inputs, targets,
             steps=args.steps,
             schedule=args.schedule or meta.get("schedule", "1f1b"),
             microbatches=args.microbatches or int(meta.get("microbatches", 1)),
@@ -77,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     if args.stats_out:
         _write_json(os.path.join(args.stats_out, f"stats_rank{rank}.json"), result["stats"])
-    if pipeline.stages[ranks[rank].stage].is_last and ranks[rank].replica == 0:  # one replica prints
-        for step, loss in enumerate(result["losses"]):
+    if stage.is_last and ranks[rank].replica == 0:  # one replica prints
+        for step, loss in enumerate(result["losses"], start=result["first_step"]):
             print(f"step {step} loss {loss!r}", flush=True)
         if args.losses_out:
             _write_json(args.losses_out, result["losses"])

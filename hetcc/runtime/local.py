@@ -1,10 +1,11 @@
 """Run a whole pipeline on this machine: one spawned process per stage, talking over gloo.
 
-``run_local`` saves the pipeline to a folder (or takes a saved one) and every rank loads its stage from
-there, so a local check exercises the same files ``hetcc.launch`` runs on a cluster. Every stage runs on
-this machine's CPU over gloo, whatever devices the plan names (it says so once). The ranks are watched
-by ``hetcc.runtime.supervisor``: a rank that fails, dies or stops ends the run within the communication
-timeout plus a few seconds, and the error lists the ranks in the order they failed, the cause first.
+``run_local`` saves the pipeline to a folder (or takes a saved one), checks the whole folder once, and
+every rank loads only its own stage from there (``load_rank``), so a local check exercises the same
+files ``hetcc.launch`` runs on a cluster. Every stage runs on this machine's CPU over gloo, whatever
+devices the plan names (it says so once). The ranks are watched by ``hetcc.runtime.supervisor``: a
+rank that fails, dies or stops ends the run within the communication timeout plus a few seconds, and
+the error lists the ranks in the order they failed, the cause first.
 With ``checkpoint_dir`` each rank checkpoints its stage (``hetcc.runtime.checkpoint``) and ``resume``
 continues bit-identically from the newest complete checkpoint.
 """
@@ -33,7 +34,14 @@ from hetcc.runtime.executor import StageExecutor
 from hetcc.runtime.groups import GPU_VENDORS, Links
 from hetcc.runtime.layout import RankLayout, placements
 from hetcc.runtime.ops import reset_transfer_stats, transfer_stats
-from hetcc.runtime.store import Pipeline, load_pipeline, save_stages
+from hetcc.runtime.store import (
+    Pipeline,
+    PipelineOutline,
+    load_pipeline,
+    load_stage,
+    read_outline,
+    save_stages,
+)
 from hetcc.runtime.supervisor import error_report, failure_error, spawn_ranks, start_heartbeat, write_report
 from hetcc.solver.schedules import stage_actions
 
@@ -42,8 +50,10 @@ from hetcc.solver.schedules import stage_actions
 class RunResult:
     """What a run produced, and which code produced it.
 
-    ``losses``: one per step (mean over microbatches); ``outputs``: the last step's flat model outputs
-    concatenated over microbatches; ``grads``: after the last backward, by model parameter name.
+    ``losses``: one per step (mean over microbatches), ``losses[i]`` of step ``first_step + i``
+    (``first_step``: the steps a resumed run's checkpoint had done, else 0); ``outputs``: the last
+    step's flat model outputs concatenated over microbatches; ``grads``: after the last backward, by
+    model parameter name.
 
     ``stats``: one dict per rank, counted over all steps:
 
@@ -65,6 +75,7 @@ class RunResult:
     outputs: tuple = ()
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
     stats: list[dict[str, int]] = field(default_factory=list)
+    first_step: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,19 +121,20 @@ def run_local(
         )
     with tempfile.TemporaryDirectory(prefix="hetcc_run_") as scratch:
         directory = _pipeline_folder(stages_or_dir, scratch, checkpoint_dir)
-        pipeline = load_pipeline(directory)
-        world = len(rank_stages(pipeline))
-        check_inputs_taken(pipeline, inputs)
-        check_microbatch_shapes(pipeline, split_microbatches(named_inputs(pipeline, inputs), microbatches)[0])
+        load_pipeline(directory)  # every file checked once, here; each rank then reads only its own stage
+        outline = read_outline(directory)
+        world = len(rank_stages(outline))
+        check_inputs_taken(outline, inputs)
+        check_microbatch_shapes(outline, split_microbatches(named_inputs(outline, inputs), microbatches)[0])
         checkpointing = None
         if checkpoint_dir is not None:
             checkpointing = Checkpointing(os.fspath(checkpoint_dir), checkpoint_every, resume)
-            if resume and ckpt.latest_complete_step(checkpoint_dir, len(pipeline.stages)) is None:
+            if resume and ckpt.latest_complete_step(checkpoint_dir, len(outline.stages)) is None:
                 raise HetccError(
                     f"{checkpoint_dir} holds no complete checkpoint to resume from",
                     hint="run without resume=True first, with checkpoint_dir= and checkpoint_every=",
                 )
-        _say_where_it_runs(pipeline)
+        _say_where_it_runs(outline)
         job = dict(
             directory=directory, inputs=inputs, targets=targets, loss_fn=loss_fn, steps=steps,
             schedule=schedule, microbatches=microbatches, optimizer=optimizer,
@@ -134,14 +146,22 @@ def run_local(
         return _collect(reports)
 
 
-def rank_stages(pipeline: Pipeline) -> list[int]:
+def rank_stages(outline: PipelineOutline) -> list[int]:
     """The stage each rank runs (rank -> stage index): the one place ranks are mapped to stages
     (``meta["placement"]``, replicas of a stage included; else rank = stage)."""
-    return [placement.stage for placement in placements(pipeline.meta, len(pipeline.stages))]
+    return [placement.stage for placement in placements(outline.meta, len(outline.stages))]
+
+
+def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, StageGraph]:
+    """What ``rank`` runs: the folder's outline and its own stage, the only graph and weights it reads
+    (a damaged file of another stage fails that stage's ranks, not this one)."""
+    outline = read_outline(directory)
+    return outline, load_stage(directory, rank_stages(outline)[rank])
 
 
 def run_rank(
-    pipeline: Pipeline,
+    outline: PipelineOutline,
+    stage: StageGraph,
     rank: int,
     inputs: Mapping[str, Any] | tuple | list,
     targets: torch.Tensor | None,
@@ -156,13 +176,17 @@ def run_rank(
     checkpoint: Checkpointing | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Run this rank's stage (or replica of it) for ``steps`` steps (torch.distributed already
+    """Run this rank's ``stage`` (or replica of it) for ``steps`` steps (torch.distributed already
     initialised); returns ``losses`` (the step's mean over every microbatch, last stage only),
-    ``outputs`` (last stage: microbatch -> this rank's flat outputs), ``grads`` and ``stats`` as
-    ``RunResult`` has them. The rank's RNG (dropout) starts from ``seed + rank``: runs repeat exactly."""
+    ``outputs`` (last stage: microbatch -> this rank's flat outputs), ``grads``, ``stats`` and
+    ``first_step`` as ``RunResult`` has them. The rank's RNG (dropout) starts from ``seed + rank``:
+    runs repeat exactly."""
     torch.manual_seed(seed + rank)
-    layout = RankLayout.from_meta(pipeline.meta, len(pipeline.stages), microbatches)
-    stage = pipeline.stages[layout.ranks[rank].stage]
+    layout = RankLayout.from_meta(outline.meta, len(outline.stages), microbatches)
+    if layout.ranks[rank].stage != stage.index:
+        raise HetccError(
+            f"rank {rank} runs stage {layout.ranks[rank].stage}, not the stage {stage.index} given"
+        )
     timeout_s = config.comm_timeout_s if timeout_s is None else timeout_s
     vendors = layout.vendors()
     if torch.device(device).type == "cpu":  # a GPU plan checked on CPU ranks: every link is gloo
@@ -170,13 +194,14 @@ def run_rank(
     tied_ranks = [layout.holders(group.stages) for group in stage.tied]
     links = Links(vendors, tied_ranks, timeout_s, device, replica_ranks=layout.replica_groups())
     executor = StageExecutor(stage, links, microbatches, loss_fn, optimizer, device, layout=layout)
-    chunks = split_microbatches(named_inputs(pipeline, inputs), microbatches)
-    check_microbatch_shapes(pipeline, chunks[0])
+    chunks = split_microbatches(named_inputs(outline, inputs), microbatches)
+    check_microbatch_shapes(outline, chunks[0])
     target_chunks = list(targets.chunk(microbatches)) if isinstance(targets, torch.Tensor) else None
     actions = layout.actions(schedule, rank)
     losses, last = [], None
     if checkpoint is not None and checkpoint.resume:
         _resume(executor, checkpoint.directory, layout.ranks[rank].replica)
+    first_step = executor.step_index
     replica = layout.ranks[rank].replica
     reset_transfer_stats()
     reset_launch_stats()
@@ -190,7 +215,10 @@ def run_rank(
         _checkpoint(executor, checkpoint.directory, replica)  # the trained weights at the end of the run
     outputs = dict(zip(last.microbatches, last.outputs))  # this replica's microbatches (last stage)
     stats = {**transfer_stats(), **launch_stats()}
-    return {"losses": losses, "outputs": outputs, "grads": executor.named_grads(), "stats": stats}
+    return {
+        "losses": losses, "outputs": outputs, "grads": executor.named_grads(), "stats": stats,
+        "first_step": first_step,
+    }  # fmt: skip
 
 
 def _checkpoint(executor: StageExecutor, directory: str, replica: int) -> None:
@@ -223,13 +251,13 @@ def _resume(executor: StageExecutor, directory: str, replica: int) -> None:
     ckpt.set_rng_state(rng or state["rng"], executor.device)
 
 
-def named_inputs(pipeline: Pipeline, inputs: Mapping[str, Any] | tuple | list) -> dict[str, Any]:
+def named_inputs(outline: PipelineOutline, inputs: Mapping[str, Any] | tuple | list) -> dict[str, Any]:
     """Model inputs by placeholder name; positional inputs follow the model's placeholder order."""
     if isinstance(inputs, Mapping):
         return dict(inputs)
-    names = pipeline.meta.get("inputs")
+    names = outline.meta.get("inputs")
     if not names:
-        names = list(dict.fromkeys(name for stage in pipeline.stages for name in stage.inputs))
+        names = list(dict.fromkeys(name for stage in outline.stages for name in stage.inputs))
     if len(inputs) != len(names):
         raise PlanFormatError(
             f"got {len(inputs)} positional inputs for model inputs {names}",
@@ -258,9 +286,9 @@ def split_microbatches(inputs: Mapping[Any, Any], microbatches: int) -> list[dic
     return chunks
 
 
-def check_microbatch_shapes(pipeline: Pipeline, microbatch: dict[str, Any]) -> None:
+def check_microbatch_shapes(outline: PipelineOutline, microbatch: dict[str, Any]) -> None:
     """Every stage's graph was traced at one microbatch's shapes; fail before any rank waits."""
-    for stage in pipeline.stages:
+    for stage in outline.stages:
         for name in stage.inputs:
             if name not in microbatch:
                 raise PlanFormatError(f"stage {stage.index} needs model input {name!r}, which was not given")
@@ -319,12 +347,12 @@ def _check_picklable(loss_fn) -> None:
         ) from None
 
 
-def check_inputs_taken(pipeline: Pipeline, inputs: Mapping[str, Any] | tuple | list) -> None:
+def check_inputs_taken(outline: PipelineOutline, inputs: Mapping[str, Any] | tuple | list) -> None:
     """A tensor input the model was not traced with would be ignored silently (say, ``labels`` given
     to a plan compiled without them, whose model then returns logits, not a loss): refuse it."""
     if not isinstance(inputs, Mapping):
         return
-    taken = set(pipeline.meta.get("inputs") or ()) | {n for stage in pipeline.stages for n in stage.inputs}
+    taken = set(outline.meta.get("inputs") or ()) | {n for stage in outline.stages for n in stage.inputs}
     unknown = sorted(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in taken)
     if unknown:
         raise HetccError(
@@ -335,11 +363,11 @@ def check_inputs_taken(pipeline: Pipeline, inputs: Mapping[str, Any] | tuple | l
         )
 
 
-def _say_where_it_runs(pipeline: Pipeline) -> None:
+def _say_where_it_runs(outline: PipelineOutline) -> None:
     """Once per run: a plan made for GPUs runs here on local CPU processes over gloo."""
-    vendors = pipeline.meta.get("vendors") or []
+    vendors = outline.meta.get("vendors") or []
     if any(str(v).lower() in GPU_VENDORS for v in vendors):
-        placement = pipeline.meta.get("placement") or []
+        placement = outline.meta.get("placement") or []
         kinds = {str(p.get("type") or p.get("vendor")) for p in placement} or set(map(str, vendors))
         devices = sorted(kinds)
         print(
@@ -364,9 +392,9 @@ def _worker(rank: int, world: int, job: dict, beats) -> None:
             "gloo", init_method=f"tcp://127.0.0.1:{job['port']}", rank=rank, world_size=world,
             timeout=datetime.timedelta(seconds=job["timeout_s"]),
         )  # fmt: skip
-        pipeline = load_pipeline(job["directory"])
+        outline, stage = load_rank(job["directory"], rank)
         result = run_rank(
-            pipeline, rank, job["inputs"], job["targets"], steps=job["steps"], schedule=job["schedule"],
+            outline, stage, rank, job["inputs"], job["targets"], steps=job["steps"], schedule=job["schedule"],
             microbatches=job["microbatches"], loss_fn=job["loss_fn"], optimizer=job["optimizer"],
             timeout_s=job["timeout_s"], checkpoint=job["checkpoint"],
         )  # fmt: skip
@@ -388,5 +416,5 @@ def _collect(reports: list[dict]) -> RunResult:
     stats = [dict(report["stats"]) for report in reports]
     return RunResult(
         losses=list(losses), outputs=_concat_outputs([outputs[m] for m in sorted(outputs)]), grads=grads,
-        stats=stats,
+        stats=stats, first_step=reports[0]["first_step"],  # the step every rank resumed at
     )  # fmt: skip

@@ -103,10 +103,48 @@ def load_pipeline(directory: str) -> Pipeline:
     return Pipeline(stages, document.get("meta", {}))
 
 
+@dataclass(frozen=True)
+class StageOutline:
+    """What pipeline.json says of a stage besides its graph and weights: the model inputs it reads."""
+
+    index: int
+    num_stages: int
+    inputs: tuple[str, ...]
+    input_shapes: dict[str, tuple[int | str, ...]]  # traced (microbatch) shapes
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+@dataclass(frozen=True)
+class PipelineOutline:
+    """A saved pipeline as pipeline.json alone describes it: what a rank needs to know of the stages
+    it does not run (their model inputs; the meta with placement and routing) without loading them."""
+
+    stages: tuple[StageOutline, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def read_outline(directory: str) -> PipelineOutline:
+    """The outline of a saved pipeline folder: pipeline.json is read and checked, nothing else."""
+    document = read_document(directory)
+    stages = tuple(
+        StageOutline(
+            entry["index"],
+            document["num_stages"],
+            tuple(entry["inputs"]),
+            {name: tuple(shape) for name, shape in entry.get("input_shapes", {}).items()},
+        )  # fmt: skip
+        for entry in document["stages"]
+    )
+    return PipelineOutline(stages, document.get("meta", {}))
+
+
 def load_stage(directory: str, index: int) -> StageGraph:
     """Stage ``index`` alone: only pipeline.json, the kernels and that stage's own graph and weights are
-    read, so a damaged file of another stage does not fail it. (Ranks still call ``load_pipeline`` today;
-    switching ``runtime/local.py`` and ``launch.py`` to this is open work.)"""
+    read, so a damaged file of another stage does not fail it. Each rank loads its stage this way
+    (``runtime.local.load_rank``, ``hetcc.launch``); ``read_outline`` tells it what it needs of the others."""
     document = read_document(directory)
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < document["num_stages"]:
         raise PlanFormatError(f"{directory}: no stage {index!r}; the pipeline has {document['num_stages']}")
