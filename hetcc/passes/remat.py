@@ -22,10 +22,12 @@ import operator
 import sympy
 import torch
 import torch.fx as fx
+from torch.utils.flop_counter import flop_registry
 
 from hetcc.ir import NodeInfo, info, is_concrete
 
 CHEAP_FLOPS_PER_ELEMENT = 8
+_HEAVY_WORDS = ("mm", "matmul", "linear", "conv", "einsum", "tensordot", "bilinear", "attention")
 _COMPUTE = ("call_function", "call_method")
 
 
@@ -75,8 +77,17 @@ def _random(node: fx.Node) -> bool:
 
 def _cheap(node: fx.Node) -> bool:
     record = info(node)
-    members = record.members or (record,)
-    return all(_cheap_record(member) for member in members)
+    if not record.fwd_flops and not record.members:  # not analysed: judge by the op's kind
+        return not _counted(node.target)
+    return all(_cheap_record(member) for member in record.members or (record,))
+
+
+def _counted(target) -> bool:
+    """A matmul, convolution or attention: an op torch's FLOP counter has a formula for, or a composite
+    of those (``aten.matmul``, ``aten.linear``, ``aten.einsum`` as export leaves them)."""
+    packet = getattr(target, "overloadpacket", target)
+    name = str(getattr(packet, "__name__", target)).lower()
+    return packet in flop_registry or any(word in name for word in _HEAVY_WORDS)
 
 
 def _cheap_record(record: NodeInfo) -> bool:

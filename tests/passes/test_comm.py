@@ -180,3 +180,40 @@ def test_stage_inputs_keep_the_models_own_names_where_fx_renames_the_placeholder
     assert stages[0].inputs == ("input",) and "input" in stages[0].input_shapes
     (out,) = run_in_process(stages, {"input": x})
     torch.testing.assert_close(out, model(x))
+
+
+class _Front(torch.nn.Module):
+    """Besides its layer, makes three tensors from the input alone: a cheap mask, a random mask and a
+    matmul of the input by a constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.register_buffer("mix", torch.eye(8).flip(0))
+
+    def forward(self, x):
+        cheap = (x > 0).float() * 2 - 1
+        noise = (torch.rand_like(x) > 0.5).float()
+        return self.a(x), cheap, noise, x @ self.mix
+
+
+class _Constants(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.front, self.back = _Front(), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h, cheap, noise, mixed = self.front(x)
+        return self.back(h) * cheap * noise + mixed
+
+
+def test_a_cheap_tensor_of_inputs_alone_is_recomputed_a_random_or_costly_one_is_sent():
+    torch.manual_seed(0)
+    model, x = _Constants(), torch.randn(4, 8)
+    gm = export(model, (x,))
+    stages = split_stages(gm, stages_by_module(gm, [("front", 0), ("back", 1)]), 2)
+    received = {e.value: e.requires_grad for e in stages[1].recvs}
+    assert received == {"linear": True, "to_1": False, "matmul": False}  # the layer, the random mask, x @ mix
+    assert stages[1].inputs == ("x",)  # it reads the input to recompute the cheap mask
+    ops = {n.target for n in stages[1].module.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.gt.Scalar in ops and torch.ops.aten.rand_like.default not in ops
