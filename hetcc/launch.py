@@ -6,7 +6,8 @@ Rank k runs the stage (and replica) ``meta["placement"]`` gives it, else stage k
 written by ``hetcc.compile``, the process torchrun starts as (GROUP_RANK, LOCAL_RANK) is the rank planned
 for that node's GPU (``hetcc.runtime.placement``; ``hetcc launch DIR --rdzv-endpoint HOST:PORT`` prints
 the torchrun command of every node), and it checks at start that it found the planned device: vendor,
-and type by name and memory. ``--allow-substitute`` runs on whatever it found, and says so.
+and type by name and memory. ``--allow-substitute`` runs on whatever it found, says so, and rank 0 prints
+the plan re-priced for the devices found (``hetcc.runtime.reprice``).
 Checkpoints (``--checkpoint-dir``, default ``DIR/checkpoints``; ``--checkpoint-every``; ``--resume``)
 are written as ``run_local`` writes them; the trained weights are saved there at the end. Inputs (and targets)
 come from ``inputs.safetensors`` / ``targets.safetensors`` in the folder; schedule, microbatches,
@@ -37,6 +38,7 @@ from hetcc.runtime.groups import GPU_VENDORS, world_backend
 from hetcc.runtime.layout import placements
 from hetcc.runtime.local import Checkpointing, run_rank
 from hetcc.runtime.placement import device_mismatch, rank_at, torchrun_commands
+from hetcc.runtime.reprice import repricing_lines
 from hetcc.runtime.store import load_inputs, load_stage, read_outline
 
 
@@ -63,8 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         write_build_pointer(checkpoint.directory, args.directory)
     timeout = datetime.timedelta(seconds=config.comm_timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives (and object gathers) run on the current device
     dist.init_process_group(world_backend(vendors), timeout=timeout, rank=rank, world_size=len(ranks))
     try:
+        if args.allow_substitute:
+            _print_repricing(args.directory, meta, rank, device)
         inputs, targets = load_inputs(args.directory)
         result = run_rank(
             outline, stage, rank, inputs, targets,
@@ -196,6 +202,20 @@ def found_device(device: torch.device) -> dict:
     props = torch.cuda.get_device_properties(device)
     vendor = "amd" if getattr(torch.version, "hip", None) else "nvidia"
     return {"vendor": vendor, "name": props.name, "memory_bytes": props.total_memory}
+
+
+def _print_repricing(directory: str, meta: dict, rank: int, device: torch.device) -> None:
+    """Every rank says which device it found; rank 0 prints the plan re-priced for the ranks whose device
+    differs from the plan's (``hetcc.runtime.reprice``). Collective: every rank calls it."""
+    entries = meta.get("placement") or []
+    mine = found_device(device)
+    differs = bool(entries) and "type" in entries[rank] and device_mismatch(entries[rank], mine) is not None
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (differs, mine))
+    found = {r: seen for r, (mismatched, seen) in enumerate(gathered) if mismatched}
+    if rank == 0 and found:
+        for line in repricing_lines(directory, found):
+            print(line, file=sys.stderr, flush=True)
 
 
 def _check_device(meta: dict, rank: int, device: torch.device, allow_substitute: bool) -> None:

@@ -111,6 +111,7 @@ def test_a_gpu_plan_stops_on_a_cpu_host_unless_substitutes_are_allowed(tmp_path)
     allowed = _torchrun(folder, "--steps", "2", "--checkpoint-every", "1", "--allow-substitute")
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert allowed.stderr.count("running on it anyway (--allow-substitute)") == 2  # once per rank
+    assert allowed.stderr.count("running a GPU plan on CPU (ranks 0, 1): times are not re-priced") == 1
     assert "step 1 loss" in allowed.stdout
     assert ckpt.latest_complete_step(folder / "checkpoints", 2) == 2  # the trained weights, by default
     assert set(hetcc.export(folder)) == {"a.weight", "a.bias", "b.weight", "b.bias", "c.weight", "c.bias"}
