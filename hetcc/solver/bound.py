@@ -66,8 +66,13 @@ def objective_bound(problem: PartitionProblem) -> float:
     return compute_bound_s(costs, counts, problem.microbatches - 1, problem.replicate)
 
 
-def compute_bound_s(costs: np.ndarray, counts: np.ndarray, slope: int, replicate: bool = False) -> float:
+def compute_bound_s(
+    costs: np.ndarray, counts: np.ndarray, slope: int, replicate: bool = False, enough_s: float = math.inf
+) -> float:
     """The objective's bound for devices of types ``costs[t]`` (seconds per block), ``counts[t]`` of each.
+
+    The weight search stops early once the bound reaches ``enough_s`` (a caller asking only "can these
+    devices beat ``enough_s``?" then has its answer, a valid bound no larger than the full one).
 
     Communication and all-reduces only add, and P >= max_j B_j, so T >= sum_j T_j + (M - 1) max_j B_j.
     Two bounds on that:
@@ -84,7 +89,7 @@ def compute_bound_s(costs: np.ndarray, counts: np.ndarray, slope: int, replicate
     cheapest = costs.min(axis=0)
     if not replicate:
         integral = float(cheapest.sum()) + slope * float(cheapest.max())
-        return max(integral, _balance_bound(costs, counts, slope))
+        return max(integral, _balance_bound(costs, counts, slope, enough_s=enough_s))
     # With replicas B_j = (ceil(M / r) - 1) / (M - 1) * T_j: a block on r <= counts[t] devices of type
     # t adds at least (ceil(M / counts[t]) - 1) * c_t[i]; the balance relaxation does not carry over.
     # Also (M - 1) B_j >= M T_j / r_j - T_j, so T >= M * (largest device load T_j / r_j): the balance
@@ -92,13 +97,14 @@ def compute_bound_s(costs: np.ndarray, counts: np.ndarray, slope: int, replicate
     m = slope + 1
     steady = np.array([math.ceil(m / c) - 1 for c in counts], dtype=float)
     integral = float(cheapest.sum()) + float((costs * steady[:, None]).min(axis=0).max())
-    return max(integral, _balance_bound(costs, counts, m, base=0.0))
+    return max(integral, _balance_bound(costs, counts, m, base=0.0, enough_s=enough_s))
 
 
 def _balance_bound(
-    costs: np.ndarray, counts: np.ndarray, slope: int, rounds: int = 200, base: float = 1.0
+    costs: np.ndarray, counts: np.ndarray, slope: int, rounds: int = 200, base: float = 1.0, enough_s=math.inf
 ) -> float:
-    """max over type weight shares of sum_i min_t (base + slope * share_t / count_t) * c_t[i]."""
+    """max over type weight shares of sum_i min_t (base + slope * share_t / count_t) * c_t[i] (the
+    search stops once it reaches ``enough_s``)."""
     if slope == 0:
         return base * float(costs.min(axis=0).sum())
     speed = counts / np.maximum(costs.sum(axis=1), 1e-300)
@@ -108,6 +114,8 @@ def _balance_bound(
     for step in range(rounds):
         scaled = (base + slope * share / counts)[:, None] * costs
         best = max(best, float(scaled.min(axis=0).sum()))
+        if best >= enough_s:
+            break
         owner = scaled.argmin(axis=0)
         per_device = np.bincount(owner, weights=costs[owner, columns], minlength=len(counts)) / counts
         gradient = per_device / max(float(per_device.max()), 1e-300)

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hetcc.solver.bound_rows import BoundRows
 from hetcc.solver.objective import step_terms
 from hetcc.solver.problem import (
     MEMORY_RTOL,
@@ -114,6 +115,7 @@ class Chain:
         # Messages per cut: the activations forward, and their gradients back where there are any.
         self.messages_at = (self.cut_at > 0).astype(float) + (self.grad_at > 0)
         self._windows: dict[tuple, np.ndarray] = {}
+        self._slots: dict[tuple, SequenceSlot] = {}  # one record per kind: the screen keys on identity
         self._links: dict[tuple[float, float] | None, np.ndarray] = {}
         self._sums: dict[tuple, np.ndarray] = {}
         self._candidates: dict[tuple, np.ndarray] = {}
@@ -141,15 +143,15 @@ class Chain:
                 link = (problem.latency_s[d][nxt], problem.bandwidth_bps[d][nxt])
                 link_share = steady_share(-(-m // math.lcm(r, replicas[j + 1])), m)
             slots = round_trip_slots(problem, j, k, replicas)
-            out.append(
-                SequenceSlot(
-                    self._modes(device, group, held, first=j == 0),
-                    steady_share(-(-m // r), m),
-                    self._comm(link),
-                    link_share,
-                    math.inf if slots is None else float(slots),
+            slots = math.inf if slots is None else float(slots)
+            reduced = group if j == 0 and r > 1 and problem.training else r  # its all-reduce is timed
+            key = (device.type, device.memory_bytes, reduced, held, link, link_share, slots)
+            if key not in self._slots:
+                modes = self._modes(device, group, held, first=j == 0)
+                self._slots[key] = SequenceSlot(
+                    modes, steady_share(-(-m // r), m), self._comm(link), link_share, slots
                 )
-            )
+            out.append(self._slots[key])
         return out
 
     def _modes(self, device, group: tuple[int, ...], held: int, first: bool) -> tuple[Mode, ...]:
@@ -238,73 +240,12 @@ class Chain:
         bound only) also returns per stage, first stage first, per mode (cost by end block, window
         ends, the mode's suffix values) for backtracking.
         """
-        rows, width = len(bounds_s), self.n + 1
-        slack = self._slack(bounds_s)
-        trip_slack = slack if trip_bounds_s is None else self._slack(np.asarray(trip_bounds_s, dtype=float))
-        g = np.full((rows, width), math.inf)
-        g[:, self.n] = 0.0
-        # Level k holds min(h[i : i + 2**k]); its last 2**k - 1 columns stay inf (never written).
-        table = np.full((len(self._log2_levels), rows, width), math.inf)
-        flat = table.reshape(-1)
-        windows: dict[tuple, tuple] = {}
-        reaches: dict[tuple, np.ndarray] = {}
-        links: dict[tuple, np.ndarray] = {}  # -> T+A prefix + C_j with link terms above b made inf
+        rows = BoundRows(self, bounds_s, trip_bounds_s)
+        g = rows.last_suffix()
         kept = []
-        for j in range(len(stages) - 1, -1, -1):
-            stage = stages[j]
-            best = np.full((rows, width), math.inf)
-            per_mode = []
-            for mode in stage.modes:
-                key = (id(stage.comm_s), stage.link_share, id(mode.sum_prefix), mode.constant_s)
-                if key not in links:
-                    link_term = stage.comm_s * stage.link_share if stage.link_share else np.zeros(width)
-                    over = link_term[None, :] > slack[:, None]
-                    links[key] = np.where(over, math.inf, stage.comm_s + mode.sum_prefix + mode.constant_s)
-                np.add(g, links[key], out=table[0])  # h[i] = S-prefix(i) + C_j(i) + g_{j+1}(i)
-                for level, span in enumerate(self._log2_levels[:-1]):
-                    np.minimum(
-                        table[level, :, : width - span],
-                        table[level, :, span:],
-                        out=table[level + 1, :, : width - span],
-                    )
-                wkey = (id(mode.term_prefix), stage.share, id(mode.hi_memory))
-                if wkey not in windows:
-                    rkey = (id(mode.term_prefix), stage.share)
-                    if rkey not in reaches:
-                        reaches[rkey] = self._reach(mode.term_prefix, stage.share, slack)
-                    windows[wkey] = self._window_indices(reaches[rkey], mode.hi_memory, rows)
-                hi, left, right, empty = windows[wkey]
-                found = np.minimum(flat.take(left), flat.take(right))
-                found -= mode.sum_prefix
-                found[empty] = math.inf
-                if keep:
-                    per_mode.append((table[0, 0].copy(), hi[0].copy(), found[0].copy()))
-                np.minimum(best, found, out=best)
-            if math.isfinite(stage.slots):
-                best[best > (trip_slack * stage.slots)[:, None]] = math.inf
-            g = best
-            kept.append(per_mode)
+        for stage in reversed(stages):
+            g = rows.relax(stage, g, kept if keep else None)
         return (g[:, 0], kept[::-1]) if keep else g[:, 0]
-
-    def _reach(self, term_prefix: np.ndarray, share: float, slack: np.ndarray) -> np.ndarray:
-        """Per bound row and start a: the last end whose period term share * T stays within the bound."""
-        rows, width = len(slack), self.n + 1
-        allowed = slack[:, None] / share if share > 0 else np.full((rows, 1), math.inf)
-        ends = np.searchsorted(term_prefix, (term_prefix[None, :] + allowed).ravel(), side="right") - 1
-        return ends.reshape(rows, width)
-
-    def _window_indices(self, reach: np.ndarray, hi_memory: np.ndarray, rows: int):
-        """Per bound row: window ends hi[a] (compute term and memory both within their limits), and
-        flat sparse-table indices of the two power-of-two halves covering (a, hi] (``empty`` where the
-        window has no end)."""
-        width = self.n + 1
-        hi = np.minimum(reach, hi_memory[None, :])
-        starts = np.arange(width)
-        length = hi - starts
-        level = self._log2[np.maximum(length, 1)]
-        base = level * (rows * width) + np.arange(rows)[:, None] * width
-        first = np.minimum(starts + 1, width - 1)  # any in-range index where the window is empty
-        return hi, base + first, base + hi - (1 << level) + 1, length <= 0
 
     def plan(self, stages: list[SequenceSlot], bound_s: float, trip_bound_s: float | None = None):
         """(S, boundaries, recompute flags) of the least-sum plan within the limits of ``min_sums``;
@@ -418,27 +359,6 @@ def _descend(chain: Chain, stages: list[SequenceSlot], term_s: float, trip_s: fl
         if period <= term_s:
             return found
         trip_s = min(period, trip_s) - 4 * _BOUND_RTOL * (period + scale)
-
-
-def screen_sequence(chain: Chain, devices: list, near_s: float) -> float:
-    """A step time some plan on this sequence achieves, from one DP pass at bounds near ``near_s``.
-
-    An upper bound on ``solve_sequence``'s value at a fraction of its cost: the heuristic search uses
-    it to pick which neighbouring sequences deserve the exact search. ``near_s`` is the incumbent's P.
-    """
-    stages = chain.stages(devices)
-    values = chain.term_values(stages)
-    slope = chain.microbatches - 1
-    picks = [len(values) - 1]  # the largest candidate: no stage term is limited there
-    if slope and math.isfinite(near_s):
-        centre = int(np.searchsorted(values, near_s))
-        picks += range(centre - 6, centre + 6)
-        picks += np.searchsorted(
-            values, near_s * np.array([0.8, 0.9, 0.95, 0.98, 1.02, 1.05, 1.1, 1.25])
-        ).tolist()
-    index = np.unique(np.clip(picks, 0, len(values) - 1))
-    sums = chain.min_sums(stages, values[index])
-    return float(np.min(sums + slope * values[index]))
 
 
 def _open_intervals(known: dict[int, float], values: np.ndarray, slope: int, best_s: float):

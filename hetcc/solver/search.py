@@ -12,16 +12,21 @@ left unused. Recomputation is chosen per stage inside the DP (``dp.Mode``), not 
 - Beyond that: seed sequences (node by node, fastest node first; all devices fastest first; largest
   memory first; prefixes of each, i.e. "only the best k devices"; with replicas also every label as
   one replicated stage, or two), then local search on the sequence (drop or add one device, insert an
-  unused group, split or merge a replicated stage, swap adjacent runs, move a run to either end). A neighbour is screened with one DP pass near the incumbent's
-  period P and solved exactly only if that already beats the incumbent; the search stops when no
-  move helps or ``LOCAL_SEARCH_EVALUATIONS`` sequences were tried (``exact=False``).
+  unused group, split or merge a replicated stage, swap adjacent runs, move a run to either end).
+  Every sequence but the first is screened (``solver.screen``: one DP pass at bounds near the
+  incumbent's period P, a step time some plan achieves) and solved exactly only if that already beats
+  the incumbent. The local search climbs from the incumbent and, when no move helps, again from the
+  best solved sequence not climbed from yet, until ``LOCAL_SEARCH_EVALUATIONS`` sequences were
+  tried (``exact=False``).
 
-Both share an incumbent, and skip a sequence whose device multiset cannot beat it
-(``partition.compute_bound_s`` on those devices alone, cached per multiset of types).
+The exhaustive sweep skips a sequence whose device multiset cannot beat the incumbent
+(``bound.compute_bound_s`` on those devices alone, cached per multiset of types); the heuristic needs
+no such test, since a screen that beats the incumbent is a plan that does.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from typing import NamedTuple
@@ -30,10 +35,12 @@ import numpy as np
 
 from hetcc import config
 from hetcc.solver.bound import compute_bound_s
-from hetcc.solver.dp import Chain, SequenceOptimum, screen_sequence, solve_sequence
+from hetcc.solver.dp import Chain, SequenceOptimum, solve_sequence
 from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.screen import Screen
 
-LOCAL_SEARCH_EVALUATIONS = 400  # sequences solved by the heuristic's local search at most
+LOCAL_SEARCH_EVALUATIONS = 600  # sequences solved by the heuristic's local search at most
+SEED_SOLVES = 4  # seeds solved exactly whatever their screen, best screen first
 FINALIST_SLACK = 0.05  # runners-up within 5% of the best objective are kept for the simulator to judge
 
 
@@ -85,16 +92,16 @@ def search(problem: PartitionProblem, keep: int = 1):
     max_length = min(len(problem.blocks), len(problem.devices))
     total = count_sequences(sizes, max_length, config.exact_order_limit + 1, problem.replicate)
     state = _Search(chain, groups, max_length, keep)
-    for seed in _seeds(problem, groups, max_length):
-        state.try_labels(seed)
     exact = total <= config.exact_order_limit
     if exact:
-        for labels in _all_sequences(sizes, max_length, problem.replicate):
+        for labels in itertools.chain(
+            _seeds(problem, groups, max_length), _all_sequences(sizes, max_length, problem.replicate)
+        ):
             state.try_labels(labels)
     else:
+        state.try_seeds(_seeds(problem, groups, max_length))
         if state.best_labels is None:  # memory is tight: look for any seed prefix that fits
-            for seed in _seeds(problem, groups, max_length, every_prefix=True):
-                state.try_labels(seed)
+            state.try_seeds(_seeds(problem, groups, max_length, every_prefix=True))
         state.local_search(LOCAL_SEARCH_EVALUATIONS)
     if state.best_labels is None:
         return None
@@ -158,25 +165,54 @@ class _Search:
         labels = tuple(labels)
         if not self._worth_solving(labels):
             return False
-        return self._solve(labels)
+        return self._solve(labels) is not None and self.best_labels == labels
 
-    def _worth_solving(self, labels: tuple) -> bool:
+    def try_seeds(self, seeds) -> None:
+        """The heuristic's seeds: solve them in order until there is an incumbent, screen the rest
+        around it (wide: a seed's P may lie far from the incumbent's) and solve them best screen
+        first: the best ``SEED_SOLVES`` whatever their screen (a screen's bounds lie a little above a
+        seed's own P, so it ranks seeds better than it prices them), the rest when it beats the
+        incumbent."""
+        fresh = [labels for labels in dict.fromkeys(tuple(seed) for seed in seeds) if self._is_new(labels)]
+        while self.best is None and fresh:
+            self._solve(fresh.pop(0))
+        if not fresh:
+            return
+        incumbent = self.chain.stages(self.devices(self.best_labels))
+        screen = Screen.around(self.chain, incumbent, self.best.period_s, wide=True)
+        screened = sorted(
+            (screen.step_s(self.chain.stages(self.devices(labels))), k, labels)
+            for k, labels in enumerate(fresh)
+        )
+        self.solved += len(screened)
+        for rank, (screen_s, _, labels) in enumerate(screened):
+            if rank < SEED_SOLVES or screen_s < self.threshold_s:
+                self.solved -= 1  # counted once, by _solve
+                self._solve(labels)
+
+    def _is_new(self, labels: tuple) -> bool:
         if labels in self.seen or not labels or len(labels) > self.max_length:
             return False
         self.seen.add(labels)
-        return self._set_bound(labels) < self.threshold_s
-
-    def _solve(self, labels: tuple[int, ...]) -> bool:
-        self.solved += 1
-        found = solve_sequence(self.chain, self.devices(labels), self.threshold_s)
-        if found is None:
-            return False
-        self._finalists.append((found, labels))
-        if found.step_s >= self.best_s:
-            return False
-        self.best, self.best_s = found, found.step_s
-        self.best_labels = labels
         return True
+
+    def _worth_solving(self, labels: tuple) -> bool:
+        """New, and its devices' bound does not rule it out. (A screen needs no bound: a screen that
+        beats the incumbent is a plan that does, so the bound never rules out what a screen lets in.)"""
+        return self._is_new(labels) and self._set_bound(labels) < self.threshold_s
+
+    def _solve(self, labels: tuple[int, ...], incumbent_s: float = math.inf) -> SequenceOptimum | None:
+        """The sequence's optimum if it beats the threshold (or ``incumbent_s``, if larger), else None;
+        it becomes the incumbent when it beats it."""
+        self.solved += 1
+        found = solve_sequence(self.chain, self.devices(labels), max(self.threshold_s, incumbent_s))
+        if found is None:
+            return None
+        self._finalists.append((found, labels))
+        if found.step_s < self.best_s:
+            self.best, self.best_s = found, found.step_s
+            self.best_labels = labels
+        return found
 
     def _set_bound(self, labels) -> float:
         """``lower_bound`` restricted to this multiset of devices: no order of them does better."""
@@ -184,33 +220,49 @@ class _Search:
         for g, r in labels:
             counts[self._type_of[g]] += r
         key = tuple(sorted(counts.items()))
+        # A bound cut short at the threshold stays above every later one (the incumbent only improves).
         if key not in self._bounds:
             rows = [self.chain.type_row[t] for t, _ in key]
             counts = np.array([c for _, c in key], dtype=float)
             self._bounds[key] = compute_bound_s(
-                self.chain.cost_s[rows], counts, self.chain.microbatches - 1, self.replicate
+                self.chain.cost_s[rows], counts, self.chain.microbatches - 1, self.replicate, self.threshold_s
             )
         return self._bounds[key]
 
     def local_search(self, budget: int) -> None:
-        """Moves on the label sequence until none helps or ``budget`` sequences were tried.
+        """Hill climbing from the incumbent; when it stops improving and ``budget`` evaluations are
+        left, again from the best solved sequence not climbed from yet (another seed's basin)."""
+        end = self.solved + budget
+        climbed: set[tuple] = set()
+        while self.solved < end:
+            ranked = sorted(self._finalists, key=lambda item: item[0].step_s)
+            start = next((item for item in ranked if item[1] not in climbed), None)
+            if start is None:
+                return
+            self._climb(*start, end, climbed)
 
-        Each neighbour is first screened (one DP pass near the incumbent's period, a value some
-        plan achieves); only one that beats the incumbent is solved exactly and becomes the new best.
+    def _climb(self, optimum: SequenceOptimum, labels: tuple, end: int, climbed: set) -> None:
+        """Moves on the label sequence while one helps and fewer than ``end`` evaluations were made.
+
+        Each neighbour is first screened (one DP pass near the current sequence's P, a value some
+        plan achieves); only one that beats the current sequence is solved exactly and moved to.
         """
-        start = self.solved
-        improved = self.best_labels is not None
-        while improved and self.solved - start < budget:
+        improved = True
+        while improved and self.solved < end:
             improved = False
-            for labels in _neighbours(self.best_labels, [len(g) for g in self.groups], self.replicate):
-                if self.solved - start >= budget:
+            climbed.add(labels)
+            screen = Screen.around(self.chain, self.chain.stages(self.devices(labels)), optimum.period_s)
+            for neighbour in _neighbours(labels, [len(g) for g in self.groups], self.replicate):
+                if self.solved >= end:
                     break
-                labels = tuple(labels)
-                if not self._worth_solving(labels):
+                neighbour = tuple(neighbour)
+                if not self._is_new(neighbour):
                     continue
                 self.solved += 1
-                if screen_sequence(self.chain, self.devices(labels), self.best.period_s) < self.best_s:
-                    improved |= self._solve(labels)
+                if screen.step_s(self.chain.stages(self.devices(neighbour))) < optimum.step_s:
+                    found = self._solve(neighbour, optimum.step_s)
+                    if found is not None and found.step_s < optimum.step_s:
+                        optimum, labels, improved = found, neighbour, True
 
 
 def _all_sequences(sizes: list[int], max_length: int, replicate: bool = False):

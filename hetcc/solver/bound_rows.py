@@ -1,0 +1,132 @@
+"""One stage of the DP in ``dp.Chain.min_sums`` for a set of bounds b at once (one row per bound).
+
+``g_j(a) = min over ends i in (a, hi(a)] of P_t[i] - P_t[a] + C_j[i] + g_{j+1}(i)``: a sliding-window
+minimum of ``h = P_t + C_j + g_{j+1}``, answered for every row and every mode of the stage with one
+sparse table. What depends on the bounds alone (which ends a link term allows, the window of ends,
+the table's indices) is kept per kind of stage, so a set of rows used for many sequences (the
+screen's) computes it once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Window(NamedTuple):
+    """Per mode, row and start a: the last end ``hi`` and the flat sparse-table indices of the two
+    power-of-two halves covering (a, hi] (both the table's inf column where the window is empty)."""
+
+    hi: np.ndarray  # (modes, rows, N+1)
+    left: np.ndarray
+    right: np.ndarray
+    levels: int  # sparse-table levels above the first that some window needs
+
+
+class BoundRows:
+    """Bounds b (``trip_bounds_s`` replaces b in the round-trip limits) and per-kind caches for them.
+
+    The caches key on the identities of the chain's arrays, which live as long as the chain.
+    """
+
+    def __init__(self, chain, bounds_s, trip_bounds_s=None):
+        self.chain = chain
+        self.count, self.width = len(bounds_s), chain.n + 1
+        self.slack = chain._slack(np.asarray(bounds_s, dtype=float))
+        self.trip_slack = (
+            self.slack if trip_bounds_s is None else chain._slack(np.asarray(trip_bounds_s, dtype=float))
+        )
+        self._costs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+        self._windows: dict[tuple, Window] = {}
+        self._reaches: dict[tuple, np.ndarray] = {}
+        # Per mode count: (levels, modes, rows, N+2); column N+1 of level 0 stays inf (the empty window's
+        # answer), and level k's last 2**k - 1 columns are never written.
+        self._tables: dict[int, np.ndarray] = {}
+
+    def last_suffix(self) -> np.ndarray:
+        """g_K: nothing left to place costs 0 at the chain's end and is impossible before it."""
+        g = np.full((self.count, self.width), math.inf)
+        g[:, -1] = 0.0
+        return g
+
+    def relax(self, stage, g: np.ndarray, kept: list | None = None) -> np.ndarray:
+        """g_j from g_{j+1} (rows × N+1). With ``kept`` appends, per mode of the stage, (h of row 0,
+        window ends of row 0, g of row 0 in that mode) for backtracking."""
+        width = self.width
+        cost, sum_prefix = self._cost(stage)
+        window = self._window(stage)
+        table = self._table(len(stage.modes))
+        np.add(g, cost, out=table[0, :, :, :width])  # h[i] = S-prefix(i) + C_j(i) + g_{j+1}(i)
+        for level in range(window.levels):
+            span = 1 << level
+            np.minimum(table[level, ..., :-span], table[level, ..., span:], out=table[level + 1, ..., :-span])
+        flat = table.reshape(-1)
+        found = np.minimum(flat.take(window.left), flat.take(window.right))
+        found -= sum_prefix
+        if kept is not None:
+            kept.append(
+                [
+                    (table[0, m, 0, :width].copy(), window.hi[m, 0].copy(), found[m, 0].copy())
+                    for m in range(len(found))
+                ]
+            )
+        best = found[0] if len(found) == 1 else found.min(axis=0)
+        if math.isfinite(stage.slots):  # a least suffix above the round-trip limit: every suffix is
+            best[best > (self.trip_slack * stage.slots)[:, None]] = math.inf
+        return best
+
+    def _table(self, modes: int) -> np.ndarray:
+        if modes not in self._tables:
+            levels = len(self.chain._log2_levels)
+            self._tables[modes] = np.full((levels, modes, self.count, self.width + 1), math.inf)
+        return self._tables[modes]
+
+    def _cost(self, stage) -> tuple[np.ndarray, np.ndarray]:
+        """Per mode: T+A prefix + C_j by end block (inf where the link term exceeds b), and the prefix
+        the window's minimum is measured from."""
+        key = (
+            id(stage.comm_s),
+            stage.link_share,
+            tuple((id(m.sum_prefix), m.constant_s) for m in stage.modes),
+        )
+        if key not in self._costs:
+            link_term = stage.comm_s * stage.link_share if stage.link_share else np.zeros(self.width)
+            over = link_term[None, :] > self.slack[:, None]
+            cost = np.stack(
+                [np.where(over, math.inf, stage.comm_s + m.sum_prefix + m.constant_s) for m in stage.modes]
+            )
+            self._costs[key] = cost, np.stack([m.sum_prefix for m in stage.modes])[:, None, :]
+        return self._costs[key]
+
+    def _window(self, stage) -> Window:
+        key = (stage.share, tuple((id(m.term_prefix), id(m.hi_memory)) for m in stage.modes))
+        if key not in self._windows:
+            hi = np.stack(
+                [np.minimum(self._reach(m.term_prefix, stage.share), m.hi_memory) for m in stage.modes]
+            )
+            self._windows[key] = self._indices(hi)
+        return self._windows[key]
+
+    def _reach(self, term_prefix: np.ndarray, share: float) -> np.ndarray:
+        """Per row and start a: the last end whose period term share * T stays within the bound."""
+        key = (id(term_prefix), share)
+        if key not in self._reaches:
+            allowed = self.slack[:, None] / share if share > 0 else np.full((self.count, 1), math.inf)
+            ends = np.searchsorted(term_prefix, (term_prefix[None, :] + allowed).ravel(), side="right") - 1
+            self._reaches[key] = ends.reshape(self.count, self.width)
+        return self._reaches[key]
+
+    def _indices(self, hi: np.ndarray) -> Window:
+        modes, columns = len(hi), self.width + 1
+        starts = np.arange(self.width)
+        length = hi - starts
+        level = self.chain._log2[np.maximum(length, 1)]
+        row_base = np.arange(modes * self.count).reshape(modes, self.count, 1) * columns
+        base = level * (modes * self.count * columns) + row_base
+        empty = length <= 0
+        inf_column = row_base + self.width  # level 0, column N+1
+        left = np.where(empty, inf_column, base + starts + 1)
+        right = np.where(empty, inf_column, base + hi - (1 << level) + 1)
+        return Window(hi, left, right, int(level[~empty].max(initial=0)))
