@@ -79,20 +79,32 @@ def _one_pass(stages, modules, inputs: dict, device: torch.device, precision: st
     return elapsed, float(loss.detach())
 
 
-def _eager_loss(model, inputs: dict, device: torch.device, precision: str) -> float:
+def _eager(model, inputs: dict, device: torch.device, precision: str, repeats: int) -> tuple[float, float]:
+    """(loss, median seconds of forward + backward) of the eager model on one microbatch."""
     dtype = AUTOCAST[precision]
     autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    with autocast:
-        return float(model(**inputs).loss)
+    samples, loss = [], None
+    for _ in range(repeats + 1):
+        _sync(device)
+        start = time.perf_counter()
+        with autocast:
+            out = model(**inputs).loss
+        out.backward()
+        _sync(device)
+        samples.append(time.perf_counter() - start)
+        loss = float(out.detach()) if loss is None else loss
+    model.zero_grad(set_to_none=True)
+    return loss, statistics.median(samples[1:])
 
 
-def run(args, model, ids, device: torch.device, type_name: str, calibrations, precision: str) -> None:
+def run(args, model, ids, device, type_name: str, calibrations, precision: str, fuse: bool) -> None:
     cpu_inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     start = time.perf_counter()
-    compiled = hetcc.compile(
-        model, _cluster(type_name, calibrations), example_kwargs=cpu_inputs,
-        microbatches=args.microbatches, precision=precision, replicate=False,
-    )  # fmt: skip
+    with hetcc.config.patch(fuse=fuse):
+        compiled = hetcc.compile(
+            model, _cluster(type_name, calibrations), example_kwargs=cpu_inputs,
+            microbatches=args.microbatches, precision=precision, replicate=False,
+        )  # fmt: skip
     compile_s = time.perf_counter() - start
     size = args.batch // args.microbatches
     microbatch = {"input_ids": ids[:size].to(device), "labels": ids[:size].to(device), "use_cache": False}
@@ -105,9 +117,9 @@ def run(args, model, ids, device: torch.device, type_name: str, calibrations, pr
         losses.append(loss)
         for k, seconds in enumerate(elapsed):
             samples[k].append(seconds)
-    eager = _eager_loss(model.to(device), microbatch, device, precision)
+    eager, eager_s = _eager(model.to(device), microbatch, device, precision, args.repeats)
     model.to("cpu")
-    label = f"{type_name} {'calibrated' if calibrations else 'preset'}, {precision}"
+    label = f"{type_name} {'calibrated' if calibrations else 'preset'}, {precision}, fusion {'on' if fuse else 'off'}"
     print(f"\n## {label}: compile {compile_s:.1f} s; loss {losses[0]:.6f} (eager {eager:.6f})")
     print(f"{'stage':<6} {'blocks':<36} {'predicted ms':>12} {'measured ms':>12} {'error':>7}")
     errors = []
@@ -125,6 +137,9 @@ def run(args, model, ids, device: torch.device, type_name: str, calibrations, pr
         f"sum of stages: predicted {total_pred * 1e3:.3f} ms, measured {total_meas * 1e3:.3f} ms "
         f"({total_pred / total_meas - 1:+.1%}); worst stage {max(errors, key=abs):+.1%}; "
         f"loss vs eager {abs(losses[0] - eager) / abs(eager):.2e} relative"
+    )
+    print(
+        f"eager model, forward+backward of one microbatch: {eager_s * 1e3:.3f} ms (stages: {total_meas / eager_s:.2f}x)"
     )
 
 
@@ -170,12 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         calibration = hetcc.calibrate(str(device), dtypes=dtypes, type_name=type_name)
         print(f"calibrated in {time.perf_counter() - start:.1f} s:\n{calibration.describe()}")
         calibrations.append(calibration)
-    for precision in args.precisions:
-        for cal in ([], calibrations) if calibrations else ([],):
-            try:
-                run(args, model, ids, device, type_name, cal, precision)
-            except Exception as error:  # a report, not a test: say what failed and go on
-                print(f"\n## {type_name} {precision}: FAILED {type(error).__name__}: {error}")
+    runs = [(precision, [], fuse) for precision in args.precisions for fuse in (True, False)]
+    runs += [(precision, calibrations, True) for precision in args.precisions if calibrations]
+    for precision, cal, fuse in runs:
+        try:
+            run(args, model, ids, device, type_name, cal, precision, fuse)
+        except Exception as error:  # a report, not a test: say what failed and go on
+            print(f"\n## {type_name} {precision}: FAILED {type(error).__name__}: {error}")
     return 0
 
 
