@@ -34,6 +34,7 @@ class BoundRows:
     def __init__(self, chain, bounds_s, trip_bounds_s=None):
         self.chain = chain
         self.count, self.width = len(bounds_s), chain.n + 1
+        self._starts = np.arange(self.width)
         self.slack = chain._slack(np.asarray(bounds_s, dtype=float))
         self.trip_slack = (
             self.slack if trip_bounds_s is None else chain._slack(np.asarray(trip_bounds_s, dtype=float))
@@ -72,7 +73,7 @@ class BoundRows:
                     for m in range(len(found))
                 ]
             )
-        best = found[0] if len(found) == 1 else found.min(axis=0)
+        best = found[0] if len(found) == 1 else np.minimum(found[0], found[1], out=found[0])
         if math.isfinite(stage.slots):  # a least suffix above the round-trip limit: every suffix is
             best[best > (self.trip_slack * stage.slots)[:, None]] = math.inf
         return best
@@ -92,18 +93,15 @@ class BoundRows:
             tuple((id(m.sum_prefix), m.constant_s) for m in stage.modes),
         )
         if key not in self._costs:
-            link_term = stage.comm_s * stage.link_share if stage.link_share else np.zeros(self.width)
+            end_costs, sum_prefixes, link_term = self.chain.end_costs(stage, key)
             over = link_term[None, :] > self.slack[:, None]
-            cost = np.stack(
-                [np.where(over, math.inf, stage.comm_s + m.sum_prefix + m.constant_s) for m in stage.modes]
-            )
-            self._costs[key] = cost, np.stack([m.sum_prefix for m in stage.modes])[:, None, :]
+            self._costs[key] = np.where(over, math.inf, end_costs[:, None, :]), sum_prefixes
         return self._costs[key]
 
     def _window(self, stage) -> Window:
         key = (stage.share, tuple((id(m.term_prefix), id(m.hi_memory)) for m in stage.modes))
         if key not in self._windows:
-            hi = np.stack(
+            hi = np.array(
                 [np.minimum(self._reach(m.term_prefix, stage.share), m.hi_memory) for m in stage.modes]
             )
             self._windows[key] = self._indices(hi)
@@ -120,13 +118,12 @@ class BoundRows:
 
     def _indices(self, hi: np.ndarray) -> Window:
         modes, columns = len(hi), self.width + 1
-        starts = np.arange(self.width)
-        length = hi - starts
-        level = self.chain._log2[np.maximum(length, 1)]
+        length = hi - self._starts
+        level = self.chain._log2.take(np.maximum(length, 1))  # 0 where the window is empty
         row_base = np.arange(modes * self.count).reshape(modes, self.count, 1) * columns
         base = level * (modes * self.count * columns) + row_base
         empty = length <= 0
         inf_column = row_base + self.width  # level 0, column N+1
-        left = np.where(empty, inf_column, base + starts + 1)
-        right = np.where(empty, inf_column, base + hi - (1 << level) + 1)
-        return Window(hi, left, right, int(level[~empty].max(initial=0)))
+        left = np.where(empty, inf_column, base + self._starts + 1)
+        right = np.where(empty, inf_column, base + hi + 1 - np.left_shift(1, level))
+        return Window(hi, left, right, int(level.max()))

@@ -115,6 +115,7 @@ class Chain:
         # Messages per cut: the activations forward, and their gradients back where there are any.
         self.messages_at = (self.cut_at > 0).astype(float) + (self.grad_at > 0)
         self._windows: dict[tuple, np.ndarray] = {}
+        self._end_costs: dict[tuple, tuple] = {}
         self._slots: dict[tuple, SequenceSlot] = {}  # one record per kind: the screen keys on identity
         self._links: dict[tuple[float, float] | None, np.ndarray] = {}
         self._sums: dict[tuple, np.ndarray] = {}
@@ -153,6 +154,19 @@ class Chain:
                 )
             out.append(self._slots[key])
         return out
+
+    def end_costs(self, stage: SequenceSlot, key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per mode of ``stage`` (``key`` names its link and modes): C_j + T+A prefix by end block, the
+        T+A prefixes (modes, 1, N+1), and the link's period term by end block."""
+        if key not in self._end_costs:
+            modes = stage.modes
+            link_term = stage.comm_s * stage.link_share if stage.link_share else np.zeros(self.n + 1)
+            self._end_costs[key] = (
+                np.array([stage.comm_s + m.sum_prefix + m.constant_s for m in modes]),
+                np.array([m.sum_prefix for m in modes])[:, None, :],
+                link_term,
+            )
+        return self._end_costs[key]
 
     def _modes(self, device, group: tuple[int, ...], held: int, first: bool) -> tuple[Mode, ...]:
         row = self.type_row[device.type]

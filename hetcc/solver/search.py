@@ -201,7 +201,7 @@ class _Search:
         beats the incumbent is a plan that does, so the bound never rules out what a screen lets in.)"""
         return self._is_new(labels) and self._set_bound(labels) < self.threshold_s
 
-    def _solve(self, labels: tuple[int, ...], incumbent_s: float = math.inf) -> SequenceOptimum | None:
+    def _solve(self, labels: tuple[int, ...], incumbent_s: float = -math.inf) -> SequenceOptimum | None:
         """The sequence's optimum if it beats the threshold (or ``incumbent_s``, if larger), else None;
         it becomes the incumbent when it beats it."""
         self.solved += 1
