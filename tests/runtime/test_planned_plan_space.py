@@ -59,6 +59,11 @@ def test_bf16_mixed_plan_trains_like_eager_under_autocast(tmp_path):
         precision="bf16-mixed",
     )
     assert compiled.plan.precision == "bf16-mixed" and "bf16-mixed" in compiled.explain().splitlines()[0]
+    # fused kernels are built for fp32: under autocast the stages run torch's own ops, and the plan says so
+    assert any("fusion is off under mixed precision" in note for note in compiled.plan.notes)
+    assert not any(
+        "fusion_group" in node.name for stage in compiled.pipeline.stages for node in stage.module.graph.nodes
+    )
     result = hetcc.run_local(compiled, inputs, steps=2, optimizer=ADAM)
     losses, _ = eager_training(
         model, inputs, None, None, steps=2, microbatches=2, optimizer=ADAM, autocast=torch.bfloat16
