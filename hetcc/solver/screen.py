@@ -40,7 +40,8 @@ class Screen:
     """``S(b) + (M - 1) * b`` at fixed bounds b for many sequences, reusing remembered suffix tables."""
 
     def __init__(self, chain: Chain, bounds_s: np.ndarray):
-        self.rows = BoundRows(chain, bounds_s)
+        self.bounds_s = np.asarray(bounds_s, dtype=float)
+        self.rows = BoundRows(chain, self.bounds_s)
         self.period_terms = (chain.microbatches - 1) * np.asarray(bounds_s, dtype=float)
         self._suffix_node: dict[tuple[int, int], int] = {}  # (id(stage j), node of j+1..) -> node of j..
         self._tables = [self.rows.last_suffix()]  # g of each node; node 0 is the empty suffix

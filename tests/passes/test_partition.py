@@ -12,9 +12,11 @@ from hypothesis import strategies as st
 from hetcc import config
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.bound import lower_bound, objective_bound
+from hetcc.solver.dp import Chain, solve_sequence
 from hetcc.solver.objective import evaluate, step_time
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
-from hetcc.solver.search import _all_sequences, count_sequences, interchangeable_groups
+from hetcc.solver.screen import Screen
+from hetcc.solver.search import _all_sequences, _neighbours, _Search, count_sequences, interchangeable_groups
 from hetcc.solver.solve import solve
 
 TYPES = ("fast", "mid", "slow")
@@ -127,6 +129,30 @@ def test_heuristic_search_returns_a_feasible_plan_no_better_than_exact(problem):
     assert heuristic.exact == (count_sequences(sizes, len(problem.blocks), 10**6) <= 1)
     assert heuristic.step_time_s >= solve(problem).step_time_s * (1 - 1e-9)
     assert all(s.memory_bytes <= s.memory_capacity_bytes * (1 + 1e-9) for s in heuristic.stages)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(problems(max_blocks=8), round_trip_problems(max_blocks=8)), st.booleans())
+def test_screen_is_a_plans_step_and_reusing_suffixes_changes_nothing(problem, replicate):
+    problem.replicate = replicate
+    chain = Chain(problem)
+    groups = interchangeable_groups(problem)
+    state = _Search(chain, groups, min(len(problem.blocks), len(problem.devices)))
+    incumbent = tuple((g, 1) for g in range(len(groups)))[: state.max_length]
+    optimum = solve_sequence(chain, state.devices(incumbent))
+    if optimum is None:
+        return
+    screen = Screen.around(chain, chain.stages(state.devices(incumbent)), optimum.period_s)
+    neighbours = [n for n in _neighbours(incumbent, [len(g) for g in groups], replicate) if n]
+    for labels in [incumbent, *neighbours[:12]]:
+        if len(labels) > state.max_length:
+            continue
+        stages = chain.stages(state.devices(labels))
+        screened = screen.step_s(stages)
+        assert screened == Screen(chain, screen.bounds_s).step_s(stages)  # no suffix kept
+        if math.isfinite(screened):  # some plan achieves it, so the sequence's optimum is no worse
+            exact = solve_sequence(chain, state.devices(labels))
+            assert exact is not None and exact.step_s <= screened * (1 + 1e-9)
 
 
 @settings(max_examples=40, deadline=None)
