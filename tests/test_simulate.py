@@ -146,3 +146,17 @@ def test_timeline_is_causal_and_links_carry_one_transfer_at_a_time():
         sends = [e for e in sim.events if (e.kind, e.stage) in (("SEND_F", link), ("SEND_B", link + 1))]
         sends.sort(key=lambda e: e.start_s)
         assert all(a.end_s <= b.start_s + 1e-12 for a, b in zip(sends, sends[1:]))
+
+
+def test_a_weight_tied_across_stages_is_summed_over_its_holders_at_step_end():
+    problem = homogeneous(3, 4, "1f1b")
+    problem.bandwidth_bps = [[math.inf if a == b else 1e9 for b in range(3)] for a in range(3)]
+    problem.tied_blocks, problem.tied_bytes = [[0, 2]], [1e9]  # an embedding tied to the head
+    untied = simulate(homogeneous(3, 4, "1f1b"), [0, 1, 2, 3], [0, 1, 2])
+    tied = simulate(problem, [0, 1, 2, 3], [0, 1, 2])
+    # stages 0 and 2 exchange 1 GB over 1 GB/s once both are done: a ring of 2 is 2 x 0.5 s
+    assert tied.step_time_s == pytest.approx(untied.step_time_s + 1.0)
+    sums = [e for e in tied.events if e.kind == "ALLREDUCE"]
+    assert sorted(e.stage for e in sums) == [0, 2] and all(e.end_s == tied.step_time_s for e in sums)
+    one_stage = simulate(problem, [0, 3], [0])  # one holder: nothing to sum
+    assert not any(e.kind == "ALLREDUCE" for e in one_stage.events)

@@ -125,6 +125,8 @@ def build_problem(
         act_bytes=[float(b.act_bytes) if training else 0.0 for b in chain],
         cut_bytes=[float(b.cut_bytes) for b in chain[:-1]],
         cut_grad_bytes=[float(b.cut_grad_bytes) for b in chain[:-1]] if training else None,
+        tied_blocks=[[index[name] for name in t.blocks] for t in tied],
+        tied_bytes=[float(t.bytes) for t in tied],
         devices=devices,
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
         latency_s=cluster.latency_matrix_s(),

@@ -58,6 +58,10 @@ class PartitionProblem:
     # Gradient bytes sent back over each cut in training (tensors that depend on no trainable parameter,
     # like masks, send none); None: ``cut_bytes``.
     cut_grad_bytes: list[float] | None = None
+    # Parameters held by several blocks (tied embeddings): the blocks using each, and its bytes. Every
+    # stage holding one sums its gradient with the others at step end (when more than one stage does).
+    tied_blocks: list[list[int]] | None = None
+    tied_bytes: list[float] | None = None
     # Self-description for outside planners (the costs above already include them).
     precision: str = "fp32"
     optimizer: str = ""
@@ -299,6 +303,21 @@ def link_time_s(problem: PartitionProblem, src: int, dst: int, cut: int) -> floa
     return forward + transfer_s(problem, dst, src, problem.cut_grad_at(cut))
 
 
+def _check_tied(problem: PartitionProblem, n: int) -> None:
+    if problem.tied_blocks is None and problem.tied_bytes is None:
+        return
+    if not isinstance(problem.tied_blocks, list) or not isinstance(problem.tied_bytes, list):
+        raise _fail("tied_blocks", "tied_blocks and tied_bytes must both be lists", "give both, or neither")
+    _check_vector("tied_bytes", problem.tied_bytes, len(problem.tied_blocks))
+    for users in problem.tied_blocks:
+        if not isinstance(users, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < n for b in users
+        ):
+            raise _fail(
+                "tied_blocks", f"{users!r} is not a list of block indices in 0..{n - 1}", "fix the list"
+            )
+
+
 def _fail(field: str, reason: str, hint: str) -> PlanFormatError:
     return PlanFormatError(f"partition problem field {field!r}: {reason}", hint=hint)
 
@@ -350,6 +369,7 @@ def validate_problem(problem: PartitionProblem) -> None:
         _check_vector("param_bytes", problem.param_bytes, n)
     if problem.cut_grad_bytes is not None:
         _check_vector("cut_grad_bytes", problem.cut_grad_bytes, n - 1)
+    _check_tied(problem, n)
     for flag in ("training", "replicate", "recompute", "recompute_all"):
         if not isinstance(getattr(problem, flag), bool):
             raise _fail(flag, f"must be true or false, got {getattr(problem, flag)!r}", "use a JSON boolean")

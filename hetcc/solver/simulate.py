@@ -5,10 +5,12 @@ the plan's replica counts, filtered by ``replica_actions``) in order, one at a t
 the previous stage's replica that ran m has sent its activation, B(m) once the next stage's has sent
 its gradient. After a compute, its output is sent asynchronously (the stage does not wait for the
 send): a link between two devices carries one transfer at a time, both directions sharing it, which
-is what the planner's C_j = 2 * (latency + bytes / bandwidth) per microbatch assumes. Transfers on a
-link go in the order they were issued. A recomputing stage's backward includes the forward it
-recomputes. A replicated stage ends with the all-reduce of its gradients, once all its replicas are
-done; the step ends when the last device does.
+is what the planner's C_j (activations forward, plus gradients back where there are any) per
+microbatch assumes. Transfers on a link go in the order they were issued. A recomputing stage's
+backward includes the forward it recomputes. A replicated stage ends with the all-reduce of its
+gradients, once all its replicas are done; then a parameter tied across stages (``tied_blocks``) is
+summed over every device holding it, which the search's formula leaves out; the step ends when the
+last device does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.objective import Device, replica_seconds, stage_costs
-from hetcc.solver.problem import PartitionProblem, transfer_s
+from hetcc.solver.problem import PartitionProblem, ring_allreduce_s, transfer_s
 from hetcc.solver.schedules import replica_actions, stage_actions
 
 
@@ -92,6 +94,7 @@ def simulate(
         if not progressed:
             raise PlanFormatError("simulated schedule deadlocked", hint="report the plan and schedule")
     timeline.all_reduce(lanes)
+    timeline.tied_sums(lanes)
     return timeline.result(lanes, k)
 
 
@@ -159,6 +162,33 @@ class _Timeline:
                 lane.free_s = start + stage.allreduce_s
                 name = self.problem.devices[lane.device].name
                 self.events.append(Event(j, "ALLREDUCE", -1, start, lane.free_s, lane.replica, name))
+
+    def tied_sums(self, lanes: list[_Lane]) -> None:
+        """Then every tied parameter held by several stages is summed over all their devices (a ring
+        over the slowest link among them), as the runtime does after the replica sums."""
+        problem = self.problem
+        if not problem.training or not problem.tied_blocks:
+            return
+        for users, nbytes in zip(problem.tied_blocks, problem.tied_bytes or []):
+            holders = {
+                j for j, s in enumerate(self.stages) if any(s.blocks[0] <= b < s.blocks[1] for b in users)
+            }
+            mine = [lane for lane in lanes if lane.stage in holders]
+            if len(holders) < 2 or nbytes <= 0:
+                continue
+            devices = [lane.device for lane in mine]
+            pairs = [(a, b) for a in devices for b in devices if a != b]
+            seconds = ring_allreduce_s(
+                nbytes,
+                len(devices),
+                min(problem.bandwidth_bps[a][b] for a, b in pairs),
+                max(problem.latency_s[a][b] for a, b in pairs),
+            )
+            start = max(lane.free_s for lane in mine)
+            for lane in mine:
+                lane.free_s = start + seconds
+                name = problem.devices[lane.device].name
+                self.events.append(Event(lane.stage, "ALLREDUCE", -1, start, lane.free_s, lane.replica, name))
 
     def result(self, lanes: list[_Lane], num_stages: int) -> Simulation:
         step = max((e.end_s for e in self.events), default=0.0)
