@@ -10,15 +10,11 @@ after each step is written as numbered files; with ``HETCC_CHECK=1`` ``hetcc.ver
 from __future__ import annotations
 
 import functools
-import inspect
 import json
-import logging
-import math
 import os
 import pickle
 import shutil
 import sys
-import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
@@ -29,19 +25,21 @@ import sympy
 import torch
 
 from hetcc import config, ir, verify
+from hetcc.api_checks import check_analyze_args, check_compile_args, check_examples, check_plan_space
 from hetcc.dump import Dumper
-from hetcc.errors import AnalysisError, HetccError, InfeasiblePlanError, did_you_mean
+from hetcc.errors import AnalysisError, HetccError
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.schema import short_repr
 from hetcc.kernels import FUSION_META_KEY, write_kernel
+from hetcc.microbatches import batch_rows, first_microbatch, search_microbatches
 from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
 from hetcc.passes.codegen import codegen, stage_source
-from hetcc.passes.comm import StageGraph, split_stages
-from hetcc.passes.cost import block_times_at, cost
+from hetcc.passes.comm import StageGraph, format_stages, split_stages
+from hetcc.passes.cost import cost
 from hetcc.passes.flops import flops, format_flops
 from hetcc.passes.fuse import fuse
 from hetcc.passes.memory import memory
-from hetcc.passes.partition import PRECISIONS, RERANK, PlanSettings, build_problem, partition
+from hetcc.passes.partition import PRECISIONS, PlanSettings, partition
 from hetcc.passes.partition import optimizer as optimizer_entry
 from hetcc.passes.shapes import shapes
 from hetcc.passes.trace import trace
@@ -49,12 +47,9 @@ from hetcc.plan import Plan
 from hetcc.report import write_report
 from hetcc.runtime.interop import pipelining_schedule
 from hetcc.runtime.local import run_local as run_pipeline
-from hetcc.runtime.local import split_microbatches
 from hetcc.runtime.placement import placement
 from hetcc.runtime.store import Pipeline, pipeline_meta, save_stages
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
-from hetcc.solver.schedules import SCHEDULES
-from hetcc.solver.solve import solve
 
 # Fused groups are generated for the traced (fp32) dtypes: under autocast they would write fp32 where eager
 # writes bf16/fp16. Measured on an H200 (GPT-2 small, bf16-mixed, benchmarks/gpu_stages.py): stages 2.2x the
@@ -134,7 +129,7 @@ def analyze(
 
     ``dumper`` continues a dump folder's numbering (``hetcc.compile`` passes its own).
     """
-    _check_analyze_args(model, example_inputs, example_kwargs, training, dump_dir, max_block_bytes)
+    check_analyze_args(model, example_inputs, example_kwargs, training, dump_dir, max_block_bytes)
     dumper = dumper or Dumper(dump_dir)
     with _step(
         dumper, "trace", lambda: traced.gm.code, lambda: verify.check_graph(traced.gm, "trace", False)
@@ -250,27 +245,28 @@ def compile(  # noqa: A001 - the public API name
     """Plan ``model`` over ``cluster``. ``example_inputs`` are one step's batch; dim 0 is split into
     ``microbatches`` equal microbatches, and every cost is per microbatch. ``microbatches="auto"``
     tries every divisor of the batch, pricing each from one trace with a symbolic batch dimension
-    (``search_microbatches``), and keeps the count whose plan simulates fastest.
+    (``hetcc.microbatches.search_microbatches``), and keeps the count whose plan simulates fastest.
 
     ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer
     state; fp16 with loss scaling), priced at each device's peak for that format. ``recompute``:
     "auto" recomputes a stage's activations where memory needs it, True everywhere, False never.
     ``replicate``: stages may run on groups of identical devices (False: one device per stage)."""
-    _check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir)
+    check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir)
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
     optimizer_entry(optimizer)  # reject an unknown optimizer before the slow steps
-    _check_plan_space(precision, recompute, replicate)
+    check_plan_space(precision, recompute, replicate)
     if dtype is None:
         dtype = PRECISIONS[precision]
-    rows = _batch_rows(example_inputs, example_kwargs or {})
+    rows = batch_rows(example_inputs, example_kwargs or {})
     search: list[tuple[int, float]] = []
     notes: list[str] = []
     if microbatches == "auto":
         microbatches, search, notes = search_microbatches(
             model, cluster, example_inputs, example_kwargs or {},
-            PlanSettings(1, schedule, training, optimizer, precision, recompute, replicate, rows), dtype,
+            PlanSettings(1, schedule, training, optimizer, precision, recompute, replicate, rows),
+            dtype, analyze,
         )  # fmt: skip
-    args, kwargs = _first_microbatch(example_inputs, example_kwargs or {}, microbatches)
+    args, kwargs = first_microbatch(example_inputs, example_kwargs or {}, microbatches)
     dumper = Dumper(dump_dir)
     analysis = analyze(model, args, kwargs, dump_dir=dump_dir, training=training, dumper=dumper)
     gm = analysis.graph
@@ -292,7 +288,7 @@ def compile(  # noqa: A001 - the public API name
         plan = replace(plan, microbatch_search=tuple(search), notes=plan.notes + tuple(notes))
     if precision != "fp32":  # autocast changes dtypes that export's metadata asserts pinned to fp32
         _drop_dtype_asserts(gm)
-    with _step(dumper, "comm", lambda: _format_stages(stages), lambda: verify.check_pipeline(stages)):
+    with _step(dumper, "comm", lambda: format_stages(stages), lambda: verify.check_pipeline(stages)):
         present = {node.name for node in gm.graph.nodes}
         stages = split_stages(gm, {n: k for n, k in plan.stage_of.items() if n in present}, len(plan.stages))
     sources = functools.cache(lambda: [stage_source(s) for s in stages])  # only made when dumped
@@ -318,72 +314,6 @@ def compile(  # noqa: A001 - the public API name
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
 
 
-def search_microbatches(
-    model: torch.nn.Module, cluster: Cluster, args, kwargs: dict, settings: PlanSettings, dtype: object | None
-) -> tuple[int, list[tuple[int, float]], list[str]]:
-    """(best M, (M, simulated step) for every M tried, notes): one trace of the whole batch with its
-    dim 0 symbolic (``torch.export.Dim``), then for every divisor M of the batch the analysis is
-    evaluated at batch / M rows (sympy), priced, planned and simulated; no retrace per M.
-
-    Fused kernels are not priced here (the graph is traced once, unfused); the chosen M is then
-    compiled as usual. A model that does not trace with a symbolic batch keeps the largest divisor
-    of the batch up to 8, and the plan says why.
-    """
-    rows = settings.batch_rows
-    if rows <= 1:
-        return 1, [], []
-    fallback = max(m for m in range(1, min(rows, 8) + 1) if rows % m == 0)
-    batch = torch.export.Dim("batch", min=1, max=rows)
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    try:
-        bound = inspect.signature(model.forward).bind(*args, **kwargs)
-        shapes = {
-            name: ({0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows else None)
-            for name, v in bound.arguments.items()
-        }
-        with _quiet():
-            symbolic = analyze(model, args, kwargs, dynamic_shapes=shapes, training=settings.training)
-        symbol = symbolic.dim_symbols["batch"]
-    except (HetccError, TypeError, KeyError, RuntimeError, ValueError) as error:
-        reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-        return fallback, [], [f"microbatches: kept {fallback} (no trace with a symbolic batch: {reason})"]
-    tried = []
-    for m in (m for m in range(1, rows + 1) if rows % m == 0):
-        at = symbolic.evaluate(batch=rows // m)
-        times = block_times_at(
-            symbolic.graph, [b.nodes for b in at.blocks], cluster.types, {symbol: rows // m},
-            dtype=dtype, training=settings.training,
-        )  # fmt: skip
-        problem = build_problem(
-            symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m), times
-        )
-        try:
-            tried.append((m, solve(problem, rerank=RERANK).simulated_s))
-        except InfeasiblePlanError:
-            tried.append((m, math.inf))
-    best_s, best_m = min((s, m) for m, s in tried)
-    if math.isinf(best_s):
-        return fallback, tried, [f"microbatches: no count fits in memory; kept {fallback}"]
-    return best_m, tried, []
-
-
-@contextmanager
-def _quiet():
-    """torch.export's own warnings about the symbolic dim are not the user's business here."""
-    names = ("torch._dynamo", "torch.fx.experimental.symbolic_shapes", "torch.export")
-    loggers = [logging.getLogger(name) for name in names]
-    levels = [logger.level for logger in loggers]
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
-
-
 def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
     """Remove ``aten._assert_tensor_metadata`` checks (export's record of the traced dtypes): under
     mixed precision a matmul's output is half precision, which the recorded fp32 would reject."""
@@ -392,36 +322,6 @@ def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
         if not node.users:
             gm.graph.erase_node(node)
     gm.recompile()
-
-
-def _check_plan_space(precision: object, recompute: object, replicate: object) -> None:
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise HetccError(
-            f"unknown precision {precision!r}{did_you_mean(precision, PRECISIONS)}",
-            hint=f"use one of {', '.join(PRECISIONS)}",
-        )
-    if not (recompute == "auto" or isinstance(recompute, bool)):
-        raise HetccError(f"recompute must be 'auto', True or False, got {recompute!r}")
-    if not isinstance(replicate, bool):
-        raise HetccError(f"replicate must be True or False, got {replicate!r}")
-
-
-def _batch_rows(args, kwargs: dict) -> int:
-    """Rows of one step's batch: dim 0 of the first tensor input (0 if there is none)."""
-    values = list(args) if isinstance(args, (tuple, list)) else [args]
-    for value in [*values, *kwargs.values()]:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return int(value.shape[0])
-    return 0
-
-
-def _format_stages(stages: list[StageGraph]) -> str:
-    lines = []
-    for stage in stages:
-        recvs = ", ".join(f"tag {e.tag} {e.value} from {e.src}" for e in stage.recvs) or "none"
-        sends = ", ".join(f"tag {e.tag} {e.value} to {e.dst}" for e in stage.sends) or "none"
-        lines.append(f"stage {stage.index}: inputs {list(stage.inputs)}; recv {recvs}; send {sends}")
-    return "\n".join(lines)
 
 
 def run_local(
@@ -497,15 +397,6 @@ def replan(
     return compiled
 
 
-def _first_microbatch(args: tuple, kwargs: dict[str, Any], microbatches: int) -> tuple[tuple, dict]:
-    """The first of ``microbatches`` equal chunks of the example batch (what hetcc traces)."""
-    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
-    if not isinstance(kwargs, dict):
-        raise HetccError(f"example_kwargs must be a dict of input name -> value, got {type(kwargs).__name__}")
-    first = split_microbatches({**dict(enumerate(args)), **kwargs}, microbatches)[0]
-    return tuple(first[i] for i in range(len(args))), {k: first[k] for k in kwargs}
-
-
 def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
     """Each fused group's generated Triton source as ``kernels/<name>.py`` in the dump folder."""
     if dumper.folder is None:
@@ -517,32 +408,8 @@ def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
 
 
 # ------------------------------------------------------------------------------------ arguments
-# Checked first, so a wrong argument fails at once with its name instead of deep in a pass or a rank.
-def _check_analyze_args(model, example_inputs, example_kwargs, training, dump_dir, max_block_bytes) -> None:
-    _check_model(model)
-    _check_examples(example_inputs, example_kwargs)
-    _check_flag(training, "training")
-    _check_dump_dir(dump_dir)
-    if max_block_bytes is not None and not (_is_number(max_block_bytes) and max_block_bytes > 0):
-        raise HetccError(
-            f"max_block_bytes must be a positive number of bytes or None, got {short_repr(max_block_bytes)}"
-        )
-
-
-def _check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir) -> None:
-    _check_model(model)
-    if not isinstance(cluster, (Cluster, str, os.PathLike)):
-        raise HetccError(
-            f"cluster must be a hetcc.Cluster or the path of a cluster file, got {type(cluster).__name__}",
-            hint="hetcc.Cluster.from_file('cluster.yaml')",
-        )
-    _check_examples(example_inputs, example_kwargs)  # microbatches: split_microbatches names the input
-    if schedule not in SCHEDULES:
-        raise HetccError(f"schedule must be one of {', '.join(SCHEDULES)}, got {short_repr(schedule)}")
-    _check_flag(training, "training")
-    _check_dump_dir(dump_dir)
-
-
+# Checked first, so a wrong argument fails at once with its name instead of deep in a pass or a rank
+# (those of analyze and compile: hetcc.api_checks).
 def _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer) -> None:
     if not isinstance(compiled_or_dir, (Compiled, str, os.PathLike)):
         raise HetccError(
@@ -556,7 +423,7 @@ def _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer)
             f"inputs must be a dict of input name -> tensor (or a tuple), got {short_repr(inputs)}",
             hint="pass one step's batch, e.g. {'input_ids': ids}",
         )
-    _check_examples(
+    check_examples(
         inputs if isinstance(inputs, (tuple, list)) else (),
         inputs if isinstance(inputs, dict) else None,
         name="inputs",
@@ -580,60 +447,6 @@ def _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer)
                 f"loss_fn {short_repr(loss_fn)} cannot be pickled, so it cannot reach the rank processes",
                 hint="use a function defined at module level (not a lambda or a local function)",
             ) from None
-
-
-def _check_model(model: object) -> None:
-    if not isinstance(model, torch.nn.Module):
-        raise HetccError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-
-
-def _check_examples(args: object, kwargs: object, name: str = "example") -> None:
-    """Positional inputs a tuple/list (or one tensor), keyword inputs a dict by name; no empty batch."""
-    args_name, kwargs_name = (
-        ("inputs", "inputs") if name == "inputs" else ("example_inputs", "example_kwargs")
-    )
-    if not isinstance(args, (tuple, list, torch.Tensor)):
-        raise HetccError(f"{args_name} must be a tuple of positional inputs, got {type(args).__name__}")
-    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
-        raise HetccError(
-            f"{kwargs_name} must be a dict of input name -> value, got {short_repr(kwargs)}",
-            hint="e.g. {'input_ids': ids}",
-        )
-    named = [(args_name, args)] if isinstance(args, torch.Tensor) else [(args_name, a) for a in args]
-    named += [(f"{kwargs_name}[{key!r}]", value) for key, value in (kwargs or {}).items()]
-    for where, value in named:
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 0:
-            raise HetccError(
-                f"{where}: a batch of 0 rows (shape {tuple(value.shape)})",
-                hint="pass at least one row per microbatch",
-            )
-
-
-def _check_flag(value: object, name: str) -> None:
-    if not isinstance(value, bool):
-        raise HetccError(f"{name} must be True or False, got {short_repr(value)}")
-
-
-def _check_dump_dir(dump_dir: object) -> None:
-    """None, or a folder that exists or can be made, and can be written."""
-    if dump_dir is None:
-        return
-    if not isinstance(dump_dir, (str, os.PathLike)) or "\0" in str(dump_dir):
-        raise HetccError(f"dump_dir must be a folder path, got {short_repr(dump_dir)}")
-    folder = Path(dump_dir)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        reason = "is a file" if folder.exists() and not folder.is_dir() else (error.strerror or str(error))
-        raise HetccError(
-            f"dump_dir {str(folder)!r} cannot be used: {reason}", hint="give a writable folder"
-        ) from None
-    if not os.access(folder, os.W_OK):
-        raise HetccError(f"dump_dir {str(folder)!r} is not writable", hint="give a writable folder")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 __all__ = ["Analysis", "Compiled", "analyze", "compile", "replan", "run_local"]

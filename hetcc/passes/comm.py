@@ -104,6 +104,16 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: in
     return [builder.finish(tied) for builder in builders]
 
 
+def format_stages(stages: list[StageGraph]) -> str:
+    """One line per stage: its model inputs, recvs and sends (the ``comm`` step's dump)."""
+    lines = []
+    for stage in stages:
+        recvs = ", ".join(f"tag {e.tag} {e.value} from {e.src}" for e in stage.recvs) or "none"
+        sends = ", ".join(f"tag {e.tag} {e.value} to {e.dst}" for e in stage.sends) or "none"
+        lines.append(f"stage {stage.index}: inputs {list(stage.inputs)}; recv {recvs}; send {sends}")
+    return "\n".join(lines)
+
+
 def _assign_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> dict[fx.Node, int]:
     """Stage of every node that computes something (see the module docstring for the rules)."""
     _check_mapping(gm, stage_of, num_stages)

@@ -1,0 +1,108 @@
+"""The arguments of ``hetcc.analyze`` and ``hetcc.compile``, checked first, so a wrong argument fails at
+once with its name instead of deep in a pass or a rank (``hetcc.api`` checks ``run_local``'s itself, as
+they name its ``Compiled``)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from hetcc.errors import HetccError, did_you_mean
+from hetcc.hardware.cluster import Cluster
+from hetcc.hardware.schema import short_repr
+from hetcc.passes.partition import PRECISIONS
+from hetcc.solver.schedules import SCHEDULES
+
+
+def check_plan_space(precision: object, recompute: object, replicate: object) -> None:
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise HetccError(
+            f"unknown precision {precision!r}{did_you_mean(precision, PRECISIONS)}",
+            hint=f"use one of {', '.join(PRECISIONS)}",
+        )
+    if not (recompute == "auto" or isinstance(recompute, bool)):
+        raise HetccError(f"recompute must be 'auto', True or False, got {recompute!r}")
+    if not isinstance(replicate, bool):
+        raise HetccError(f"replicate must be True or False, got {replicate!r}")
+
+
+def check_analyze_args(model, example_inputs, example_kwargs, training, dump_dir, max_block_bytes) -> None:
+    _check_model(model)
+    check_examples(example_inputs, example_kwargs)
+    _check_flag(training, "training")
+    _check_dump_dir(dump_dir)
+    if max_block_bytes is not None and not (_is_number(max_block_bytes) and max_block_bytes > 0):
+        raise HetccError(
+            f"max_block_bytes must be a positive number of bytes or None, got {short_repr(max_block_bytes)}"
+        )
+
+
+def check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir) -> None:
+    _check_model(model)
+    if not isinstance(cluster, (Cluster, str, os.PathLike)):
+        raise HetccError(
+            f"cluster must be a hetcc.Cluster or the path of a cluster file, got {type(cluster).__name__}",
+            hint="hetcc.Cluster.from_file('cluster.yaml')",
+        )
+    check_examples(example_inputs, example_kwargs)  # microbatches: split_microbatches names the input
+    if schedule not in SCHEDULES:
+        raise HetccError(f"schedule must be one of {', '.join(SCHEDULES)}, got {short_repr(schedule)}")
+    _check_flag(training, "training")
+    _check_dump_dir(dump_dir)
+
+
+def _check_model(model: object) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise HetccError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def check_examples(args: object, kwargs: object, name: str = "example") -> None:
+    """Positional inputs a tuple/list (or one tensor), keyword inputs a dict by name; no empty batch."""
+    args_name, kwargs_name = (
+        ("inputs", "inputs") if name == "inputs" else ("example_inputs", "example_kwargs")
+    )
+    if not isinstance(args, (tuple, list, torch.Tensor)):
+        raise HetccError(f"{args_name} must be a tuple of positional inputs, got {type(args).__name__}")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise HetccError(
+            f"{kwargs_name} must be a dict of input name -> value, got {short_repr(kwargs)}",
+            hint="e.g. {'input_ids': ids}",
+        )
+    named = [(args_name, args)] if isinstance(args, torch.Tensor) else [(args_name, a) for a in args]
+    named += [(f"{kwargs_name}[{key!r}]", value) for key, value in (kwargs or {}).items()]
+    for where, value in named:
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == 0:
+            raise HetccError(
+                f"{where}: a batch of 0 rows (shape {tuple(value.shape)})",
+                hint="pass at least one row per microbatch",
+            )
+
+
+def _check_flag(value: object, name: str) -> None:
+    if not isinstance(value, bool):
+        raise HetccError(f"{name} must be True or False, got {short_repr(value)}")
+
+
+def _check_dump_dir(dump_dir: object) -> None:
+    """None, or a folder that exists or can be made, and can be written."""
+    if dump_dir is None:
+        return
+    if not isinstance(dump_dir, (str, os.PathLike)) or "\0" in str(dump_dir):
+        raise HetccError(f"dump_dir must be a folder path, got {short_repr(dump_dir)}")
+    folder = Path(dump_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        reason = "is a file" if folder.exists() and not folder.is_dir() else (error.strerror or str(error))
+        raise HetccError(
+            f"dump_dir {str(folder)!r} cannot be used: {reason}", hint="give a writable folder"
+        ) from None
+    if not os.access(folder, os.W_OK):
+        raise HetccError(f"dump_dir {str(folder)!r} is not writable", hint="give a writable folder")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

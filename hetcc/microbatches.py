@@ -1,0 +1,114 @@
+"""One step's batch in microbatches: its rows, the first microbatch (what ``hetcc.compile`` traces),
+and for ``microbatches="auto"`` the search: every divisor of the batch priced from a single trace with
+a symbolic batch dimension, and the count whose plan simulates fastest kept."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import warnings
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from hetcc.errors import HetccError, InfeasiblePlanError
+from hetcc.hardware.cluster import Cluster
+from hetcc.passes.cost import block_times_at
+from hetcc.passes.partition import RERANK, PlanSettings, build_problem
+from hetcc.runtime.local import split_microbatches
+from hetcc.solver.solve import solve
+
+
+def search_microbatches(
+    model: torch.nn.Module,
+    cluster: Cluster,
+    args,
+    kwargs: dict,
+    settings: PlanSettings,
+    dtype: object | None,
+    analyze: Callable[..., Any],
+) -> tuple[int, list[tuple[int, float]], list[str]]:
+    """(best M, (M, simulated step) for every M tried, notes): one trace of the whole batch with its
+    dim 0 symbolic (``torch.export.Dim``), then for every divisor M of the batch the analysis is
+    evaluated at batch / M rows (sympy), priced, planned and simulated; no retrace per M.
+
+    Fused kernels are not priced here (the graph is traced once, unfused); the chosen M is then
+    compiled as usual. A model that does not trace with a symbolic batch keeps the largest divisor
+    of the batch up to 8, and the plan says why. ``analyze`` is ``hetcc.api.analyze``, passed in
+    because ``hetcc.api`` imports this module.
+    """
+    rows = settings.batch_rows
+    if rows <= 1:
+        return 1, [], []
+    fallback = max(m for m in range(1, min(rows, 8) + 1) if rows % m == 0)
+    batch = torch.export.Dim("batch", min=1, max=rows)
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+        shapes = {
+            name: ({0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows else None)
+            for name, v in bound.arguments.items()
+        }
+        with _quiet():
+            symbolic = analyze(model, args, kwargs, dynamic_shapes=shapes, training=settings.training)
+        symbol = symbolic.dim_symbols["batch"]
+    except (HetccError, TypeError, KeyError, RuntimeError, ValueError) as error:
+        reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+        return fallback, [], [f"microbatches: kept {fallback} (no trace with a symbolic batch: {reason})"]
+    tried = []
+    for m in (m for m in range(1, rows + 1) if rows % m == 0):
+        at = symbolic.evaluate(batch=rows // m)
+        times = block_times_at(
+            symbolic.graph, [b.nodes for b in at.blocks], cluster.types, {symbol: rows // m},
+            dtype=dtype, training=settings.training,
+        )  # fmt: skip
+        problem = build_problem(
+            symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m), times
+        )
+        try:
+            tried.append((m, solve(problem, rerank=RERANK).simulated_s))
+        except InfeasiblePlanError:
+            tried.append((m, math.inf))
+    best_s, best_m = min((s, m) for m, s in tried)
+    if math.isinf(best_s):
+        return fallback, tried, [f"microbatches: no count fits in memory; kept {fallback}"]
+    return best_m, tried, []
+
+
+@contextmanager
+def _quiet():
+    """torch.export's own warnings about the symbolic dim are not the user's business here."""
+    names = ("torch._dynamo", "torch.fx.experimental.symbolic_shapes", "torch.export")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def batch_rows(args, kwargs: dict) -> int:
+    """Rows of one step's batch: dim 0 of the first tensor input (0 if there is none)."""
+    values = list(args) if isinstance(args, (tuple, list)) else [args]
+    for value in [*values, *kwargs.values()]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return int(value.shape[0])
+    return 0
+
+
+def first_microbatch(args: tuple, kwargs: dict[str, Any], microbatches: int) -> tuple[tuple, dict]:
+    """The first of ``microbatches`` equal chunks of the example batch (what hetcc traces)."""
+    args = tuple(args) if isinstance(args, (tuple, list)) else (args,)
+    if not isinstance(kwargs, dict):
+        raise HetccError(f"example_kwargs must be a dict of input name -> value, got {type(kwargs).__name__}")
+    first = split_microbatches({**dict(enumerate(args)), **kwargs}, microbatches)[0]
+    return tuple(first[i] for i in range(len(args))), {k: first[k] for k in kwargs}
