@@ -160,3 +160,23 @@ def test_a_weight_tied_across_stages_is_summed_over_its_holders_at_step_end():
     assert sorted(e.stage for e in sums) == [0, 2] and all(e.end_s == tied.step_time_s for e in sums)
     one_stage = simulate(problem, [0, 3], [0])  # one holder: nothing to sum
     assert not any(e.kind == "ALLREDUCE" for e in one_stage.events)
+
+
+def test_a_skip_tensor_goes_from_its_producer_straight_to_its_consumer():
+    problem = homogeneous(3, 1, "1f1b")
+    problem.bandwidth_bps = [[math.inf if a == b else 1.0 for b in range(3)] for a in range(3)]
+    problem.cut_bytes = [101.0, 101.0]  # the chain model: the skip charged on both links
+    chained = simulate(problem, [0, 1, 2, 3], [0, 1, 2])
+    problem.cut_tensors = [[0, [1], 1.0, 1.0], [1, [2], 1.0, 1.0], [0, [2], 100.0, 100.0]]
+    direct = simulate(problem, [0, 1, 2, 3], [0, 1, 2])
+
+    def first(sim, stage, kind):
+        return next(e for e in sim.events if e.stage == stage and e.kind == kind)
+
+    assert first(chained, 1, "F").start_s == 1.0 + 101.0
+    assert first(direct, 1, "F").start_s == 1.0 + 1.0  # only its own input crosses the first link
+    # stage 2 waits for the skip sent by stage 0 (100 s from t = 1), not for a relay through stage 1
+    assert first(direct, 2, "F").start_s == 1.0 + 100.0
+    sends = [(e.stage, e.start_s, e.end_s) for e in direct.events if e.kind == "SEND_F"]
+    assert (0, 1.0, 101.0) in sends or (0, 2.0, 102.0) in sends  # one link per pair: 0->1 and 0->2
+    assert direct.step_time_s < chained.step_time_s

@@ -45,13 +45,17 @@ _COMPUTE = ("call_function", "call_method", "call_module")
 
 @dataclass(frozen=True)
 class CutTensor:
-    """A tensor alive across a cut: produced by ``node`` and last used in ``last_block``; ``grad``: its
-    gradient crosses back in training (it depends on a trainable parameter)."""
+    """A tensor alive across a cut: produced by ``node`` in block ``producer``, used by the later blocks
+    ``consumers`` (the last is ``last_block``); ``grad``: its gradient crosses back in training (it
+    depends on a trainable parameter). The runtime sends it once from the producer's stage to each
+    stage holding a consumer."""
 
     node: str
     bytes: Number
     last_block: str
     grad: bool = True
+    producer: str = ""
+    consumers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -264,7 +268,8 @@ def _crossings(gm, index: dict[str, int], order: list[str]):
             continue
         val = node.meta.get("val")
         grad = node in trainable and bool(getattr(val, "dtype", torch.int64).is_floating_point)
-        cut = CutTensor(node.name, nbytes(val), order[used[-1]], grad)
+        later = tuple(order[i] for i in used if i > produced)
+        cut = CutTensor(node.name, nbytes(val), order[used[-1]], grad, order[produced], later)
         for boundary in range(produced, used[-1]):
             crossing[boundary].append(cut)
     return crossing, tied

@@ -126,6 +126,7 @@ def build_problem(
         cut_bytes=[float(b.cut_bytes) for b in chain[:-1]],
         cut_grad_bytes=[float(b.cut_grad_bytes) for b in chain[:-1]] if training else None,
         tied_blocks=[[index[name] for name in t.blocks] for t in tied],
+        cut_tensors=_cut_tensors(chain, index, training),
         tied_bytes=[float(t.bytes) for t in tied],
         devices=devices,
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
@@ -207,3 +208,14 @@ def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float)
         precision=settings.precision,
         allreduce_s=stage_plan.allreduce_s,
     )
+
+
+def _cut_tensors(chain, index: dict[str, int], training: bool) -> list[list]:
+    """Every tensor crossing a cut once: [producer block, consumer blocks, bytes, gradient bytes]."""
+    seen: dict[str, list] = {}
+    for block in chain:
+        for c in block.cut_tensors:
+            if c.node not in seen and c.consumers:
+                grad = float(c.bytes) if training and c.grad else 0.0
+                seen[c.node] = [index[c.producer], [index[b] for b in c.consumers], float(c.bytes), grad]
+    return list(seen.values())

@@ -62,6 +62,11 @@ class PartitionProblem:
     # stage holding one sums its gradient with the others at step end (when more than one stage does).
     tied_blocks: list[list[int]] | None = None
     tied_bytes: list[float] | None = None
+    # Every tensor crossing a cut, once: [producer block, consumer blocks, bytes, gradient bytes]. The
+    # runtime sends each from its producer's stage straight to each stage holding a consumer; the
+    # simulator replays exactly that (the search's chain formula charges ``cut_bytes`` on each link it
+    # passes). None: the chain model alone.
+    cut_tensors: list[list] | None = None
     # Self-description for outside planners (the costs above already include them).
     precision: str = "fp32"
     optimizer: str = ""
@@ -318,6 +323,36 @@ def _check_tied(problem: PartitionProblem, n: int) -> None:
             )
 
 
+def _check_cut_tensors(problem: PartitionProblem, n: int) -> None:
+    if problem.cut_tensors is None:
+        return
+    if not isinstance(problem.cut_tensors, list):
+        raise _fail(
+            "cut_tensors", "must be a list", "[producer, [consumers], bytes, gradient bytes] per tensor"
+        )
+    for entry in problem.cut_tensors:
+        ok = isinstance(entry, list) and len(entry) == 4
+        if ok:
+            producer, consumers, nbytes, grad = entry
+            ok = (
+                _index(producer, n)
+                and isinstance(consumers, list)
+                and bool(consumers)
+                and all(_index(c, n) and c > producer for c in consumers)
+                and all(isinstance(v, (int, float)) and 0 <= v < math.inf for v in (nbytes, grad))
+            )
+        if not ok:
+            raise _fail(
+                "cut_tensors",
+                f"{entry!r} is not [producer block, [later consumer blocks], bytes, gradient bytes]",
+                "fix the entry",
+            )
+
+
+def _index(value, n: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n
+
+
 def _fail(field: str, reason: str, hint: str) -> PlanFormatError:
     return PlanFormatError(f"partition problem field {field!r}: {reason}", hint=hint)
 
@@ -370,6 +405,7 @@ def validate_problem(problem: PartitionProblem) -> None:
     if problem.cut_grad_bytes is not None:
         _check_vector("cut_grad_bytes", problem.cut_grad_bytes, n - 1)
     _check_tied(problem, n)
+    _check_cut_tensors(problem, n)
     for flag in ("training", "replicate", "recompute", "recompute_all"):
         if not isinstance(getattr(problem, flag), bool):
             raise _fail(flag, f"must be true or false, got {getattr(problem, flag)!r}", "use a JSON boolean")

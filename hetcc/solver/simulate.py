@@ -118,36 +118,42 @@ class _Timeline:
         self.problem, self.stages, self.routes = problem, stages, routes
         self.link_free_s: dict[tuple[int, int], float] = {}
         self.arrival_s: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> time
+        self.received: dict[tuple[int, str, int], int] = {}  # messages arrived so far
         self.events: list[Event] = []
+        self.messages = _messages(problem, [s.blocks for s in stages])
+        self.expected = {
+            (t, kind): sum(1 for (a, b) in self.messages if (b if kind == "F" else a) == t)
+            for t in range(len(stages))
+            for kind in ("F", "B")
+        }
 
     def run(self, lane: _Lane, action) -> bool:
-        """Schedule one compute and its outgoing send; False if its input has not been produced yet."""
-        k, stage, kind, m = len(self.stages), lane.stage, action.kind, action.microbatch
-        needs_input = (kind == "F" and stage > 0) or (kind == "B" and stage < k - 1)
-        ready_s = self.arrival_s.get((stage, kind, m)) if needs_input else 0.0
-        if ready_s is None:
+        """Schedule one compute and its outgoing sends; False if an input has not arrived yet."""
+        stage, kind, m = lane.stage, action.kind, action.microbatch
+        if self.received.get((stage, kind, m), 0) < self.expected[(stage, kind)]:
             return False
-        start = max(lane.free_s, ready_s)
+        start = max(lane.free_s, self.arrival_s.get((stage, kind, m), 0.0))
         end = start + (lane.fwd_s if kind == "F" else lane.bwd_s)
         lane.free_s = end
         lane.busy_s += end - start
         name = self.problem.devices[lane.device].name
         self.events.append(Event(stage, kind, m, start, end, lane.replica, name))
-        target = stage + 1 if kind == "F" else stage - 1
-        if 0 <= target < k:
-            peer = self.stages[target].group[self.routes[target][m]]
-            self._send(lane, peer, target, kind, m, end)
+        for (a, b), (forward_bytes, grad_bytes) in self.messages.items():
+            if kind == "F" and a == stage:
+                self._send(lane, b, kind, m, end, forward_bytes)
+            elif kind == "B" and b == stage:
+                self._send(lane, a, kind, m, end, grad_bytes)
         return True
 
-    def _send(self, lane: _Lane, peer: int, target: int, kind: str, m: int, ready_s: float) -> None:
+    def _send(self, lane: _Lane, target: int, kind: str, m: int, ready_s: float, nbytes: float) -> None:
+        peer = self.stages[target].group[self.routes[target][m]]
         link = (min(lane.device, peer), max(lane.device, peer))
-        cut = self.stages[min(lane.stage, target)].blocks[1] - 1
-        nbytes = self.problem.cut_bytes[cut] if kind == "F" else self.problem.cut_grad_at(cut)
-        one_way = transfer_s(self.problem, lane.device, peer, nbytes)
         start = max(self.link_free_s.get(link, 0.0), ready_s)
-        end = start + one_way
+        end = start + transfer_s(self.problem, lane.device, peer, nbytes)
         self.link_free_s[link] = end
-        self.arrival_s[(target, kind, m)] = end
+        key = (target, kind, m)
+        self.arrival_s[key] = max(self.arrival_s.get(key, 0.0), end)
+        self.received[key] = self.received.get(key, 0) + 1
         name = self.problem.devices[lane.device].name
         self.events.append(Event(lane.stage, f"SEND_{kind}", m, start, end, lane.replica, name))
 
@@ -200,3 +206,27 @@ class _Timeline:
         overall = 1 - sum(lane.busy_s for lane in lanes) / (step * len(lanes)) if step > 0 else 0.0
         events = tuple(sorted(self.events, key=lambda e: (e.start_s, e.stage, e.replica, e.kind)))
         return Simulation(step, busy, bubble, overall, events)
+
+
+def _messages(
+    problem: PartitionProblem, blocks: list[tuple[int, int]]
+) -> dict[tuple[int, int], tuple[float, float]]:
+    """(sending stage, receiving stage) -> (activation bytes forward, gradient bytes back) per microbatch.
+
+    Stage j always sends to j + 1 (its output, however small, is what the next stage waits for); with
+    ``problem.cut_tensors`` each tensor goes from its producer's stage to every stage holding a
+    consumer (skips included, never relayed), else the chain's ``cut_bytes`` go to the next stage."""
+    stage_of = [j for j, (a, b) in enumerate(blocks) for _ in range(a, b)]
+    messages = {(j, j + 1): [0.0, 0.0] for j in range(len(blocks) - 1)}
+    if problem.cut_tensors is None:
+        for j in range(len(blocks) - 1):
+            cut = blocks[j][1] - 1
+            messages[(j, j + 1)] = [problem.cut_bytes[cut], problem.cut_grad_at(cut)]
+    else:
+        for producer, consumers, nbytes, grad in problem.cut_tensors:
+            src = stage_of[producer]
+            for dst in sorted({stage_of[c] for c in consumers} - {src}):
+                pair = messages.setdefault((src, dst), [0.0, 0.0])
+                pair[0] += nbytes
+                pair[1] += grad if problem.training else 0.0
+    return {pair: (f, b) for pair, (f, b) in messages.items()}

@@ -79,6 +79,8 @@ def test_model_without_layers_is_split_by_top_level_children_and_skips_cross_cut
     inp, mid = analysis.blocks[0], analysis.blocks[1]
     assert inp.cut_bytes == 4 * 8 * 4 and inp.cut_tensors[0].last_block == "out"  # h skips over mid
     assert {c.node for c in mid.cut_tensors} == {"linear", "linear_1"} and mid.cut_bytes == 2 * 4 * 8 * 4
+    skip = inp.cut_tensors[0]
+    assert (skip.producer, skip.consumers) == ("inp", ("mid", "out"))  # sent to each stage that uses it
 
 
 def test_opt_blocks_follow_the_computation_although_final_layer_norm_comes_first_in_parameters():
