@@ -82,11 +82,15 @@ def torchrun_commands(
         ]  # fmt: skip
         layout = ", ".join(
             f"rank {e['rank']} = stage {e['stage']}{_replica(e, ranks)} on {e['device']} "
-            f"({e['type']}, GPU {e['local_index']})"
+            f"({e['type']}{_gpu_index(e)})"
             for e in entries
         )
         commands.append((node, f"# node {node_rank} ({node}): {layout}\n{shlex.join(words)}"))
     return commands
+
+
+def _gpu_index(entry: Mapping[str, Any]) -> str:
+    return "" if entry["vendor"] == "cpu" else f", GPU {entry['local_index']}"
 
 
 def _replica(entry: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -> str:
