@@ -16,7 +16,8 @@ import hetcc
 from hetcc.cli import main
 from hetcc.errors import ClusterError, HetccError, PlanFormatError
 from hetcc.hardware.calibration import Calibration
-from hetcc.runtime.store import file_sha256, load_inputs, load_pipeline, load_stage
+from hetcc.runtime.files import file_sha256
+from hetcc.runtime.store import load_inputs, load_pipeline, load_stage
 
 VALID_NODE = "nodes:\n  - name: n\n    devices:\n      - {type: T4, count: 1}\n"
 

@@ -33,7 +33,7 @@ import safetensors.torch
 import torch
 
 from hetcc.errors import PlanFormatError
-from hetcc.runtime.store import folder_file, read_document, read_tensors
+from hetcc.runtime.files import folder_file, read_document, read_tensors
 
 FORMAT = "hetcc-checkpoint"
 VERSION = 1
