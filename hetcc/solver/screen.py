@@ -5,7 +5,8 @@ Any bound b gives a plan with every period term <= b, so with P <= b: ``S(b) + (
 step time some plan achieves (``dp`` module docstring). The screen evaluates it at a fixed set of
 bounds near the incumbent's P for every neighbour of the incumbent. Neighbours share most of the
 incumbent's stages, and the DP runs from the last stage back, so the suffix tables ``g_j`` of the
-incumbent are kept and a neighbour's DP starts from the longest suffix it shares with it.
+incumbent are kept and a neighbour's DP starts from the longest suffix it shares with it. Seeds,
+unlike the incumbent, are screened at a wider set of bounds (``wide``) and nothing is kept.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ class Screen:
     def __init__(self, chain: Chain, bounds_s: np.ndarray):
         self.bounds_s = np.asarray(bounds_s, dtype=float)
         self.rows = BoundRows(chain, self.bounds_s)
-        self.period_terms = (chain.microbatches - 1) * np.asarray(bounds_s, dtype=float)
+        self.period_terms = (chain.microbatches - 1) * self.bounds_s
         self._suffix_node: dict[tuple[int, int], int] = {}  # (id(stage j), node of j+1..) -> node of j..
         self._tables = [self.rows.last_suffix()]  # g of each node; node 0 is the empty suffix
         self._remembered: list[list[SequenceSlot]] = []  # alive while the screen is: ids stay unique
