@@ -116,6 +116,7 @@ class Chain:
         self.messages_at = (self.cut_at > 0).astype(float) + (self.grad_at > 0)
         self._windows: dict[tuple, np.ndarray] = {}
         self._end_costs: dict[tuple, tuple] = {}
+        self._depths: dict[int, tuple[int, float]] = {}
         self._slots: dict[tuple, SequenceSlot] = {}  # one record per kind: the screen keys on identity
         self._links: dict[tuple[float, float] | None, np.ndarray] = {}
         self._sums: dict[tuple, np.ndarray] = {}
@@ -131,20 +132,19 @@ class Chain:
         problem = self.problem
         groups = [tuple(g) if isinstance(g, (tuple, list)) else (g,) for g in groups]
         replicas = [len(g) for g in groups]
+        depths = np.cumsum(replicas[::-1])[::-1].tolist()  # devices from stage j to the last
         k, m = len(groups), self.microbatches
         out = []
         for j, group in enumerate(groups):
             d, r = group[0], len(group)
             device = problem.devices[d]
-            held = inflight_microbatches(problem, j, k, replicas)
+            held, slots = self._by_depth(depths[j])
             held = replica_inflight(held, r) if problem.training else 1
             link, link_share = None, 1.0
             if j + 1 < k:
                 nxt = groups[j + 1][0]
                 link = (problem.latency_s[d][nxt], problem.bandwidth_bps[d][nxt])
                 link_share = steady_share(-(-m // math.lcm(r, replicas[j + 1])), m)
-            slots = round_trip_slots(problem, j, k, replicas)
-            slots = math.inf if slots is None else float(slots)
             reduced = group if j == 0 and r > 1 and problem.training else r  # its all-reduce is timed
             key = (device.type, device.memory_bytes, reduced, held, link, link_share, slots)
             if key not in self._slots:
@@ -154,6 +154,17 @@ class Chain:
                 )
             out.append(self._slots[key])
         return out
+
+    def _by_depth(self, depth: int) -> tuple[int, float]:
+        """W_j and the round-trip slots (inf if none) of a stage with ``depth`` devices from it to the
+        last stage: both depend on nothing else (``problem.warmup_depth``)."""
+        if depth not in self._depths:
+            slots = round_trip_slots(self.problem, 0, depth)
+            self._depths[depth] = (
+                inflight_microbatches(self.problem, 0, depth),
+                math.inf if slots is None else float(slots),
+            )
+        return self._depths[depth]
 
     def end_costs(self, stage: SequenceSlot, key: tuple) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per mode of ``stage`` (``key`` names its link and modes): C_j + T+A prefix by end block, the
