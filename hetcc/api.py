@@ -27,7 +27,7 @@ import torch
 from hetcc import config, ir, verify
 from hetcc.api_checks import check_analyze_args, check_compile_args, check_examples, check_plan_space
 from hetcc.dump import Dumper
-from hetcc.errors import AnalysisError, HetccError
+from hetcc.errors import AnalysisError, HetccError, PlanFormatError
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.schema import short_repr
 from hetcc.kernels import FUSION_META_KEY, write_kernel
@@ -309,7 +309,7 @@ def compile(  # noqa: A001 - the public API name
         "loss": "model", "vendors": vendors, "placement": placement(stage_devices),
         "inputs": [n.target for n in gm.graph.find_nodes(op="placeholder")],
         "routing": [list(s.route) for s in solution.stages], "recompute": [s.recompute for s in plan.stages],
-        "precision": plan.precision,
+        "precision": plan.precision, "plan_space": {"replicate": bool(replicate), "recompute": recompute},
     }  # fmt: skip
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
 
@@ -372,7 +372,8 @@ def replan(
     model); its weights are replaced by the checkpoint's. Writes the new build to ``out`` (default
     ``<source>-replanned``) with the checkpoint moved into its stages at the same step in
     ``out/checkpoints``: ``run_local(out, ..., checkpoint_dir=out / "checkpoints", resume=True)`` goes on.
-    ``compile_options`` go to ``compile`` (microbatches, schedule and optimizer are the old run's).
+    ``compile_options`` go to ``compile``; microbatches, schedule and optimizer are the old run's, and so
+    are precision, replicate and recompute unless ``compile_options`` set them.
     """
     from hetcc.runtime import checkpoint as ckpt
     from hetcc.runtime.replan import move_checkpoint
@@ -386,7 +387,7 @@ def replan(
     compiled = compile(
         model, cluster, example_inputs, example_kwargs, microbatches=int(meta.get("microbatches", 1)),
         schedule=meta.get("schedule", "1f1b"), optimizer=(meta.get("optimizer") or {}).get("name", "adam"),
-        **compile_options,
+        **{**_plan_space(Path(build), meta), **compile_options},
     )  # fmt: skip
     out = Path(out) if out is not None else Path(f"{Path(source).resolve()}-replanned")
     compiled.save(out)
@@ -395,6 +396,26 @@ def replan(
             shutil.copyfile(Path(build) / name, out / name)
     move_checkpoint(build, root, step, out, out / "checkpoints")
     return compiled
+
+
+def _plan_space(build: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """The old build's precision and plan space (``pipeline.json`` meta), as ``compile`` options."""
+    space = meta.get("plan_space") or {}
+    precision = meta.get("precision", "fp32")
+    if not isinstance(space, dict):
+        space = {"replicate": space}  # reported below
+    replicate, recompute = space.get("replicate", True), space.get("recompute", "auto")
+    if (
+        not (isinstance(precision, str) and precision in PRECISIONS)
+        or not isinstance(replicate, bool)
+        or not (isinstance(recompute, bool) or recompute == "auto")
+    ):
+        raise PlanFormatError(
+            f"{build / 'pipeline.json'}: meta precision {short_repr(precision)} / plan_space "
+            f"{short_repr(space)} is not a plan space",
+            hint="pass precision=, replicate= and recompute= to hetcc.replan",
+        )
+    return {"precision": precision, "replicate": replicate, "recompute": recompute}
 
 
 def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:

@@ -33,7 +33,7 @@ def test_three_stages_become_two_and_training_continues_like_eager(tmp_path):
     first = hetcc.run_local(compiled, batch, steps=2, optimizer=ADAM, checkpoint_dir=tmp_path / "ckpt")
 
     replanned = hetcc.replan(tmp_path / "ckpt", _cpus(2), copy.deepcopy(model), example_kwargs=example,
-                             out=tmp_path / "two", replicate=False)  # fmt: skip
+                             out=tmp_path / "two")  # fmt: skip; the old build's replicate=False is kept
     assert len(replanned.stages) == 2
     second = hetcc.run_local(tmp_path / "two", batch, steps=2, optimizer=ADAM,
                              checkpoint_dir=tmp_path / "two" / "checkpoints", resume=True)  # fmt: skip
@@ -42,3 +42,15 @@ def test_three_stages_become_two_and_training_continues_like_eager(tmp_path):
     got = first.losses + second.losses
     for a, b in zip(got, want, strict=True):
         assert abs(a - b) <= 1e-5 * abs(b), (got, want)
+
+
+def test_replan_keeps_the_old_builds_precision_and_plan_space_unless_told(tmp_path):
+    from hetcc.api import _plan_space
+    from hetcc.errors import PlanFormatError
+
+    meta = {"precision": "bf16-mixed", "plan_space": {"replicate": False, "recompute": True}}
+    assert _plan_space(tmp_path, meta) == {"precision": "bf16-mixed", "replicate": False, "recompute": True}
+    assert _plan_space(tmp_path, {}) == {"precision": "fp32", "replicate": True, "recompute": "auto"}
+    for bad in ({"precision": ["fp32"]}, {"plan_space": {"replicate": 1}}, {"plan_space": {"recompute": 1}}):
+        with pytest.raises(PlanFormatError, match="pipeline.json"):
+            _plan_space(tmp_path, bad)
