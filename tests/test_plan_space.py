@@ -36,6 +36,7 @@ def problems(draw, max_blocks: int = 6, max_devices: int = 4, max_types: int = 3
         devices += [ProblemDevice(f"{t}_{i}", t, memory, f"node_{t}") for i in range(c)]
     d = len(devices)
     inter = draw(st.floats(2.0, 20.0))
+    tied = n > 1 and draw(st.booleans())
     bandwidth = [
         [math.inf if a == b else (40.0 if devices[a].node == devices[b].node else inter) for b in range(d)]
         for a in range(d)
@@ -56,6 +57,9 @@ def problems(draw, max_blocks: int = 6, max_devices: int = 4, max_types: int = 3
         replicate=True,
         recompute=True,
         param_bytes=None,
+        # an embedding tied to the head in half the cases: summed over the first and last stages' devices
+        tied_blocks=[[0, n - 1]] if tied else None,
+        tied_bytes=[draw(st.floats(0.5, 8.0))] if tied else None,
     )
 
 

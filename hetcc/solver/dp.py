@@ -37,6 +37,7 @@ from hetcc.solver.objective import step_terms
 from hetcc.solver.problem import (
     MEMORY_RTOL,
     PartitionProblem,
+    end_tied_s,
     inflight_microbatches,
     replica_inflight,
     round_trip_slots,
@@ -146,9 +147,10 @@ class Chain:
                 link = (problem.latency_s[d][nxt], problem.bandwidth_bps[d][nxt])
                 link_share = steady_share(-(-m // math.lcm(r, replicas[j + 1])), m)
             reduced = group if j == 0 and r > 1 and problem.training else r  # its all-reduce is timed
-            key = (device.type, device.memory_bytes, reduced, held, link, link_share, slots)
+            tied = end_tied_s(problem, group, groups[-1]) if j == 0 and k > 1 else 0.0
+            key = (device.type, device.memory_bytes, reduced, held, link, link_share, slots, tied)
             if key not in self._slots:
-                modes = self._modes(device, group, held, first=j == 0)
+                modes = self._modes(device, group, held, first=j == 0, tied_s=tied)
                 self._slots[key] = SequenceSlot(
                     modes, steady_share(-(-m // r), m), self._comm(link), link_share, slots
                 )
@@ -179,15 +181,19 @@ class Chain:
             )
         return self._end_costs[key]
 
-    def _modes(self, device, group: tuple[int, ...], held: int, first: bool) -> tuple[Mode, ...]:
+    def _modes(
+        self, device, group: tuple[int, ...], held: int, first: bool, tied_s: float = 0.0
+    ) -> tuple[Mode, ...]:
+        """The stage's modes (with and without recomputation); the first stage's constant holds its
+        replicas' all-reduce latency and the step-end sum of weights tied to the last stage."""
         row = self.type_row[device.type]
-        per_byte, constant = 0.0, 0.0
+        per_byte, constant = 0.0, tied_s
         if first and len(group) > 1 and self.problem.training:  # ring all-reduce of the stage's gradients
             pairs = [(a, b) for a in group for b in group if a != b]
             bandwidth = min(self.problem.bandwidth_bps[a][b] for a, b in pairs)
             latency = max(self.problem.latency_s[a][b] for a, b in pairs)
             per_byte = 2 * (len(group) - 1) / len(group) / bandwidth
-            constant = 2 * (len(group) - 1) * latency
+            constant += 2 * (len(group) - 1) * latency
         choices = [False]
         if self.problem.training and self.problem.recompute_all:
             choices = [True]

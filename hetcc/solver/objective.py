@@ -36,6 +36,7 @@ from hetcc.solver.problem import (
     PartitionProblem,
     PartitionSolution,
     StageCost,
+    end_tied_s,
     link_time_s,
     ring_allreduce_s,
     round_trip_slots,
@@ -102,12 +103,13 @@ def replica_seconds(problem: PartitionProblem, start: int, stop: int, device: in
 def _objective_s(problem: PartitionProblem, stages: tuple[StageCost, ...]) -> tuple[float, float]:
     """(T, P) of a plan; T is infinite when a stage does not fit."""
     k = len(stages)
+    tied_s = end_tied_s(problem, stages[0].group, stages[-1].group) if k > 1 else 0.0
     replicas = [len(s.group) for s in stages]
     slots = [round_trip_slots(problem, j, k, replicas) or math.inf for j in range(k)]
     fill_drain, period = step_terms(
         [s.compute_s for s in stages], [s.comm_s for s in stages], slots,
         busy_s=[s.busy_s for s in stages], link_busy_s=[s.link_busy_s for s in stages],
-        extra_s=[stages[0].allreduce_s] + [0.0] * (k - 1),
+        extra_s=[stages[0].allreduce_s + tied_s] + [0.0] * (k - 1),
     )  # fmt: skip
     if not all(s.fits for s in stages):
         return math.inf, period

@@ -294,6 +294,25 @@ def ring_allreduce_s(nbytes: float, replicas: int, bandwidth_bps: float, latency
     return 2 * (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_bps)
 
 
+def end_tied_s(problem: PartitionProblem, first: Sequence[int], last: Sequence[int]) -> float:
+    """Step-end sum of the weights tied between the chain's first and last blocks (an embedding tied to
+    the head) over the devices of the first and the last stage: a ring per weight over their slowest
+    link; 0 for one stage or inference. The search's formula counts these; the simulator times every
+    tied weight over all its holders."""
+    devices = list(dict.fromkeys([*first, *last]))
+    if not problem.training or not problem.tied_blocks or len(devices) < 2:
+        return 0.0
+    n = len(problem.blocks)
+    pairs = [(a, b) for a in devices for b in devices if a != b]
+    bandwidth = min(problem.bandwidth_bps[a][b] for a, b in pairs)
+    latency = max(problem.latency_s[a][b] for a, b in pairs)
+    return math.fsum(
+        ring_allreduce_s(nbytes, len(devices), bandwidth, latency)
+        for users, nbytes in zip(problem.tied_blocks, problem.tied_bytes or [])
+        if 0 in users and n - 1 in users and nbytes > 0
+    )
+
+
 def transfer_s(problem: PartitionProblem, src: int, dst: int, nbytes: float) -> float:
     """One message of ``nbytes`` over the src -> dst link (nothing is sent for 0 bytes)."""
     if nbytes <= 0:
