@@ -182,3 +182,20 @@ def test_a_replicated_stage_simulates_to_its_share_plus_the_allreduce():
     assert sim.step_time_s == pytest.approx(2 * stage.compute_s + stage.allreduce_s)
     assert one.step_time_s >= sim.step_time_s * (1 - 1e-9)
     assert {e.replica for e in sim.events} == {0, 1}
+
+
+def test_the_simulator_refines_a_plan_into_a_group_of_mixed_types_where_that_is_faster():
+    # One block, too big to pipeline: one fast and one slow card on a fast link can only share it as a
+    # group of two types, the slow card taking the fewer microbatches.
+    devices = [ProblemDevice("fast0", "fast", 100.0, "n0"), ProblemDevice("slow0", "slow", 100.0, "n0")]
+    problem = PartitionProblem(
+        blocks=["b0"], fwd_s={"fast": [1.0], "slow": [2.0]}, bwd_s={"fast": [2.0], "slow": [4.0]},
+        state_bytes=[1.0], act_bytes=[1.0], cut_bytes=[], devices=devices,
+        bandwidth_bps=[[math.inf, 100.0], [100.0, math.inf]], latency_s=[[0.0, 0.001], [0.001, 0.0]],
+        microbatches=6, replicate=True, recompute=False, param_bytes=[0.1],
+    )  # fmt: skip
+    alone = simulate(problem, [0, 1], [(0,)]).step_time_s  # the fast card alone: 6 x 3 s
+    plan = solve(problem, rerank=6)
+    (stage,) = plan.stages
+    assert set(stage.group) == {0, 1} and stage.shares in ((4, 2), (2, 4))  # by speed, 2:1
+    assert plan.simulated_s < alone * 0.75

@@ -53,29 +53,63 @@ REFINE_ACTIONS = 60_000  # ... and about this many replayed microbatch-replica a
 def _refine_by_simulation(
     problem: PartitionProblem, plan: PartitionSolution, simulated_s: float, budget: int
 ):
-    """Move one cut at a time by one or two blocks while the simulated step improves (memory must still
-    fit). The objective is a formula; where it and the simulator disagree about where a cut belongs
-    (a replicated stage overlaps more than the formula credits), the simulator decides."""
-    groups, recompute = plan.groups, plan.recompute
-    bounds = best = plan.boundaries
+    """Local moves on the re-ranked winner while the simulated step improves (memory must still fit):
+    move one cut by one or two blocks; with replicas allowed, also merge two neighbouring stages into
+    one group, or move one device to the neighbouring stage's group. Those are the moves that make a
+    group of mixed types (uneven shares by speed), which the search's interchangeable groups never
+    propose. The objective is a formula; where it and the simulator disagree (a replicated stage
+    overlaps more than the formula credits), the simulator decides."""
+    current = (plan.boundaries, plan.groups, plan.recompute)
+    start = current
     improved = True
     while improved and budget > 0:
         improved = False
-        for j in range(1, len(bounds) - 1):
-            for step in (-2, -1, 1, 2):
-                moved = list(bounds)
-                moved[j] += step
-                if budget <= 0 or not moved[j - 1] < moved[j] < moved[j + 1]:
-                    continue
-                if not all(stage.fits for stage in stage_costs(problem, moved, groups, recompute)):
-                    continue
-                budget -= 1
-                time_s = simulate(problem, moved, groups, recompute).step_time_s
-                if time_s < simulated_s * (1 - 1e-12):
-                    simulated_s, bounds, improved = time_s, moved, True
-    if bounds is not best:
-        plan = evaluate(problem, bounds, groups, recompute, plan.lower_bound_s)
+        for moved in _moves(problem, *current):
+            if budget <= 0:
+                break
+            if not all(stage.fits for stage in stage_costs(problem, *moved)):
+                continue
+            budget -= 1
+            time_s = simulate(problem, *moved).step_time_s
+            if time_s < simulated_s * (1 - 1e-12):
+                simulated_s, current, improved = time_s, moved, True
+                break
+    if current is not start:
+        plan = evaluate(problem, *current, plan.lower_bound_s)
     return plan, simulated_s
+
+
+def _moves(problem: PartitionProblem, bounds, groups, recompute):
+    """Plans one move from ``(bounds, groups, recompute)``: cuts first, then regrouping."""
+    for j in range(1, len(bounds) - 1):
+        for step in (-2, -1, 1, 2):
+            moved = list(bounds)
+            moved[j] += step
+            if moved[j - 1] < moved[j] < moved[j + 1]:
+                yield moved, groups, recompute
+    if not problem.replicate:
+        return
+    groups = [tuple(g) for g in groups]
+    used = {d for g in groups for d in g}
+    for d in (d for d in range(len(problem.devices)) if d not in used):  # an idle device joins a group
+        for j in range(len(groups)):
+            yield bounds, groups[:j] + [(*groups[j], d)] + groups[j + 1 :], recompute
+    for j in range(len(groups) - 1):
+        merged = groups[:j] + [groups[j] + groups[j + 1]] + groups[j + 2 :]
+        flags = list(recompute[:j]) + [recompute[j] or recompute[j + 1]] + list(recompute[j + 2 :])
+        yield list(bounds[: j + 1]) + list(bounds[j + 2 :]), merged, flags
+        if len(groups[j]) > 1:  # its last device joins the next stage
+            yield (
+                bounds,
+                groups[:j] + [groups[j][:-1], (groups[j][-1], *groups[j + 1])] + groups[j + 2 :],
+                recompute,
+            )
+        if len(groups[j + 1]) > 1:  # the next stage's first device joins this one
+            yield (
+                bounds,
+                groups[:j] + [(*groups[j], groups[j + 1][0]), groups[j + 1][1:]] + groups[j + 2 :],
+                recompute,
+            )
 
 
 def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:
