@@ -1,6 +1,10 @@
 """Running a FusionGroup: its generated Triton kernels, or its original ops with torch (the fallback and
 the recompute backward). Shapes come from the runtime inputs, so one compiled kernel serves every
-shape with the same structure; only rank, dtypes and which inputs are flat are fixed by the group.
+shape with the same structure; only rank and which inputs are flat are fixed by the group.
+
+Dtypes follow the runtime inputs (``specialize``): under ``torch.autocast`` a group traced in fp32 reads
+the bf16 output of a matmul, and writes what its original ops would write there (bf16, or fp32 where an
+op promotes or autocast runs it in fp32), from a kernel generated for that dtype signature.
 
 Every run is counted in process-local counters (``launch_stats``), which the runtime reports per rank as
 provenance: they show which code a fused group ran, not only that its numbers were right.
@@ -8,6 +12,7 @@ provenance: they show which code a fused group ran, not only that its numbers we
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Sequence
 
@@ -15,8 +20,8 @@ import torch
 
 from hetcc.errors import RuntimeFailure
 from hetcc.kernels.cache import TRITON, choose_backend, compiled
-from hetcc.kernels.group import FusionGroup
-from hetcc.kernels.lowering import MAX_ROW_ELEMENTS, PASS_THROUGH, rule
+from hetcc.kernels.group import FusionGroup, retyped
+from hetcc.kernels.lowering import FUSIBLE_DTYPES, MAX_ROW_ELEMENTS, rule
 from hetcc.kernels.source import differentiable_inputs, strided_inputs
 
 _GPU_BLOCK = 1024
@@ -62,13 +67,28 @@ def compute_device(inputs: Sequence[torch.Tensor]) -> torch.device:
     return inputs[0].device
 
 
+AutocastState = tuple[bool, torch.dtype | None]  # (enabled, dtype) on one device type
+
+
+def autocast_state(device_type: str) -> AutocastState:
+    """``torch.autocast``'s state for ``device_type`` in this thread ((False, None): a device type
+    autocast does not know, e.g. meta)."""
+    try:
+        return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except RuntimeError:
+        return False, None
+
+
+def _autocast(device_type: str, state: AutocastState | None):
+    """Enter ``state`` (None, or a device type autocast does not know: leave the state in force)."""
+    if state is None or state[1] is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, state[1], state[0])
+
+
 def run_eager(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The group's original ops, one torch call each (exactly what the unfused graph computed)."""
-    values: list[torch.Tensor] = []
-    for instr in group.instrs:
-        operands = [_eager_operand(arg, inputs, values) for arg in instr.args]
-        result = rule(instr.op).eager(*operands)
-        values.append(result.to(instr.dtype) if instr.op in PASS_THROUGH else result)
+    values = _eager_values(group, inputs)
     outputs = [values[j] for j in group.outputs]
     # A custom op's outputs may alias neither its inputs nor each other.
     seen: set[int] = {id(x) for x in inputs}
@@ -77,6 +97,17 @@ def run_eager(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.
         fresh.append(out.clone() if id(out) in seen else out)
         seen.add(id(fresh[-1]))
     return fresh
+
+
+def _eager_values(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Every instruction's value. Dtypes are eager's for these inputs (promotion, autocast) except a
+    cast's, which the graph fixed; a clone or dropout keeps its operand's dtype."""
+    values: list[torch.Tensor] = []
+    for instr in group.instrs:
+        operands = [_eager_operand(arg, inputs, values) for arg in instr.args]
+        result = rule(instr.op).eager(*operands)
+        values.append(result.to(instr.dtype) if instr.op == "cast" else result)
+    return values
 
 
 def _eager_operand(arg: tuple, inputs: Sequence[torch.Tensor], values: list[torch.Tensor]):
@@ -89,15 +120,20 @@ def _eager_operand(arg: tuple, inputs: Sequence[torch.Tensor], values: list[torc
 
 
 def recompute_backward(
-    group: FusionGroup, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]
+    group: FusionGroup,
+    inputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    autocast: AutocastState | None = None,
 ) -> list[torch.Tensor | None]:
-    """Input gradients by re-running the original ops under torch autograd.
+    """Input gradients by re-running the original ops under torch autograd, under ``autocast`` (the
+    forward's ``autocast_state``; None: the state in force), so they compute in the forward's dtypes.
 
     Call it at the autograd level (not inside a custom op's implementation, where autograd is off).
     """
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_(x.dtype.is_floating_point) for x in inputs]
-        outputs = run_eager(group, leaves)
+        with _autocast(compute_device(inputs).type, autocast):
+            outputs = run_eager(group, leaves)
         pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
         wanted = [x for x in leaves if x.requires_grad]
         if not pairs or not wanted:
@@ -108,28 +144,67 @@ def recompute_backward(
     return [by_leaf.get(id(x)) for x in leaves]
 
 
+_SPECIALIZED: dict[tuple, FusionGroup] = {}
+
+
+def specialize(
+    group: FusionGroup, inputs: Sequence[torch.Tensor], autocast: AutocastState | None = None
+) -> FusionGroup:
+    """The group retyped for these inputs under ``autocast`` (default: the state in force): every value
+    in the dtype the original ops give it, so the kernel generated from it writes what eager would.
+
+    The dtypes come from running the original ops once per signature (input dtypes, which inputs are
+    0-d, device type, autocast state) on one-element tensors: torch's own promotion and autocast lists
+    (on CUDA autocast runs exp, log, pow, rsqrt, softmax and the norms in fp32; on CPU it does not)."""
+    device_type = compute_device(inputs).type
+    autocast = autocast_state(device_type) if autocast is None else autocast
+    key = (group.name, device_type, autocast, tuple((x.dtype, x.dim() == 0) for x in inputs))
+    if key not in _SPECIALIZED:
+        with torch.no_grad(), _autocast(device_type, autocast):
+            probes = [x.new_zeros((1,) * x.dim()) for x in inputs]
+            dtypes = [value.dtype for value in _eager_values(group, probes)]
+        _SPECIALIZED[key] = retyped(group, [x.dtype for x in inputs], dtypes)
+    return _SPECIALIZED[key]
+
+
+def _has_kernel(group: FusionGroup) -> bool:
+    """Whether codegen handles every dtype of the group (not e.g. float64: those run the original ops)."""
+    dtypes = {spec.dtype for spec in group.inputs} | {instr.dtype for instr in group.instrs}
+    return dtypes <= set(FUSIBLE_DTYPES)
+
+
 def run_forward(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Forward on the backend the inputs' device allows (see ``choose_backend``)."""
+    """Forward on the backend the inputs' device allows (see ``choose_backend``), by the kernel for the
+    inputs' dtypes (``specialize``)."""
     device = compute_device(inputs)
-    if choose_backend(device.type)[0] != TRITON:
+    typed = specialize(group, inputs) if choose_backend(device.type)[0] == TRITON else None
+    if typed is None or not _has_kernel(typed):
         _launches["fused_eager"] += 1
         return run_eager(group, inputs)
-    shape = iteration_shape(group, inputs)
-    outputs = [torch.empty(shape, dtype=d, device=device) for d in group.output_dtypes]
-    args = [*_prepared(group, inputs, shape), *outputs]
-    _launch(group, compiled(group).forward, shape, inputs, args, stat="fused")
+    shape = iteration_shape(typed, inputs)
+    outputs = [torch.empty(shape, dtype=d, device=device) for d in typed.output_dtypes]
+    args = [*_prepared(typed, inputs, shape), *outputs]
+    _launch(typed, compiled(typed).forward, shape, inputs, args, stat="fused")
     return outputs
 
 
-def uses_generated_backward(group: FusionGroup, device_type: str) -> bool:
-    """Whether the backward runs the generated kernel (else: recompute the original ops)."""
-    return group.backward == "generated" and choose_backend(device_type)[0] == TRITON
+def generated_backward(
+    group: FusionGroup, inputs: Sequence[torch.Tensor], autocast: AutocastState
+) -> FusionGroup | None:
+    """The group retyped as its forward ran (``autocast``: the forward's state) if its backward runs
+    the generated kernel; None where it recomputes the original ops instead."""
+    device_type = compute_device(inputs).type
+    if group.backward != "generated" or choose_backend(device_type)[0] != TRITON:
+        return None
+    typed = specialize(group, inputs, autocast)
+    return typed if _has_kernel(typed) else None
 
 
 def run_backward(
     group: FusionGroup, inputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
 ) -> list[torch.Tensor | None]:
-    """Input gradients from the generated backward kernel (None for inputs no gradient reaches)."""
+    """Input gradients from the generated backward kernel (None for inputs no gradient reaches), each
+    in its input's dtype. ``group``: retyped for ``inputs`` (``generated_backward``)."""
     shape = iteration_shape(group, inputs)
     device = compute_device(inputs)
     grad_outs = [g.expand(shape).contiguous() for g in grads]

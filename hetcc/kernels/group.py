@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +113,19 @@ def structural_key(kind: str, inputs, instrs, outputs, backward: str) -> str:
     parts += [f"{s.dtype}|{s.flat}|{s.broadcast}|{len(s.shape)}" for s in inputs]
     parts += [f"{i.op}|{i.args}|{i.dtype}" for i in instrs]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+def retyped(
+    group: FusionGroup, input_dtypes: Sequence[torch.dtype], value_dtypes: Sequence[torch.dtype]
+) -> FusionGroup:
+    """The same computation for other dtypes (inputs, then every instruction's value), named by its
+    structure as a group traced in those dtypes would be; ``group`` itself where nothing changes."""
+    inputs = tuple(dataclasses.replace(s, dtype=d) for s, d in zip(group.inputs, input_dtypes, strict=True))
+    instrs = tuple(dataclasses.replace(i, dtype=d) for i, d in zip(group.instrs, value_dtypes, strict=True))
+    if inputs == group.inputs and instrs == group.instrs:
+        return group
+    key = structural_key(group.kind, inputs, instrs, group.outputs, group.backward)
+    return dataclasses.replace(group, name=group_name(instrs, key), inputs=inputs, instrs=instrs)
 
 
 def group_name(instrs: tuple[Instr, ...], key: str) -> str:

@@ -17,12 +17,14 @@ import torch.fx
 from hetcc.errors import PlanFormatError, RuntimeFailure
 from hetcc.hardware.schema import read_text
 from hetcc.kernels.execute import (
+    autocast_state,
     compute_device,
+    generated_backward,
     iteration_shape,
     recompute_backward,
     run_backward,
     run_forward,
-    uses_generated_backward,
+    specialize,
 )
 from hetcc.kernels.group import FusionGroup, check_group, group_from_json
 from hetcc.kernels.source import differentiable_inputs
@@ -90,7 +92,8 @@ def _fusion_group_fake(inputs: list[torch.Tensor], name: str) -> list[torch.Tens
     group = registered_group(name)
     shape = iteration_shape(group, inputs)
     device = compute_device(inputs)
-    return [torch.empty(shape, dtype=dtype, device=device) for dtype in group.output_dtypes]
+    typed = specialize(group, inputs)  # the dtypes ``run_forward`` and the original ops give
+    return [torch.empty(shape, dtype=dtype, device=device) for dtype in typed.output_dtypes]
 
 
 @torch.library.custom_op("hetcc::fusion_group_backward", mutates_args=())
@@ -113,6 +116,8 @@ def _setup_context(ctx, inputs: tuple, output) -> None:
     tensors, name = inputs
     ctx.save_for_backward(*tensors)
     ctx.name = name
+    # Backward usually runs outside autocast; it uses the forward's state to see the forward's dtypes.
+    ctx.autocast = autocast_state(compute_device(tensors).type)
 
 
 def _backward(ctx, grads: Sequence[torch.Tensor | None]):
@@ -120,13 +125,14 @@ def _backward(ctx, grads: Sequence[torch.Tensor | None]):
     group, inputs = registered_group(ctx.name), list(ctx.saved_tensors)
     if all(g is None for g in grads):
         return [None] * len(inputs), None
-    device = compute_device(inputs)
-    if not uses_generated_backward(group, device.type):
-        return recompute_backward(group, inputs, grads), None
-    shape = iteration_shape(group, inputs)
+    typed = generated_backward(group, inputs, ctx.autocast)
+    if typed is None:
+        return recompute_backward(group, inputs, grads, ctx.autocast), None
+    register_group(typed)  # the backward op finds the retyped group by its name
+    device, shape = compute_device(inputs), iteration_shape(group, inputs)
     filled = [torch.zeros(shape, device=device) if g is None else g for g in grads]
-    found = torch.ops.hetcc.fusion_group_backward(inputs, filled, ctx.name)
-    reached = set(differentiable_inputs(group))
+    found = torch.ops.hetcc.fusion_group_backward(inputs, filled, typed.name)
+    reached = set(differentiable_inputs(typed))
     return [g if i in reached else None for i, g in enumerate(found)], None
 
 
