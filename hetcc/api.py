@@ -51,15 +51,6 @@ from hetcc.runtime.placement import placement
 from hetcc.runtime.store import Pipeline, pipeline_meta, save_stages
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 
-# Fused groups are generated for the traced (fp32) dtypes: under autocast they would write fp32 where eager
-# writes bf16/fp16. Measured on an H200 (GPT-2 small, bf16-mixed, benchmarks/gpu_stages.py): stages 2.2x the
-# eager model's time fused, 1.24x unfused. Until groups are specialised per autocast dtype, mixed precision
-# does not fuse.
-MIXED_PRECISION_UNFUSED = (
-    "pointwise fusion is off under mixed precision: the fused kernels are built for the traced fp32 dtypes "
-    "and would write fp32 where autocast writes half precision"
-)
-
 # ------------------------------------------------------------------------------------ analyze
 
 
@@ -270,10 +261,7 @@ def compile(  # noqa: A001 - the public API name
     dumper = Dumper(dump_dir)
     analysis = analyze(model, args, kwargs, dump_dir=dump_dir, training=training, dumper=dumper)
     gm = analysis.graph
-    fusing = config.fuse and precision == "fp32"
-    if config.fuse and not fusing:
-        notes.append(MIXED_PRECISION_UNFUSED)
-    if fusing:
+    if config.fuse:  # under autocast, fused groups follow the runtime dtypes (kernels.execute.specialize)
         with _step(dumper, "fuse", lambda: gm.code, lambda: verify.check_graph(gm, "fuse")):
             fuse(gm)
             analysis.blocks, analysis.tied_params = collect_blocks(gm)

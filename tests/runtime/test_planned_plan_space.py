@@ -59,14 +59,15 @@ def test_bf16_mixed_plan_trains_like_eager_under_autocast(tmp_path):
         precision="bf16-mixed",
     )
     assert compiled.plan.precision == "bf16-mixed" and "bf16-mixed" in compiled.explain().splitlines()[0]
-    # fused kernels are built for fp32: under autocast the stages run torch's own ops, and the plan says so
-    assert any("fusion is off under mixed precision" in note for note in compiled.plan.notes)
-    assert not any(
+    # fused groups run under autocast too, their kernels generated for the dtypes autocast gives them
+    assert any(
         "fusion_group" in node.name for stage in compiled.pipeline.stages for node in stage.module.graph.nodes
     )
     result = hetcc.run_local(compiled, inputs, steps=2, optimizer=ADAM)
+    assert sum(rank["fused_interpreter"] for rank in result.stats) > 0
+    assert sum(rank["fused_eager"] for rank in result.stats) == 0
     losses, _ = eager_training(
         model, inputs, None, None, steps=2, microbatches=2, optimizer=ADAM, autocast=torch.bfloat16
     )
-    assert result.losses == pytest.approx(losses, rel=1e-2)
+    assert result.losses == pytest.approx(losses, rel=1e-3)  # measured: 1.5e-5
     assert result.losses[0] != pytest.approx(4.885914325714111, rel=1e-6)  # not the fp32 run's loss
