@@ -25,15 +25,22 @@ from hetcc.solver.simulate import simulate
 
 def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
     """The plan of least objective (exact per sequence; see ``solver.search``), or with ``rerank`` > 0
-    the fastest simulated plan among the best ``rerank`` sequences the search found. ``simulated_s``
+    the fastest simulated plan among the best ``rerank`` sequences the search found (with replicas
+    allowed, and the best ``rerank`` pure pipelines). ``simulated_s``
     is filled in either way; ``gap`` is simulated step / lower bound - 1."""
     problem.validate()
     found = search(problem, keep=max(1, rerank))
     if found is None:
         raise _infeasible_error(problem)
+    candidates = list(found.candidates)
+    if rerank and problem.replicate:
+        # Pure pipelines are plans too: the search with replicas is heuristic on large clusters, and its
+        # formula and the simulator can disagree, so the best pure pipelines join the re-ranking.
+        pure = search(replace(problem, replicate=False), keep=rerank)
+        candidates += pure.candidates if pure is not None else []
     bound_s = lower_bound(problem)
     scored = []
-    for boundaries, groups, recompute in found.candidates:
+    for boundaries, groups, recompute in candidates:
         plan = evaluate(problem, boundaries, groups, recompute, bound_s)
         simulated = simulate(problem, boundaries, groups, recompute).step_time_s
         scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
