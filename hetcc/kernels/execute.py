@@ -50,13 +50,26 @@ def reset_launch_stats() -> None:
 
 def iteration_shape(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> torch.Size:
     """Broadcast of the inputs' shapes: every output of a group has it."""
-    shape = torch.broadcast_shapes(*(x.shape for x in inputs))
+    shape = _broadcast_shapes([x.shape for x in inputs])
     if len(shape) != len(group.shape):
         raise RuntimeFailure(
             f"fusion group {group.name} was built for rank {len(group.shape)} but got inputs of shape {tuple(shape)}",
             hint="re-run hetcc.passes.fuse on a graph traced with inputs of this rank",
         )
     return shape
+
+
+def _broadcast_shapes(shapes: list[torch.Size]) -> torch.Size:
+    """``torch.broadcast_shapes`` for concrete sizes in a few microseconds (torch's takes tens, on every
+    call of every group); symbolic sizes (fake tensors) and mismatches go to torch's."""
+    rank = max(len(shape) for shape in shapes)
+    out = [1] * rank
+    for shape in shapes:
+        for d, n in enumerate(shape, rank - len(shape)):
+            if type(n) is not int or out[d] not in (1, n):
+                return torch.broadcast_shapes(*shapes)
+            out[d] = n if n != 1 else out[d]
+    return torch.Size(out)
 
 
 def compute_device(inputs: Sequence[torch.Tensor]) -> torch.device:
