@@ -5,6 +5,11 @@ prints the time of each (triton.testing.do_bench, median ms) and the achieved ba
 pass (inputs read once + outputs written once) as a share of the device's peak. Eager runs one kernel
 per op, so its share is low by design; the fused kernel should approach torch.compile's.
 
+The last column, "fused GPU", times the fused module replayed as a CUDA graph
+(triton.testing.do_bench_cudagraph): the kernel alone, without hetcc's Python per call (custom op,
+dispatch, allocation, Triton's launcher). Where "fused" is much slower than "fused GPU", the CPU side
+limits the fused path, not the generated kernel.
+
     python benchmarks/kernels_gpu.py                       # every chain, size and dtype
     python benchmarks/kernels_gpu.py --sizes 16M --dtypes bf16 --peak-gbps 4800
 """
@@ -85,8 +90,11 @@ def fused_module(chain: Chain, args: tuple[torch.Tensor, ...]):
     return gm, groups[0]
 
 
-def measure(chain: Chain, numel: int, dtype: torch.dtype, bench: Callable) -> dict[str, float]:
-    """Median milliseconds of fused, eager and torch.compile on the same inputs; bytes of one pass."""
+def measure(
+    chain: Chain, numel: int, dtype: torch.dtype, bench: Callable, graph_bench: Callable
+) -> dict[str, float]:
+    """Median milliseconds of fused, eager and torch.compile on the same inputs, and of the fused module
+    replayed as a CUDA graph (nan where capture fails); bytes of one pass."""
     x = torch.randn(numel // ROW, ROW, device="cuda", dtype=dtype)
     bias = torch.randn(ROW, device="cuda", dtype=dtype)
     args = (x, bias)
@@ -99,16 +107,21 @@ def measure(chain: Chain, numel: int, dtype: torch.dtype, bench: Callable) -> di
             "eager": bench(lambda: chain(*args)),
             "compile": bench(lambda: compiled(*args)),
         }
+        try:
+            times["fused_gpu"] = graph_bench(lambda: gm(*args), return_mode="median")
+        except Exception as error:  # noqa: BLE001 - a capture failure is reported, not fatal
+            print(f"# fused GPU: CUDA graph capture failed: {str(error)[:200]}", flush=True)
+            times["fused_gpu"] = float("nan")
     return times | {"bytes": float(group.bytes)}
 
 
 def report_line(length: int, size: str, dtype: str, result: dict[str, float], peak: float | None) -> str:
     cells = [f"{length:>3} {size:>4} {dtype:>4}"]
-    for name in ("fused", "eager", "compile"):
+    for name in ("fused", "eager", "compile", "fused_gpu"):
         gbps = result["bytes"] / (result[name] * 1e-3) / 1e9
         share = f" {100 * gbps / peak:5.1f}%" if peak else ""
         cells.append(f"{result[name]:8.3f} ms {gbps:7.0f} GB/s{share}")
-    cells.append(f"{result['eager'] / result['fused']:5.2f}x  {result['compile'] / result['fused']:5.2f}x")
+    cells.insert(4, f"{result['eager'] / result['fused']:5.2f}x  {result['compile'] / result['fused']:5.2f}x")
     return " | ".join(cells)
 
 
@@ -129,18 +142,20 @@ def main(argv: list[str] | None = None) -> int:
         print("kernels_gpu: no CUDA/ROCm device is available; nothing to benchmark.")
         return 0
     try:
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
     except ImportError:
         print("kernels_gpu: Triton is not installed; fused groups would run their original ops.")
         return 0
     name = torch.cuda.get_device_name()
     peak = peak_gbps(name, args.peak_gbps)
     print(f"# {name}; peak {f'{peak:.0f} GB/s' if peak else 'unknown (pass --peak-gbps)'}")
-    print("ops size dtype | fused | eager | torch.compile | eager/fused  compile/fused")
+    print(
+        "ops size dtype | fused | eager | torch.compile | eager/fused  compile/fused | fused GPU (CUDA graph)"
+    )
     for dtype in args.dtypes:
         for size in args.sizes:
             for length in args.ops:
-                result = measure(Chain(length), SIZES[size], DTYPES[dtype], do_bench)
+                result = measure(Chain(length), SIZES[size], DTYPES[dtype], do_bench, do_bench_cudagraph)
                 print(report_line(length, size, dtype, result, peak), flush=True)
     return 0
 
