@@ -51,6 +51,11 @@ from hetcc.runtime.placement import placement
 from hetcc.runtime.store import Pipeline, pipeline_meta, save_stages
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 
+MIXED_PRECISION_UNFUSED = (
+    "pointwise fusion is off under mixed precision (HETCC_FUSE_MIXED_PRECISION=1 turns it on): each fused "
+    "call's Python overhead outweighs what it saves once the GPU work is half precision"
+)
+
 # ------------------------------------------------------------------------------------ analyze
 
 
@@ -261,7 +266,10 @@ def compile(  # noqa: A001 - the public API name
     dumper = Dumper(dump_dir)
     analysis = analyze(model, args, kwargs, dump_dir=dump_dir, training=training, dumper=dumper)
     gm = analysis.graph
-    if config.fuse:  # under autocast, fused groups follow the runtime dtypes (kernels.execute.specialize)
+    fusing = config.fuse and (precision == "fp32" or config.fuse_mixed_precision)
+    if config.fuse and not fusing:
+        notes.append(MIXED_PRECISION_UNFUSED)
+    if fusing:  # under autocast, fused groups follow the runtime dtypes (kernels.execute.specialize)
         with _step(dumper, "fuse", lambda: gm.code, lambda: verify.check_graph(gm, "fuse")):
             fuse(gm)
             analysis.blocks, analysis.tied_params = collect_blocks(gm)

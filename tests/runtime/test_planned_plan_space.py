@@ -51,13 +51,16 @@ def test_bf16_mixed_plan_trains_like_eager_under_autocast(tmp_path):
     model = gpt2(n_layer=2, n_embd=64, vocab=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ids = token_ids(4, 16)
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
-    compiled = hetcc.compile(
-        model,
-        "examples/clusters/mixed_a100_t4.yaml",
-        example_kwargs=inputs,
-        microbatches=2,
-        precision="bf16-mixed",
+    cluster = "examples/clusters/mixed_a100_t4.yaml"
+    plain = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=2, precision="bf16-mixed")
+    assert any("fusion is off under mixed precision" in note for note in plain.plan.notes)  # the default
+    assert not any(
+        "fusion_group" in node.name for stage in plain.pipeline.stages for node in stage.module.graph.nodes
     )
+    with hetcc.config.patch(fuse_mixed_precision=True):
+        compiled = hetcc.compile(
+            model, cluster, example_kwargs=inputs, microbatches=2, precision="bf16-mixed"
+        )
     assert compiled.plan.precision == "bf16-mixed" and "bf16-mixed" in compiled.explain().splitlines()[0]
     # fused groups run under autocast too, their kernels generated for the dtypes autocast gives them
     assert any(
