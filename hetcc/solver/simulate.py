@@ -120,17 +120,20 @@ class _Timeline:
         self.arrival_s: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> time
         self.received: dict[tuple[int, str, int], int] = {}  # messages arrived so far
         self.events: list[Event] = []
-        self.messages = _messages(problem, [s.blocks for s in stages])
-        self.expected = {
-            (t, kind): sum(1 for (a, b) in self.messages if (b if kind == "F" else a) == t)
-            for t in range(len(stages))
-            for kind in ("F", "B")
-        }
+        messages = _messages(problem, [s.blocks for s in stages])
+        # Per (stage, kind): the messages its compute sends (peer stage, bytes), and how many it waits for.
+        self.outgoing: dict[tuple[int, str], list[tuple[int, float]]] = {}
+        self.expected: dict[tuple[int, str], int] = {}
+        for (a, b), (forward_bytes, grad_bytes) in messages.items():
+            self.outgoing.setdefault((a, "F"), []).append((b, forward_bytes))
+            self.outgoing.setdefault((b, "B"), []).append((a, grad_bytes))
+            self.expected[(b, "F")] = self.expected.get((b, "F"), 0) + 1
+            self.expected[(a, "B")] = self.expected.get((a, "B"), 0) + 1
 
     def run(self, lane: _Lane, action) -> bool:
         """Schedule one compute and its outgoing sends; False if an input has not arrived yet."""
         stage, kind, m = lane.stage, action.kind, action.microbatch
-        if self.received.get((stage, kind, m), 0) < self.expected[(stage, kind)]:
+        if self.received.get((stage, kind, m), 0) < self.expected.get((stage, kind), 0):
             return False
         start = max(lane.free_s, self.arrival_s.get((stage, kind, m), 0.0))
         end = start + (lane.fwd_s if kind == "F" else lane.bwd_s)
@@ -138,11 +141,8 @@ class _Timeline:
         lane.busy_s += end - start
         name = self.problem.devices[lane.device].name
         self.events.append(Event(stage, kind, m, start, end, lane.replica, name))
-        for (a, b), (forward_bytes, grad_bytes) in self.messages.items():
-            if kind == "F" and a == stage:
-                self._send(lane, b, kind, m, end, forward_bytes)
-            elif kind == "B" and b == stage:
-                self._send(lane, a, kind, m, end, grad_bytes)
+        for target, nbytes in self.outgoing.get((stage, kind), ()):
+            self._send(lane, target, kind, m, end, nbytes)
         return True
 
     def _send(self, lane: _Lane, target: int, kind: str, m: int, ready_s: float, nbytes: float) -> None:
