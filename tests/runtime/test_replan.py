@@ -32,8 +32,9 @@ def test_three_stages_become_two_and_training_continues_like_eager(tmp_path):
     assert len(compiled.stages) == 3
     first = hetcc.run_local(compiled, batch, steps=2, optimizer=ADAM, checkpoint_dir=tmp_path / "ckpt")
 
+    # no replicate=False here: the old build's is kept
     replanned = hetcc.replan(tmp_path / "ckpt", _cpus(2), copy.deepcopy(model), example_kwargs=example,
-                             out=tmp_path / "two")  # fmt: skip; the old build's replicate=False is kept
+                             out=tmp_path / "two")  # fmt: skip
     assert len(replanned.stages) == 2
     second = hetcc.run_local(tmp_path / "two", batch, steps=2, optimizer=ADAM,
                              checkpoint_dir=tmp_path / "two" / "checkpoints", resume=True)  # fmt: skip

@@ -104,10 +104,7 @@ def test_two_nodes_started_by_hetcc_launch_train_like_eager(tmp_path):
     (_, out0, err0), (_, out1, err1) = done
     # each node names the stages it runs, then the torchrun command it starts
     assert "# node 0 (node0): rank 2 = stage 2 on cpu-0 (cpu)\n" in err0
-    assert (
-        "# node 1 (node1): rank 0 = stage 0 on cpu-1 (cpu), rank 1 = stage 1 on cpu-2 (cpu)\n"
-        in err1
-    )
+    assert "# node 1 (node1): rank 0 = stage 0 on cpu-1 (cpu), rank 1 = stage 1 on cpu-2 (cpu)\n" in err1
     assert "--nnodes=2 --node-rank=1 --nproc-per-node=2" in err1
     assert out1 == ""  # the last stage's losses come from node 0
     losses = [float(v) for v in re.findall(r"^step \d+ loss (\S+)$", out0, flags=re.MULTILINE)]
