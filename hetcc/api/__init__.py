@@ -25,13 +25,13 @@ import sympy
 import torch
 
 from hetcc import config, ir, verify
-from hetcc.api_checks import check_analyze_args, check_compile_args, check_examples, check_plan_space
+from hetcc.api.checks import check_analyze_args, check_compile_args, check_examples, check_plan_space
+from hetcc.api.microbatches import batch_rows, first_microbatch, search_microbatches
 from hetcc.dump import Dumper
 from hetcc.errors import AnalysisError, HetccError, PlanFormatError
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.schema import short_repr
 from hetcc.kernels import FUSION_META_KEY, write_kernel
-from hetcc.microbatches import batch_rows, first_microbatch, search_microbatches
 from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
 from hetcc.passes.codegen import codegen, stage_source
 from hetcc.passes.comm import StageGraph, format_stages, split_stages
@@ -241,7 +241,7 @@ def compile(  # noqa: A001 - the public API name
     """Plan ``model`` over ``cluster``. ``example_inputs`` are one step's batch; dim 0 is split into
     ``microbatches`` equal microbatches, and every cost is per microbatch. ``microbatches="auto"``
     tries every divisor of the batch, pricing each from one trace with a symbolic batch dimension
-    (``hetcc.microbatches.search_microbatches``), and keeps the count whose plan simulates fastest.
+    (``hetcc.api.microbatches.search_microbatches``), and keeps the count whose plan simulates fastest.
 
     ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer
     state; fp16 with loss scaling), priced at each device's peak for that format. ``recompute``:
@@ -426,7 +426,7 @@ def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
 
 # ------------------------------------------------------------------------------------ arguments
 # Checked first, so a wrong argument fails at once with its name instead of deep in a pass or a rank
-# (those of analyze and compile: hetcc.api_checks).
+# (those of analyze and compile: hetcc.api.checks).
 def _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer) -> None:
     if not isinstance(compiled_or_dir, (Compiled, str, os.PathLike)):
         raise HetccError(
