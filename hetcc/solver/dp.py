@@ -41,6 +41,7 @@ from hetcc.solver.problem import (
     inflight_microbatches,
     replica_inflight,
     round_trip_slots,
+    slowest_link,
     steady_share,
 )
 
@@ -189,9 +190,7 @@ class Chain:
         row = self.type_row[device.type]
         per_byte, constant = 0.0, tied_s
         if first and len(group) > 1 and self.problem.training:  # ring all-reduce of the stage's gradients
-            pairs = [(a, b) for a in group for b in group if a != b]
-            bandwidth = min(self.problem.bandwidth_bps[a][b] for a, b in pairs)
-            latency = max(self.problem.latency_s[a][b] for a, b in pairs)
+            bandwidth, latency = slowest_link(self.problem, group)
             per_byte = 2 * (len(group) - 1) / len(group) / bandwidth
             constant += 2 * (len(group) - 1) * latency
         choices = [False]

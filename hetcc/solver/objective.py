@@ -36,9 +36,9 @@ from hetcc.solver.problem import (
     PartitionProblem,
     PartitionSolution,
     StageCost,
+    device_ring_s,
     end_tied_s,
     link_time_s,
-    ring_allreduce_s,
     round_trip_slots,
     route_microbatches,
     steady_share,
@@ -192,14 +192,9 @@ def _stage_plan(problem, boundaries, groups, routes, seconds, actions, recompute
 
 def _allreduce_s(problem: PartitionProblem, group: tuple[int, ...], start: int, stop: int) -> float:
     """The replicas' gradient sum at step end (0 for one device or inference)."""
-    if len(group) == 1 or not problem.training:
+    if not problem.training:
         return 0.0
-    pairs = [(a, b) for a in group for b in group if a != b]
-    bandwidth = min(problem.bandwidth_bps[a][b] for a, b in pairs)
-    latency = max(problem.latency_s[a][b] for a, b in pairs)
-    return ring_allreduce_s(
-        math.fsum(problem.block_param_bytes()[start:stop]), len(group), bandwidth, latency
-    )
+    return device_ring_s(problem, group, math.fsum(problem.block_param_bytes()[start:stop]))
 
 
 def _check_plan(problem: PartitionProblem, boundaries, groups, recompute) -> None:

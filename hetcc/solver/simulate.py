@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.objective import Device, replica_seconds, stage_costs
-from hetcc.solver.problem import PartitionProblem, ring_allreduce_s, transfer_s
+from hetcc.solver.problem import PartitionProblem, device_ring_s, transfer_s
 from hetcc.solver.schedules import replica_actions, stage_actions
 
 
@@ -182,14 +182,7 @@ class _Timeline:
             mine = [lane for lane in lanes if lane.stage in holders]
             if len(holders) < 2 or nbytes <= 0:
                 continue
-            devices = [lane.device for lane in mine]
-            pairs = [(a, b) for a in devices for b in devices if a != b]
-            seconds = ring_allreduce_s(
-                nbytes,
-                len(devices),
-                min(problem.bandwidth_bps[a][b] for a, b in pairs),
-                max(problem.latency_s[a][b] for a, b in pairs),
-            )
+            seconds = device_ring_s(problem, [lane.device for lane in mine], nbytes)
             start = max(lane.free_s for lane in mine)
             for lane in mine:
                 lane.free_s = start + seconds

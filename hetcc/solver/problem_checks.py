@@ -1,0 +1,161 @@
+"""The checks a ``PartitionProblem`` passes before the solver trusts it (``PartitionProblem.validate``,
+and ``from_json`` on every file read): types, lengths and ranges, field by field.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hetcc.errors import PlanFormatError
+from hetcc.solver.schedules import SCHEDULES
+
+
+def _check_tied(problem, n: int) -> None:
+    if problem.tied_blocks is None and problem.tied_bytes is None:
+        return
+    if not isinstance(problem.tied_blocks, list) or not isinstance(problem.tied_bytes, list):
+        raise _fail("tied_blocks", "tied_blocks and tied_bytes must both be lists", "give both, or neither")
+    _check_vector("tied_bytes", problem.tied_bytes, len(problem.tied_blocks))
+    for users in problem.tied_blocks:
+        if not isinstance(users, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and 0 <= b < n for b in users
+        ):
+            raise _fail(
+                "tied_blocks", f"{users!r} is not a list of block indices in 0..{n - 1}", "fix the list"
+            )
+
+
+def _check_cut_tensors(problem, n: int) -> None:
+    if problem.cut_tensors is None:
+        return
+    if not isinstance(problem.cut_tensors, list):
+        raise _fail(
+            "cut_tensors", "must be a list", "[producer, [consumers], bytes, gradient bytes] per tensor"
+        )
+    for entry in problem.cut_tensors:
+        ok = isinstance(entry, list) and len(entry) == 4
+        if ok:
+            producer, consumers, nbytes, grad = entry
+            ok = (
+                _index(producer, n)
+                and isinstance(consumers, list)
+                and bool(consumers)
+                and all(_index(c, n) and c > producer for c in consumers)
+                and all(isinstance(v, (int, float)) and 0 <= v < math.inf for v in (nbytes, grad))
+            )
+        if not ok:
+            raise _fail(
+                "cut_tensors",
+                f"{entry!r} is not [producer block, [later consumer blocks], bytes, gradient bytes]",
+                "fix the entry",
+            )
+
+
+def _index(value, n: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n
+
+
+def _fail(field: str, reason: str, hint: str) -> PlanFormatError:
+    return PlanFormatError(f"partition problem field {field!r}: {reason}", hint=hint)
+
+
+def validate_problem(problem) -> None:
+    """Raise PlanFormatError naming the first field of ``problem`` (a ``PartitionProblem``) whose type,
+    length or values are inconsistent."""
+    n, d = len(problem.blocks), len(problem.devices)
+    if n == 0 or d == 0:
+        raise _fail("blocks" if n == 0 else "devices", "is empty", "a problem needs blocks and devices")
+    for name in ("blocks", "state_bytes", "act_bytes", "cut_bytes", "devices", "bandwidth_bps", "latency_s"):
+        if not isinstance(getattr(problem, name), list):
+            raise _fail(name, f"must be a list, got {type(getattr(problem, name)).__name__}", "see to_json")
+    for name in ("fwd_s", "bwd_s"):
+        if not isinstance(getattr(problem, name), dict):
+            raise _fail(name, "must map device type -> seconds per block", "see to_json")
+    for name in ("precision", "optimizer", "batch_dim"):
+        if not isinstance(getattr(problem, name), str):
+            raise _fail(name, f"must be a string, got {getattr(problem, name)!r}", "see to_json")
+    if (
+        isinstance(problem.batch_size, bool)
+        or not isinstance(problem.batch_size, int)
+        or problem.batch_size < 0
+    ):
+        raise _fail(
+            "batch_size", f"must be a non-negative integer, got {problem.batch_size!r}", "see to_json"
+        )
+    if not all(isinstance(b, str) for b in problem.blocks):
+        raise _fail("blocks", "must be block names", "see to_json")
+    for device in problem.devices:
+        if not (
+            isinstance(device.name, str) and isinstance(device.type, str) and isinstance(device.node, str)
+        ):
+            raise _fail("devices", f"{device!r}: name, type and node must be strings", "see to_json")
+        if isinstance(device.memory_bytes, bool) or not isinstance(device.memory_bytes, (int, float)):
+            raise _fail(
+                "devices", f"{device.name}: memory_bytes must be a number", "give usable memory in bytes"
+            )
+    if problem.schedule not in SCHEDULES:
+        raise _fail(
+            "schedule", f"unknown schedule {problem.schedule!r}", f"use one of {', '.join(SCHEDULES)}"
+        )
+    m = problem.microbatches
+    if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        raise _fail("microbatches", f"must be a positive integer, got {m!r}", "pass microbatches >= 1")
+    _check_vector("state_bytes", problem.state_bytes, n)
+    _check_vector("act_bytes", problem.act_bytes, n)
+    _check_vector("cut_bytes", problem.cut_bytes, n - 1)
+    if problem.param_bytes is not None:
+        _check_vector("param_bytes", problem.param_bytes, n)
+    if problem.cut_grad_bytes is not None:
+        _check_vector("cut_grad_bytes", problem.cut_grad_bytes, n - 1)
+    _check_tied(problem, n)
+    _check_cut_tensors(problem, n)
+    for flag in ("training", "replicate", "recompute", "recompute_all"):
+        if not isinstance(getattr(problem, flag), bool):
+            raise _fail(flag, f"must be true or false, got {getattr(problem, flag)!r}", "use a JSON boolean")
+    for device in problem.devices:
+        for table in ("fwd_s", "bwd_s"):
+            if device.type not in getattr(problem, table):
+                raise _fail(
+                    table,
+                    f"has no entry for device type {device.type!r} ({device.name})",
+                    "cost every block on every device type in the cluster",
+                )
+            _check_vector(f"{table}[{device.type!r}]", getattr(problem, table)[device.type], n)
+        if not device.memory_bytes >= 0:
+            raise _fail(
+                "devices",
+                f"{device.name}: memory_bytes {device.memory_bytes!r} is negative",
+                "give usable memory in bytes",
+            )
+    if len({dev.name for dev in problem.devices}) != d:
+        raise _fail("devices", "device names repeat", "name every device uniquely")
+    _check_matrix("bandwidth_bps", problem.bandwidth_bps, d, positive=True)
+    _check_matrix("latency_s", problem.latency_s, d, positive=False)
+
+
+def _check_vector(field: str, values, length: int) -> None:
+    if not isinstance(values, list):
+        raise _fail(field, f"must be a list, got {type(values).__name__}", "one number per block")
+    if len(values) != length:
+        raise _fail(
+            field, f"has {len(values)} entries, expected {length}", "one entry per block (cuts: blocks - 1)"
+        )
+    for i, v in enumerate(values):
+        if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
+            raise _fail(field, f"entry {i} is {v!r}", "use finite, non-negative numbers")
+
+
+def _check_matrix(field: str, rows, size: int, *, positive: bool) -> None:
+    if len(rows) != size or any(not isinstance(r, list) or len(r) != size for r in rows):
+        raise _fail(
+            field, f"must be {size}x{size} (one row and column per device)", "rebuild it from the cluster"
+        )
+    for i, row in enumerate(rows):
+        for j, v in enumerate(row):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise _fail(field, f"entry [{i}][{j}] is {v!r}", 'use numbers (or "inf" on the diagonal)')
+            ok = (v > 0) if positive else (0 <= v < math.inf)
+            if i != j and not ok:
+                raise _fail(
+                    field, f"entry [{i}][{j}] is {v!r}", "bandwidths must be > 0, latencies finite >= 0"
+                )
