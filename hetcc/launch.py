@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     vendors = [placement.vendor for placement in ranks]
     rank = _rank(meta)
     device = _device(vendors[rank], meta, rank)
-    _check_device(meta, rank, device, args.allow_substitute)
+    substitute = _check_device(meta, rank, device, args.allow_substitute)
     stage = load_stage(args.directory, ranks[rank].stage)
     if not torch.cuda.is_available():  # a GPU plan on CPU hosts (allowed above): every link is gloo
         vendors = ["cpu"] * len(ranks)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group(world_backend(vendors), timeout=timeout, rank=rank, world_size=len(ranks))
     try:
         if args.allow_substitute:
-            _print_repricing(args.directory, meta, rank, device)
+            _print_repricing(args.directory, rank, substitute)
         inputs, targets = load_inputs(args.directory)
         result = run_rank(
             outline, stage, rank, inputs, targets,
@@ -204,28 +204,28 @@ def found_device(device: torch.device) -> dict:
     return {"vendor": vendor, "name": props.name, "memory_bytes": props.total_memory}
 
 
-def _print_repricing(directory: str, meta: dict, rank: int, device: torch.device) -> None:
-    """Every rank says which device it found; rank 0 prints the plan re-priced for the ranks whose device
-    differs from the plan's (``hetcc.runtime.reprice``). Collective: every rank calls it."""
-    entries = meta.get("placement") or []
-    mine = found_device(device)
-    differs = bool(entries) and "type" in entries[rank] and device_mismatch(entries[rank], mine) is not None
+def _print_repricing(directory: str, rank: int, substitute: dict | None) -> None:
+    """Every rank says which device it found in place of the plan's (``_check_device``; None: the planned
+    one); rank 0 prints the plan re-priced for them (``hetcc.runtime.reprice``). Collective: every rank
+    calls it."""
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (differs, mine))
-    found = {r: seen for r, (mismatched, seen) in enumerate(gathered) if mismatched}
+    dist.all_gather_object(gathered, substitute)
+    found = {r: seen for r, seen in enumerate(gathered) if seen is not None}
     if rank == 0 and found:
         for line in repricing_lines(directory, found):
             print(line, file=sys.stderr, flush=True)
 
 
-def _check_device(meta: dict, rank: int, device: torch.device, allow_substitute: bool) -> None:
+def _check_device(meta: dict, rank: int, device: torch.device, allow_substitute: bool) -> dict | None:
+    """Stop if this rank's device is not the plan's, unless substitutes are allowed; then return what it
+    found (``found_device``). None: the planned device (or a plan without placement types)."""
     entries = meta.get("placement") or []
     if not entries or "type" not in entries[rank]:
-        return
+        return None
     found = found_device(device)
     problem = device_mismatch(entries[rank], found)
     if problem is None:
-        return
+        return None
     if not allow_substitute:
         raise HetccError(
             f"{problem}: the plan's stage sizes and times do not hold there",
@@ -233,6 +233,7 @@ def _check_device(meta: dict, rank: int, device: torch.device, allow_substitute:
             "pass --allow-substitute to run anyway",
         )
     print(f"hetcc.launch: {problem}; running on it anyway (--allow-substitute)", file=sys.stderr, flush=True)
+    return found
 
 
 if __name__ == "__main__":
