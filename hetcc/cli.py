@@ -118,13 +118,11 @@ def _compile(args: argparse.Namespace) -> None:
 
 
 def _read_plan(folder: str):
-    from hetcc.hardware.schema import read_text
     from hetcc.plan import Plan
+    from hetcc.report.data import read_saved
 
     path = Path(folder) / "plan.json"
-    if not path.exists():
-        raise HetccError(f"{path} does not exist", hint="run `hetcc compile ... --out DIR` first")
-    text = read_text(path, "plan file", error=HetccError, max_bytes=64 * 2**20)  # UTF-8, not huge
+    text = read_saved(path, "plan file")  # UTF-8, not huge
     try:
         return Plan.from_json(text)
     except HetccError:

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from hetcc.errors import HetccError, PlanFormatError
+from hetcc.hardware.schema import read_text
 from hetcc.solver.problem import PartitionProblem
 
 CLUSTER_FILE = "cluster.json"  # the cluster the plan was made for, as Cluster.to_spec() writes it
+MAX_PLAN_BYTES = 64 * 2**20  # plan.json / problem.json: a 70B model's are a few MB
 
 
 @dataclass
@@ -56,12 +58,7 @@ def load(folder: str | Path) -> SavedPlan:
     folder = Path(folder)
     plan = _read_json(folder / "plan.json")
     _check_plan(plan, folder / "plan.json")
-    problem_path = folder / "problem.json"
-    if not problem_path.exists():
-        raise PlanFormatError(
-            f"{problem_path} does not exist", hint="run `hetcc compile ... --out DIR` first"
-        )
-    problem = PartitionProblem.from_json(problem_path.read_text())
+    problem = read_problem(folder)
     cluster_path = folder / CLUSTER_FILE
     cluster = _read_json(cluster_path) if cluster_path.exists() else None
     saved = SavedPlan(folder, plan, problem, cluster)
@@ -83,21 +80,36 @@ def simulate_plan(plan: dict[str, Any], problem: PartitionProblem):
     group, recomputing where the plan says so."""
     from hetcc.solver.simulate import simulate
 
+    return simulate(problem, *plan_layout(plan["stages"], problem))
+
+
+def plan_layout(stages: list[dict[str, Any]], problem: PartitionProblem):
+    """(boundaries, replica groups as device indices, recompute flags) of a saved plan's stages (as
+    dicts: ``blocks``, ``devices`` or ``device``, ``recompute``) on ``problem``'s devices."""
     boundaries = [0]
-    for stage in plan["stages"]:
+    for stage in stages:
         boundaries.append(boundaries[-1] + len(stage["blocks"]))
     names = [d.name for d in problem.devices]
-    groups: list[Any] = []
-    for stage in plan["stages"]:
+    groups: list[tuple[int, ...]] = []
+    for stage in stages:
         group = list(stage.get("devices") or [stage["device"]])
         missing = [name for name in group if name not in names]
         if missing:
             raise PlanFormatError(f"stage {stage['index']}'s devices {missing} are not in problem.json")
-        indices = tuple(names.index(name) for name in group)
-        groups.append(indices if len(indices) > 1 else indices[0])
-    if any(stage.get("recompute") for stage in plan["stages"]):
-        return simulate(problem, boundaries, groups, [bool(s.get("recompute")) for s in plan["stages"]])
-    return simulate(problem, boundaries, groups)
+        groups.append(tuple(names.index(name) for name in group))
+    return boundaries, groups, [bool(s.get("recompute")) for s in stages]
+
+
+def read_saved(path: Path, what: str) -> str:
+    """The text of a file ``hetcc compile`` wrote: it must exist, be UTF-8 and at most MAX_PLAN_BYTES."""
+    if not path.exists():
+        raise PlanFormatError(f"{path} does not exist", hint="run `hetcc compile ... --out DIR` first")
+    return read_text(path, what, error=PlanFormatError, max_bytes=MAX_PLAN_BYTES)
+
+
+def read_problem(folder: Path) -> PartitionProblem:
+    """The ``problem.json`` of a saved folder, validated."""
+    return PartitionProblem.from_json(read_saved(folder / "problem.json", "partition problem"))
 
 
 def number(value: Any, default: float = math.nan) -> float:
@@ -133,9 +145,8 @@ def _check_plan(plan: Any, path: Path) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise PlanFormatError(f"{path} does not exist", hint="run `hetcc compile ... --out DIR` first")
+    text = read_saved(path, path.name)
     try:
-        return json.loads(path.read_text())
+        return json.loads(text)
     except ValueError as exc:
         raise PlanFormatError(f"{path} is not valid JSON: {exc}", hint="compile the model again") from exc

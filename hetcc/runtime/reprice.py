@@ -24,7 +24,7 @@ from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.measure import preset_for_device_name
 from hetcc.hardware.presets import PRESETS, flops_key, type_key
 from hetcc.plan import Plan
-from hetcc.report.data import CLUSTER_FILE
+from hetcc.report.data import CLUSTER_FILE, plan_layout, read_problem, read_saved
 from hetcc.solver.objective import replica_seconds, stage_costs
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.simulate import simulate
@@ -90,7 +90,7 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
     substituted = problem
     for rank, pricing in priced.items():
         substituted = _substitute(substituted, ranks[rank][2], pricing)
-    boundaries, groups, recompute = _layout(plan, problem)
+    boundaries, groups, recompute = plan_layout([dataclasses.asdict(s) for s in plan.stages], problem)
     subs = tuple(
         _describe(
             problem, substituted, ranks[rank], rank, found[rank], priced[rank], boundaries, groups, recompute
@@ -150,31 +150,13 @@ def _change(slowdown: float) -> str:
 
 def _read(folder: Path) -> tuple[Plan, PartitionProblem, Cluster]:
     """The plan, the problem it solved and the cluster it was made for, as ``hetcc compile`` saved them."""
-    texts = {}
-    for name in ("plan.json", "problem.json", CLUSTER_FILE):
-        if not (folder / name).is_file():
-            raise PlanFormatError(
-                f"{folder / name} does not exist", hint="compile again: `hetcc compile ... --out DIR`"
-            )
-        texts[name] = (folder / name).read_text()
-    return (
-        Plan.from_json(texts["plan.json"]),
-        PartitionProblem.from_json(texts["problem.json"]),
-        Cluster.from_file(folder / CLUSTER_FILE),
-    )
-
-
-def _layout(plan: Plan, problem: PartitionProblem):
-    """(boundaries, replica groups as device indices, recompute flags) of the plan's stages."""
-    names = [d.name for d in problem.devices]
-    boundaries, groups = [0], []
-    for stage in plan.stages:
-        boundaries.append(boundaries[-1] + len(stage.blocks))
-        missing = [name for name in stage.devices if name not in names]
-        if missing:
-            raise PlanFormatError(f"stage {stage.index}'s devices {missing} are not in problem.json")
-        groups.append(tuple(names.index(name) for name in stage.devices))
-    return boundaries, groups, [s.recompute for s in plan.stages]
+    plan = Plan.from_json(read_saved(folder / "plan.json", "plan file"))
+    problem = read_problem(folder)
+    if not (folder / CLUSTER_FILE).is_file():
+        raise PlanFormatError(
+            f"{folder / CLUSTER_FILE} does not exist", hint="run `hetcc compile ... --out DIR` first"
+        )
+    return plan, problem, Cluster.from_file(folder / CLUSTER_FILE)
 
 
 @dataclass(frozen=True)
