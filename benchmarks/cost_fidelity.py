@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import hetcc  # noqa: E402
 from hetcc.passes.codegen import compute_module  # noqa: E402
+from hetcc.runtime.precision import forward_context  # noqa: E402
 
 
 def _cluster(calibration: hetcc.Calibration) -> hetcc.Cluster:
@@ -39,26 +40,34 @@ def _time_stages(stages, inputs: dict, repeats: int) -> list[list[float]]:
     modules = [compute_module(stage) for stage in stages]
     samples: list[list[float]] = [[] for _ in stages]
     for _ in range(repeats + 1):  # the first round warms up
-        elapsed = _one_pass(stages, modules, inputs)
+        elapsed, _ = one_pass(stages, modules, inputs)
         for k, seconds in enumerate(elapsed):
             samples[k].append(seconds)
     return [s[1:] for s in samples]
 
 
-def _one_pass(stages, modules, inputs: dict) -> list[float]:
+def one_pass(stages, modules, inputs: dict, device: torch.device | None = None, precision: str = "fp32"):
+    """Forward through every stage's compute module, then backward, one stage at a time in this process
+    (no communication) under ``precision``'s autocast: (per-stage seconds, the model's loss)."""
+    device = device or torch.device("cpu")
     values, received, outputs, elapsed = {}, [], [], []
     for stage, module in zip(stages, modules):
         args = [values[e.tag].detach().requires_grad_(e.requires_grad) for e in stage.recvs]
+        sync(device)
         start = time.perf_counter()
-        out = module(*(inputs[name] for name in stage.inputs), *args)
+        with forward_context(precision, device):
+            out = module(*(inputs[name] for name in stage.inputs), *args)
+        sync(device)
         elapsed.append(time.perf_counter() - start)
         values.update({e.tag: o for e, o in zip(stage.sends, out)})
         received.append(dict(zip((e.tag for e in stage.recvs), args)))
         outputs.append(out)
+    loss = outputs[-1][0]  # the model's loss
     for k in reversed(range(len(stages))):
+        sync(device)
         start = time.perf_counter()
         if k == len(stages) - 1:
-            outputs[k][0].backward()  # the model's loss
+            loss.backward()
         else:
             pairs = [
                 (o, received[e.dst][e.tag].grad)
@@ -66,8 +75,15 @@ def _one_pass(stages, modules, inputs: dict) -> list[float]:
                 if e.requires_grad
             ]
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        sync(device)
         elapsed[k] += time.perf_counter() - start
-    return elapsed
+    return elapsed, float(loss.detach())
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (timings of asynchronous GPU work need it)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def main() -> None:

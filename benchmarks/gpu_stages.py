@@ -14,7 +14,6 @@ and in bf16-mixed (autocast, as the runtime runs it).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import sys
 import time
@@ -25,11 +24,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from cost_fidelity import one_pass, sync  # noqa: E402  (benchmarks/ is on sys.path)
+
 import hetcc  # noqa: E402
 from hetcc.hardware.measure import preset_for_device_name  # noqa: E402
 from hetcc.passes.codegen import compute_module  # noqa: E402
-
-AUTOCAST = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+from hetcc.runtime.precision import AUTOCAST_DTYPES, forward_context  # noqa: E402
 
 
 def _cluster(type_name: str, calibrations=()) -> hetcc.Cluster:
@@ -40,57 +40,16 @@ def _cluster(type_name: str, calibrations=()) -> hetcc.Cluster:
     return hetcc.apply_to_cluster(hetcc.Cluster.from_spec(spec), list(calibrations))
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _one_pass(stages, modules, inputs: dict, device: torch.device, precision: str):
-    """Forward through every stage then backward; (per-stage seconds, loss)."""
-    dtype = AUTOCAST[precision]
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    values, received, outputs, elapsed = {}, [], [], []
-    for stage, module in zip(stages, modules):
-        args = [values[e.tag].detach().requires_grad_(e.requires_grad) for e in stage.recvs]
-        _sync(device)
-        start = time.perf_counter()
-        with autocast:
-            out = module(*(inputs[name] for name in stage.inputs), *args)
-        _sync(device)
-        elapsed.append(time.perf_counter() - start)
-        values.update({e.tag: o for e, o in zip(stage.sends, out)})
-        received.append(dict(zip((e.tag for e in stage.recvs), args)))
-        outputs.append(out)
-    loss = outputs[-1][0]
-    for k in reversed(range(len(stages))):
-        _sync(device)
-        start = time.perf_counter()
-        if k == len(stages) - 1:
-            loss.backward()
-        else:
-            pairs = [
-                (o, received[e.dst][e.tag].grad)
-                for e, o in zip(stages[k].sends, outputs[k])
-                if e.requires_grad
-            ]
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        _sync(device)
-        elapsed[k] += time.perf_counter() - start
-    return elapsed, float(loss.detach())
-
-
 def _eager(model, inputs: dict, device: torch.device, precision: str, repeats: int) -> tuple[float, float]:
     """(loss, median seconds of forward + backward) of the eager model on one microbatch."""
-    dtype = AUTOCAST[precision]
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
     samples, loss = [], None
     for _ in range(repeats + 1):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
-        with autocast:
+        with forward_context(precision, device):
             out = model(**inputs).loss
         out.backward()
-        _sync(device)
+        sync(device)
         samples.append(time.perf_counter() - start)
         loss = float(out.detach()) if loss is None else loss
     model.zero_grad(set_to_none=True)
@@ -100,7 +59,7 @@ def _eager(model, inputs: dict, device: torch.device, precision: str, repeats: i
 def run(args, model, ids, device, type_name: str, calibrations, precision: str, fuse: bool) -> None:
     cpu_inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     start = time.perf_counter()
-    with hetcc.config.patch(fuse=fuse):
+    with hetcc.config.patch(fuse=fuse, fuse_mixed_precision=fuse):
         compiled = hetcc.compile(
             model, _cluster(type_name, calibrations), example_kwargs=cpu_inputs,
             microbatches=args.microbatches, precision=precision, replicate=False,
@@ -113,7 +72,7 @@ def run(args, model, ids, device, type_name: str, calibrations, precision: str, 
     samples = [[] for _ in stages]
     losses = []
     for _ in range(args.repeats + 1):  # the first round warms up (and compiles the Triton kernels)
-        elapsed, loss = _one_pass(stages, modules, microbatch, device, precision)
+        elapsed, loss = one_pass(stages, modules, microbatch, device, precision)
         losses.append(loss)
         for k, seconds in enumerate(elapsed):
             samples[k].append(seconds)
@@ -151,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"], choices=list(AUTOCAST))
+    parser.add_argument(
+        "--precisions", nargs="+", default=["fp32", "bf16-mixed"], choices=list(AUTOCAST_DTYPES)
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--type", help="device type to plan for (default: this GPU's preset)")
     parser.add_argument("--no-calibrate", action="store_true")
