@@ -40,7 +40,8 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
         candidates += pure.candidates if pure is not None else []
     bound_s = lower_bound(problem)
     scored = []
-    for boundaries, groups, recompute in candidates:
+    unique = {(tuple(b), tuple(map(tuple, g)), tuple(r)): (b, g, r) for b, g, r in candidates}
+    for boundaries, groups, recompute in unique.values():  # a pure pipeline may be found by both searches
         plan = evaluate(problem, boundaries, groups, recompute, bound_s)
         simulated = simulate(problem, boundaries, groups, recompute).step_time_s
         scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
@@ -62,7 +63,8 @@ def _refine_by_simulation(
 ):
     """Local moves on the re-ranked winner while the simulated step improves (memory must still fit):
     move one cut by one or two blocks; with replicas allowed, also merge two neighbouring stages into
-    one group, or move one device to the neighbouring stage's group. Those are the moves that make a
+    one group, move one device to the neighbouring stage's group, or add an idle device to a group
+    (``_moves``). Those are the moves that make a
     group of mixed types (uneven shares by speed), which the search's interchangeable groups never
     propose. The objective is a formula; where it and the simulator disagree (a replicated stage
     overlaps more than the formula credits), the simulator decides."""
