@@ -205,6 +205,19 @@ def test_apply_to_gpu_makes_achievable_equal_measured():
     assert calibrated.kernel_overhead_s == 7e-6 and calibrated.name == A100.name
 
 
+def test_measured_host_costs_replace_the_types_and_unmeasured_ones_keep_it(tmp_path):
+    measured = make(host_op_s=11e-6, host_backward_op_s=40e-6)
+    calibrated = apply(A100, measured)
+    assert (calibrated.host_op_s, calibrated.host_backward_op_s) == (11e-6, 40e-6)
+    assert "11 us forward, 40 us backward" in measured.describe()
+    kept = apply(A100, make())  # a file without them (older, or a CPU's) leaves the type's own
+    assert (kept.host_op_s, kept.host_backward_op_s) == (A100.host_op_s, A100.host_backward_op_s)
+    path = measured.save(tmp_path / "a100.yaml")
+    assert Calibration.load(path).host_backward_op_s == 40e-6
+    with pytest.raises(ClusterError, match="host_op_s"):
+        make(host_op_s=-1.0)
+
+
 def test_apply_with_several_dtypes_matches_each_measured_rate():
     calibrated = apply(A100, make(matmul_flops={"fp32": 15 * T, "bf16": 200 * T}))
     best_share = 15 / 19.5  # fp32 reaches a larger share of its peak than bf16 (200/312)

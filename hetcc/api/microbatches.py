@@ -64,7 +64,7 @@ def search_microbatches(
         at = symbolic.evaluate(batch=rows // m)
         times = block_times_at(
             symbolic.graph, [b.nodes for b in at.blocks], cluster.types, {symbol: rows // m},
-            dtype=dtype, training=settings.training,
+            dtype=dtype, training=settings.training, autocast=settings.precision != "fp32",
         )  # fmt: skip
         problem = build_problem(
             symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m), times

@@ -13,6 +13,8 @@ A calibration file (YAML or JSON, one per device type and machine) looks like::
     matmul_flops: {fp32: 1.8e13, bf16: 2.6e14}   # FLOP/s per dtype (numbers, or "260 TFLOP/s")
     memory_bandwidth_bps: 1.7e12                 # bytes/s (or "1.7 TB/s")
     kernel_overhead_s: 4.1e-06                   # seconds (or "4.1 us")
+    host_op_s: 1.4e-05                           # optional (GPUs): host seconds per graph op,
+    host_backward_op_s: 6.4e-05                  # and per op's backward (see passes.cost)
 
 ``Calibration.load`` checks a file against that format (``_FILE``, a ``hetcc.hardware.schema`` record), so
 errors name the file, the field and the closest valid key.
@@ -29,7 +31,8 @@ Rule for ``apply`` (the achievable rates become the measured ones):
   raises the peak to the figure at efficiency 1.
 * CPUs (vendor "cpu": the peaks are placeholders): the measured figures become the peaks and
   bandwidth at efficiency 1.0; unmeasured dtypes keep their old achievable rate as their peak.
-* Both: ``kernel_overhead_s`` = the measured overhead.
+* Both: ``kernel_overhead_s`` = the measured overhead; ``host_op_s`` / ``host_backward_op_s``, where
+  measured, replace the type's.
 
 ``calibrated_types`` applies calibrations to the device types they name, and ``apply_to_cluster`` to a
 cluster's types; a cluster file's ``calibration:`` key does the latter while the file is read.
@@ -63,6 +66,8 @@ _FILE = Record(
         ),
         "memory_bandwidth_bps": Quantity("bytes/s"),
         "kernel_overhead_s": Quantity("seconds"),
+        "host_op_s": Nullable(Quantity("seconds")),
+        "host_backward_op_s": Nullable(Quantity("seconds")),
     },
     required=("device_type", "matmul_flops", "memory_bandwidth_bps", "kernel_overhead_s"),
     missing_hint="write calibration files with `hetcc calibrate`",
@@ -77,6 +82,8 @@ class Calibration:
     matmul_flops: Mapping[str, float]  # best sustained FLOP/s of a large square matmul, per dtype key
     memory_bandwidth_bps: float  # bytes read + written per second by a streaming pointwise op
     kernel_overhead_s: float  # seconds per op that does no work (dispatch + launch)
+    host_op_s: float | None = None  # host seconds to issue one graph op (GPUs; None: not measured)
+    host_backward_op_s: float | None = None  # ... and to run autograd's backward of one
     device_name: str = ""  # what the hardware calls itself ("NVIDIA A100-SXM4-80GB", a CPU model)
     host: str = ""
     torch_version: str = ""
@@ -108,6 +115,10 @@ class Calibration:
             )
         if not (_is_number(self.kernel_overhead_s) and 0 <= self.kernel_overhead_s < math.inf):
             yield "kernel_overhead_s", f"must be a number of seconds >= 0; got {self.kernel_overhead_s!r}"
+        for field in ("host_op_s", "host_backward_op_s"):
+            value = getattr(self, field)
+            if value is not None and not (_is_number(value) and 0 <= value < math.inf):
+                yield field, f"must be a number of seconds >= 0; got {value!r}"
         if self.threads is not None and not (
             _is_number(self.threads) and isinstance(self.threads, int) and self.threads >= 1
         ):
@@ -176,6 +187,9 @@ class Calibration:
             )
         )
         lines.append(_row("kernel overhead", f"{self.kernel_overhead_s * 1e6:.3g} us"))
+        if self.host_op_s is not None and self.host_backward_op_s is not None:
+            host = f"{self.host_op_s * 1e6:.3g} us forward, {self.host_backward_op_s * 1e6:.3g} us backward"
+            lines.append(_row("host per graph op", host))
         return "\n".join(lines)
 
 
@@ -224,15 +238,21 @@ def apply(device_type: DeviceType, calibration: Calibration) -> DeviceType:
         return device_type.replace(
             peak_flops=peaks | dict(calibration.matmul_flops), matmul_efficiency=1.0,
             memory_bandwidth_bps=calibration.memory_bandwidth_bps, memory_efficiency=1.0,
-            kernel_overhead_s=calibration.kernel_overhead_s,
+            kernel_overhead_s=calibration.kernel_overhead_s, **_host(calibration),
         )  # fmt: skip
     peaks, matmul_efficiency = _calibrated_peaks(device_type, calibration)
     bandwidth_bps = max(device_type.memory_bandwidth_bps, calibration.memory_bandwidth_bps)
     return device_type.replace(
         peak_flops=peaks, matmul_efficiency=matmul_efficiency, memory_bandwidth_bps=bandwidth_bps,
         memory_efficiency=calibration.memory_bandwidth_bps / bandwidth_bps,
-        kernel_overhead_s=calibration.kernel_overhead_s,
+        kernel_overhead_s=calibration.kernel_overhead_s, **_host(calibration),
     )  # fmt: skip
+
+
+def _host(calibration: Calibration) -> dict[str, float]:
+    """The host costs a calibration measured (none: the type keeps its own)."""
+    fields = ("host_op_s", "host_backward_op_s")
+    return {f: getattr(calibration, f) for f in fields if getattr(calibration, f) is not None}
 
 
 def _calibrated_peaks(device_type: DeviceType, calibration: Calibration) -> tuple[dict[str, float], float]:

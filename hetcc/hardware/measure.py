@@ -39,6 +39,38 @@ log = logging.getLogger(__name__)
 _TORCH_DTYPES = {"fp32": "float32", "tf32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+HOST_CHAIN_LAYERS = 16  # repeats of the four ops in the chain ``_host_op_s`` times
+
+
+def _host_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> dict[str, float]:
+    """Host seconds per graph op, forward and backward, where the device work is negligible: an fx
+    GraphModule of HOST_CHAIN_LAYERS x (linear, layer norm, tanh, residual add), a transformer's op
+    mix, on 8 x 64 tensors, run the way a stage runs (Python graph code, the dispatcher, autograd),
+    so what is timed is the host."""
+    import torch.fx
+
+    class Chain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(HOST_CHAIN_LAYERS))
+            self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(64) for _ in range(HOST_CHAIN_LAYERS))
+
+        def forward(self, x):
+            for linear, norm in zip(self.layers, self.norms):
+                x = x + torch.tanh(norm(linear(x)))
+            return x.sum()
+
+    leaves = torch.fx.Tracer()
+    leaves.is_leaf_module = lambda module, name: False  # the functional ops, as an exported graph has them
+    module = torch.fx.GraphModule(Chain(), leaves.trace(Chain())).to(dev)
+    ops = sum(node.op in ("call_function", "call_method") for node in module.graph.nodes)
+    x = torch.randn(8, 64, device=dev, requires_grad=True)
+    budget = plan.overhead_budget_s
+    forward_s = _seconds_per_call(lambda: module(x), sync, budget)
+    both_s = _seconds_per_call(lambda: module(x).backward(), sync, budget)
+    return {"host_op_s": forward_s / ops, "host_backward_op_s": max(both_s - forward_s, 0.0) / ops}
+
+
 @dataclass(frozen=True)
 class _Plan:
     """How much work one calibration does: matmul sizes, stream length, and time budgets."""
@@ -92,6 +124,7 @@ def calibrate(
         matmul_flops={key: _matmul_flops(torch, dev, key, plan, sync) for key in keys},
         memory_bandwidth_bps=_stream_bandwidth_bps(torch, dev, plan, sync),
         kernel_overhead_s=_kernel_overhead_s(torch, dev, plan, sync),
+        **(_host_op_s(torch, dev, plan, sync) if kind == "cuda" else {}),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
     log.info("%s", calibration.describe())

@@ -1,16 +1,29 @@
-"""cost: time of every node on every device type, forward and backward (roofline + overhead).
+"""cost: time of every node on every device type, forward and backward (roofline + overhead + host).
 
-    time = max(flops / achievable FLOP/s, bytes / achievable bandwidth) + kernel overhead
+    GPU time = max(flops / achievable FLOP/s, bytes / achievable bandwidth) + kernel overhead
 
 Achievable = peak × efficiency (``DeviceType.achievable_flops`` / ``achievable_bandwidth_bps``; a
 calibration file replaces the efficiencies with measured ones). The FLOP/s peak is the one of the
 node's dtype (or the ``dtype`` the user compiles for). Backward: the analysis gives backward FLOPs
-(a matmul's backward is two matmuls); a memory-bound op's backward is about two memory passes. Nodes
-that move no bytes and do no FLOPs (views, getitem) launch no kernel and cost nothing.
+(a matmul's backward is two matmuls); a memory-bound op's backward is about two memory passes.
+
+On a GPU the host issues work asynchronously: each op costs the host ``host_op_s`` (Python, the
+dispatcher, the launch; ``host_backward_op_s`` for autograd's backward of it, about half of that
+for a view), and the GPU runs what was queued. A node's time is what it adds to the end of that
+queue (``_queue``): a large GEMM hides the host cost of the small ops around it, a run of small ops
+costs their host time. On a CPU the op runs where it is issued: roofline + overhead, one after the
+other. Under autocast (``autocast=True``, mixed precision on a GPU) an op autocast runs in the
+lower precision (``LOWER_PRECISION_OPS``) also pays the casts of its fp32 inputs (6 bytes per
+element, and their gradients back), and a bf16/fp16 GEMM whose inner or output dimension is not a
+multiple of 8 runs at ``UNALIGNED_TENSOR_CORE_SHARE`` of the aligned rate (tensor cores need
+16-byte rows; GPT-2's vocabulary of 50257 is the classic case). Getitems launch nothing and cost
+nothing.
 """
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Sequence
 from types import SimpleNamespace
 
@@ -27,6 +40,22 @@ BACKWARD_MEMORY_PASSES = 2.0
 # When a device type has no peak for a dtype, the nearest format its matrix units run instead.
 # bf16 has no fallback but fp32: a card without bf16 units (T4, V100) runs bf16 matmuls no faster.
 _DTYPE_FALLBACK = {"bf16": "fp32", "fp16": "fp32", "fp8": "fp16", "tf32": "fp32"}
+# A view's host cost against a small op's, forward and backward (an H200's host: 8 vs 14 us, 14 vs 50 us).
+VIEW_HOST_SHARE = (0.5, 0.25)
+# Share of the aligned bf16/fp16 GEMM rate left when a row is not 16 bytes aligned. Measured on an
+# H200: GPT-2's head (N = 50257) ran its three GEMMs at 95-146 TFLOP/s against 658 aligned.
+UNALIGNED_TENSOR_CORE_SHARE = 0.2
+_TENSOR_CORE_KEYS = ("bf16", "fp16")
+CAST_BYTES = 6  # an fp32 -> bf16/fp16 cast reads 4 bytes and writes 2 per element (its gradient too)
+# Ops torch.autocast runs in the lower precision on a GPU (its lower_precision_fp list, as graphs name them).
+LOWER_PRECISION_OPS = frozenset({
+    "mm", "bmm", "addmm", "addbmm", "baddbmm", "matmul", "linear", "einsum", "addmv", "addr", "prelu",
+    "conv1d", "conv2d", "conv3d", "convolution", "_convolution", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "scaled_dot_product_attention",
+})  # fmt: skip
+# GEMMs and where their first matrix is in args: K is its last dim, N the output's.
+_GEMM_MATRIX_ARG = {"mm": 0, "bmm": 0, "matmul": 0, "linear": 0, "addmm": 1, "addbmm": 1, "baddbmm": 1}
+_NO_LAUNCH = (operator.getitem, getattr)
 
 
 def cost(
@@ -35,21 +64,92 @@ def cost(
     device_types: Sequence[DeviceType],
     dtype: object | None = None,
     training: bool = True,
+    autocast: bool = False,
 ) -> torch.fx.GraphModule:
-    """Annotate ``fwd_s`` / ``bwd_s`` per device type on every compute node."""
+    """Annotate ``fwd_s`` / ``bwd_s`` per device type on every compute node (``autocast``: the stages
+    run under torch.autocast at ``dtype``, fp32 weights cast on the fly)."""
     rates = {t.name: _Rates(t) for t in device_types}
-    for node in gm.graph.nodes:
-        if node.op not in ("call_function", "call_method", "call_module"):
-            continue
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    parts = []
+    for node in nodes:
         record = info(node)
         _require_concrete(node, record)
-        key, floating = _flops_key(record, dtype)
-        has_backward = training and floating
-        group = node.meta.get(FUSION_META_KEY)
-        replays = group is not None and group.backward == "recompute"
-        times = [(name, _times(rate, record, key, has_backward, replays)) for name, rate in rates.items()]
-        annotate(node, fwd_s=tuple((n, t[0]) for n, t in times), bwd_s=tuple((n, t[1]) for n, t in times))
+        parts.append(_node_parts(node, record, rates, dtype, training, autocast, float))
+    fwd, bwd = _queued(parts, rates)
+    for i, node in enumerate(nodes):
+        record = annotate(
+            node, fwd_s=tuple((t, fwd[t][i]) for t in rates), bwd_s=tuple((t, bwd[t][i]) for t in rates)
+        )
+        dims = _unaligned_dims(node, op_name(node))
+        if dims and _flops_key(record, dtype)[0] in _TENSOR_CORE_KEYS and UNALIGNED_NOTE not in record.notes:
+            annotate(node, notes=(*record.notes, UNALIGNED_NOTE))
     return gm
+
+
+UNALIGNED_NOTE = "GEMM off tensor-core alignment"
+
+
+def unaligned_gemm_note(gm: torch.fx.GraphModule) -> str | None:
+    """One line for the plan naming the bf16/fp16 GEMMs priced off tensor-core alignment, and the
+    fix (pad the dimension), or None."""
+    found = [(n, _unaligned_dims(n, op_name(n))) for n in gm.graph.nodes if UNALIGNED_NOTE in info(n).notes]
+    if not found:
+        return None
+    named = ", ".join(f"%{node.name} ({' and '.join(map(str, dims))})" for node, dims in found[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    return (
+        f"{len(found)} half-precision GEMM(s) have a dimension that is not a multiple of 8 and are priced "
+        f"at {UNALIGNED_TENSOR_CORE_SHARE:.0%} of the tensor-core rate: {named}{more}; padding such a "
+        "dimension (a vocabulary, say) to a multiple of 8 makes them about 5x faster"
+    )
+
+
+def _node_parts(node, record, rates, dtype, training: bool, autocast: bool, value) -> dict:
+    """Per device type, (GPU forward, GPU backward, host forward, host backward) seconds of one node;
+    ``value`` turns a (possibly symbolic) size into a number."""
+    key, floating = _flops_key(record, dtype)
+    has_backward = training and floating
+    group = node.meta.get(FUSION_META_KEY)
+    replays = group is not None and group.backward == "recompute"
+    name = op_name(node)
+    low = autocast and name in LOWER_PRECISION_OPS
+    cast = _cast_elements(node) if low else (0, 0)
+    cast = (value(cast[0]) * CAST_BYTES, cast[1])
+    slow = key in _TENSOR_CORE_KEYS and _unaligned_gemm(node, name)
+    numbers = SimpleNamespace(
+        fwd_flops=value(record.fwd_flops), bwd_flops=value(record.bwd_flops), bytes=value(record.bytes),
+        members=record.members,
+    )  # fmt: skip
+    kind = _launch_kind(node, record)
+    return {
+        t: _times(rate, numbers, key, has_backward, replays, cast=cast, slow=slow, kind=kind)
+        for t, rate in rates.items()
+    }
+
+
+def _queued(parts: list[dict], rates: dict) -> tuple[dict, dict]:
+    """Per device type, each node's forward and backward seconds in the queue model (``_queue``):
+    forwards in graph order, backwards in reverse."""
+    fwd, bwd = {}, {}
+    for t in rates:
+        fwd[t] = _queue([p[t][0] for p in parts], [p[t][2] for p in parts])
+        bwd[t] = _queue([p[t][1] for p in parts][::-1], [p[t][3] for p in parts][::-1])[::-1]
+    return fwd, bwd
+
+
+def _queue(gpu: Sequence[float], host: Sequence[float]) -> list[float]:
+    """What each op adds to the end of the work when the host issues ops in order (host[i] seconds
+    each) and the device runs each (gpu[i] seconds) once issued and once the previous one is done:
+    the device's finish time grows by gpu[i] when the host is ahead, by more when it waits for the
+    host. With no host time this is ``gpu`` itself (a CPU runs an op where it is issued)."""
+    issued = done = 0.0
+    added = []
+    for g, h in zip(gpu, host):
+        issued += h
+        end = max(issued, done) + g
+        added.append(end - done)
+        done = end
+    return added
 
 
 def _flops_key(record, dtype: object | None) -> tuple[str, bool]:
@@ -59,22 +159,101 @@ def _flops_key(record, dtype: object | None) -> tuple[str, bool]:
     return flops_key(dtype if dtype is not None else (record.dtype if floating else torch.float32)), floating
 
 
-def _times(rate: _Rates, record, key: str, has_backward: bool, replays: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one node on one device type.
+def op_name(node: torch.fx.Node) -> str:
+    """The op a node runs, as torch.autocast's lists name it ("addmm", "linear", ...)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet is not None:
+        return packet.__name__
+    if node.op == "call_module":
+        return type(node.graph.owning_module.get_submodule(node.target)).__name__.lower()
+    return node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+
+
+def _launch_kind(node: torch.fx.Node, record) -> str | None:
+    """ "op" (a kernel), "view" (dispatched, no kernel) or None (Python only: getitem, non-tensors)."""
+    if record.shape is None or node.target in _NO_LAUNCH:
+        return None
+    return "op" if record.fwd_flops or record.bytes or record.members else "view"
+
+
+def _cast_elements(node: torch.fx.Node) -> tuple[object, int]:
+    """(elements, tensors) autocast casts to the lower precision before ``node`` runs: its fp32
+    inputs, except those a lower-precision op produced (through views), which are already cast."""
+    elements, tensors = 0, 0
+    for arg in node.all_input_nodes:
+        record = info(arg)
+        if record.dtype != torch.float32 or record.shape is None or _low_precision_source(arg):
+            continue
+        elements += math.prod(record.shape)
+        tensors += 1
+    return elements, tensors
+
+
+def _low_precision_source(node: torch.fx.Node) -> bool:
+    while node.op == "call_function" and _launch_kind(node, info(node)) == "view" and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node.op in ("call_function", "call_method", "call_module") and op_name(node) in LOWER_PRECISION_OPS
+
+
+def _unaligned_gemm(node: torch.fx.Node, name: str) -> bool:
+    """A GEMM whose inner (K) or output (N) dimension is a known size that is not a multiple of 8."""
+    return bool(_unaligned_dims(node, name))
+
+
+def _unaligned_dims(node: torch.fx.Node, name: str) -> list[str]:
+    """``["K=..", "N=.."]``: a GEMM's inner and output dimensions that are not multiples of 8."""
+    index = _GEMM_MATRIX_ARG.get(name)
+    if index is None or len(node.args) <= index or not isinstance(node.args[index], torch.fx.Node):
+        return []
+    dims = (("K", info(node.args[index]).shape), ("N", info(node).shape))
+    return [f"{k}={shape[-1]}" for k, shape in dims if shape and isinstance(shape[-1], int) and shape[-1] % 8]
+
+
+def _times(
+    rate: _Rates,
+    record,
+    key: str,
+    has_backward: bool,
+    replays: bool = False,
+    *,
+    cast: tuple[float, int] = (0.0, 0),
+    slow: bool = False,
+    kind: str | None = "op",
+) -> tuple[float, float, float, float]:
+    """(GPU forward, GPU backward, host forward, host backward) seconds of one node on one device type.
 
     A fused node runs as one Triton kernel on GPUs. Where Triton does not run (a ``cpu`` device, short
     of the interpreter used for testing), its original ops run instead. A group without a generated
     backward kernel (``replays``: row groups, and every group on a ``cpu``) differentiates its
     original ops, recomputing them first: its backward costs its members' forwards and backwards.
+    ``cast``: bytes and tensors autocast casts first (and casts back in backward); ``slow``: a
+    bf16/fp16 GEMM off tensor-core alignment. The host terms are zero on a CPU (``_queue``).
     """
-    if record.members and (rate.type.vendor == "cpu" or (replays and has_backward)):
+    device = rate.type
+    on_cpu = device.vendor == "cpu"
+    host = _host_s(device, kind) if not on_cpu else (0.0, 0.0)
+    share = UNALIGNED_TENSOR_CORE_SHARE if slow else 1.0
+    cast_s = cast[0] / device.achievable_bandwidth_bps if cast[1] else 0.0
+    cast_host = cast[1] * device.kernel_overhead_s
+    if record.members and (on_cpu or (replays and has_backward)):
         parts = [_times(rate, member, key, has_backward) for member in record.members]
-        members_fwd = sum(f for f, _ in parts)
-        fwd = members_fwd if rate.type.vendor == "cpu" else rate.time_s(record.fwd_flops, record.bytes, key)
-        return fwd, (sum(b for _, b in parts) + members_fwd if has_backward else 0.0)
-    fwd = rate.time_s(record.fwd_flops, record.bytes, key)
-    bwd = rate.time_s(record.bwd_flops, BACKWARD_MEMORY_PASSES * record.bytes, key) if has_backward else 0.0
-    return fwd, bwd
+        members_fwd = sum(p[0] for p in parts)
+        fwd = members_fwd if on_cpu else rate.time_s(record.fwd_flops, record.bytes, key)
+        bwd = sum(p[1] for p in parts) + members_fwd if has_backward else 0.0
+        replayed = len(record.members) * (host[0] + host[1]) if has_backward and not on_cpu else 0.0
+        return fwd, bwd, host[0], replayed
+    fwd = rate.time_s(record.fwd_flops, record.bytes, key, share) + cast_s
+    if not has_backward:
+        return fwd, 0.0, host[0] + cast_host, 0.0
+    bwd = rate.time_s(record.bwd_flops, BACKWARD_MEMORY_PASSES * record.bytes, key, share) + cast_s
+    return fwd, bwd, host[0] + cast_host, host[1] + cast_host
+
+
+def _host_s(device: DeviceType, kind: str | None) -> tuple[float, float]:
+    if kind is None:
+        return 0.0, 0.0
+    shares = VIEW_HOST_SHARE if kind == "view" else (1.0, 1.0)
+    return device.host_op_s * shares[0], device.host_backward_op_s * shares[1]
 
 
 class _Rates:
@@ -100,10 +279,11 @@ class _Rates:
             hint="add peak_flops for it in the cluster file (custom_types) or compile with another dtype",
         )
 
-    def time_s(self, flops: float, nbytes: float, key: str) -> float:
+    def time_s(self, flops: float, nbytes: float, key: str, share: float = 1.0) -> float:
+        """Roofline seconds of one kernel (``share`` of the achievable FLOP/s: an unaligned GEMM)."""
         if not flops and not nbytes:
             return 0.0
-        compute_s = flops / self.flops_per_s(key) if flops else 0.0
+        compute_s = flops / (self.flops_per_s(key) * share) if flops else 0.0
         memory_s = nbytes / self.type.achievable_bandwidth_bps
         return max(compute_s, memory_s) + self.type.kernel_overhead_s
 
@@ -125,26 +305,27 @@ def block_times_at(
     *,
     dtype: object | None = None,
     training: bool = True,
+    autocast: bool = False,
 ):
     """``block_times`` of a symbolic analysis (sizes in sympy dims) at the dims ``subs`` gives, without
     annotating the graph: how the microbatch search prices every microbatch size from one trace."""
     rates = {t.name: _Rates(t) for t in device_types}
     by_name = {n.name: n for n in gm.graph.nodes}
-    fwd = {t: [0.0] * len(block_nodes) for t in rates}
-    bwd = {t: [0.0] * len(block_nodes) for t in rates}
+    owner, parts = [], []
     for i, names in enumerate(block_nodes):
         for name in names:
             node = by_name[name]
-            if node.op not in ("call_function", "call_method", "call_module"):
-                continue
-            record = info(node)
-            values = {f: _at(getattr(record, f), subs) for f in ("fwd_flops", "bwd_flops", "bytes")}
-            at = SimpleNamespace(**values, members=None)
-            key, floating = _flops_key(record, dtype)
-            for t, rate in rates.items():
-                f, b = _times(rate, at, key, training and floating, False)
-                fwd[t][i] += f
-                bwd[t][i] += b
+            if node.op in ("call_function", "call_method", "call_module"):
+                owner.append(i)
+                parts.append(
+                    _node_parts(node, info(node), rates, dtype, training, autocast, lambda v: _at(v, subs))
+                )
+    per_node = _queued(parts, rates)
+    fwd, bwd = ({t: [0.0] * len(block_nodes) for t in rates} for _ in range(2))
+    for total, times in zip((fwd, bwd), per_node):
+        for t in rates:
+            for i, seconds in zip(owner, times[t]):
+                total[t][i] += seconds
     return fwd, bwd
 
 

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -27,8 +29,13 @@ def _node(analysis, name):
     return next(n for n in analysis.graph.graph.nodes if n.name == name)
 
 
+def _no_host(device_type):
+    """The type with no host cost per op: its node times are the roofline alone."""
+    return device_type.replace(host_op_s=0.0, host_backward_op_s=0.0)
+
+
 def test_roofline_time_is_the_max_of_compute_and_memory_plus_overhead():
-    a100 = get_preset("A100-80GB")
+    a100 = _no_host(get_preset("A100-80GB"))
     analysis = _costed(MLP(), (torch.randn(512, 256),), [a100])
     linear = info(_node(analysis, "linear"))
     compute = linear.fwd_flops / a100.achievable_flops("fp32")
@@ -98,7 +105,7 @@ def test_fused_chain_is_one_memory_pass_on_gpus_and_its_ops_plus_recompute_on_cp
         def forward(self, x):
             return self.act(x * 2.0)
 
-    a100, cpu = get_preset("A100-80GB"), get_preset("cpu")
+    a100, cpu = _no_host(get_preset("A100-80GB")), get_preset("cpu")
     analysis = hetcc.analyze(TanhGelu(), (torch.randn(64, 1024, requires_grad=True),))
     fuse(analysis.graph)
     cost(analysis.graph, device_types=[a100, cpu])
@@ -114,3 +121,103 @@ def test_fused_chain_is_one_memory_pass_on_gpus_and_its_ops_plus_recompute_on_cp
     )
     assert dict(record.fwd_s)["cpu"] == pytest.approx(member_fwd)
     assert dict(record.bwd_s)["cpu"] > dict(record.fwd_s)["cpu"] * 2  # members' backward + the recompute
+
+
+def test_queue_adds_gpu_time_when_the_host_is_ahead_and_host_time_when_it_is_behind():
+    from hetcc.passes.cost import _queue
+
+    # one long kernel hides the host cost of the three small ops issued while it runs
+    assert _queue([100.0, 1.0, 1.0, 1.0], [10.0, 10.0, 10.0, 10.0]) == [110.0, 1.0, 1.0, 1.0]
+    # small kernels behind a slow host: each adds the host's time
+    assert _queue([1.0, 1.0, 1.0], [10.0, 10.0, 10.0]) == [11.0, 10.0, 10.0]
+    # no host cost (a CPU): the GPU times themselves
+    assert _queue([3.0, 4.0], [0.0, 0.0]) == [3.0, 4.0]
+
+
+class Chain(torch.nn.Module):
+    """Small pointwise ops (host-bound on a GPU) between two matmuls (device-bound)."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        x = self.fc1(x)
+        for _ in range(20):
+            x = torch.tanh(x) * 0.5
+        return self.fc2(x)
+
+
+def test_small_ops_on_a_gpu_cost_their_host_time_and_a_cpu_pays_none():
+    h100, cpu = get_preset("H100-SXM"), get_preset("cpu")
+    analysis = _costed(Chain(64), (torch.randn(16, 64, requires_grad=True),), [h100, cpu])
+    small = [
+        info(n)
+        for n in analysis.graph.graph.nodes
+        if info(n).fwd_s and info(n).bytes and not info(n).fwd_flops
+    ]
+    small = [r for r in small if r.bytes < 1e5]
+    assert len(small) >= 40
+    for record in small[1:]:  # each tiny op adds the host's time per op (its kernel takes far less)
+        assert dict(record.fwd_s)["H100-SXM"] == pytest.approx(h100.host_op_s, rel=0.05)
+        assert dict(record.bwd_s)["H100-SXM"] == pytest.approx(h100.host_backward_op_s, rel=0.05)
+        assert dict(record.fwd_s)["cpu"] < h100.host_op_s  # the CPU's own roofline, no host queue
+    fwd, _ = block_times(analysis.graph, [b.nodes for b in analysis.blocks], [h100.name, cpu.name])
+    assert sum(fwd[h100.name]) >= 40 * h100.host_op_s
+
+
+def test_a_large_kernel_hides_the_host_cost_of_the_ops_issued_while_it_runs():
+    h100 = get_preset("H100-SXM")
+    slow_host = h100.replace(name="slow-host", host_op_s=1e-3)
+    analysis = _costed(Chain(4096), (torch.randn(8192, 4096),), [_no_host(h100), slow_host])
+    fwd, _ = block_times(analysis.graph, [b.nodes for b in analysis.blocks], ["H100-SXM", "slow-host"])
+    roofline, queued = sum(fwd["H100-SXM"]), sum(fwd["slow-host"])
+    ops = sum(1 for n in analysis.graph.graph.nodes if info(n).fwd_s and info(n).bytes)
+    # every op's host millisecond counts (the host is the bottleneck), but not on top of the kernels
+    assert ops * 1e-3 <= queued < ops * 1e-3 + roofline
+
+
+def test_autocast_prices_the_casts_of_fp32_inputs_of_lower_precision_ops():
+    a100 = _no_host(get_preset("A100-80GB"))
+    inputs = (torch.randn(2048, 1024, requires_grad=True),)
+    plain = _costed(MLP(1024), inputs, [a100], dtype=torch.bfloat16)
+    mixed = _costed(MLP(1024), inputs, [a100], dtype=torch.bfloat16, autocast=True)
+    for name in ("linear", "linear_1"):  # input (the model's, then gelu's: fp32), weight and bias
+        node = _node(mixed, name)
+        inputs = [a for a in node.all_input_nodes if info(a).dtype == torch.float32]
+        cast_s = 6 * sum(math.prod(info(a).shape) for a in inputs) / a100.achievable_bandwidth_bps
+        extra = dict(info(node).fwd_s)["A100-80GB"] - dict(info(_node(plain, name)).fwd_s)["A100-80GB"]
+        assert len(inputs) == 3
+        # the casts' bytes, and their launches where the host is not ahead of the device
+        assert cast_s * (1 - 1e-9) <= extra <= cast_s + len(inputs) * a100.kernel_overhead_s
+    gelu = "gelu"  # autocast leaves it alone
+    assert dict(info(_node(mixed, gelu)).fwd_s) == pytest.approx(dict(info(_node(plain, gelu)).fwd_s))
+
+
+def test_bf16_gemms_off_tensor_core_alignment_run_at_a_fraction_of_the_rate():
+    from hetcc.passes.cost import UNALIGNED_TENSOR_CORE_SHARE, unaligned_gemm_note
+
+    a100 = _no_host(get_preset("A100-80GB"))
+
+    class Head(torch.nn.Module):
+        def __init__(self, vocab):
+            super().__init__()
+            self.head = torch.nn.Linear(1024, vocab, bias=False)
+
+        def forward(self, x):
+            return self.head(x)
+
+    def costed(vocab, dtype):
+        return _costed(Head(vocab), (torch.randn(4096, 1024),), [a100], dtype=dtype)
+
+    def compute_s(vocab, dtype):
+        return dict(info(_node(costed(vocab, dtype), "linear")).fwd_s)["A100-80GB"] - a100.kernel_overhead_s
+
+    aligned, odd = compute_s(50304, torch.bfloat16), compute_s(50257, torch.bfloat16)
+    assert odd / aligned == pytest.approx(50257 / 50304 / UNALIGNED_TENSOR_CORE_SHARE, rel=1e-3)
+    assert compute_s(50257, torch.float32) / compute_s(50304, torch.float32) < 1  # fp32 runs no tensor cores
+    # the plan says which GEMM and what to do about it
+    note = unaligned_gemm_note(costed(50257, torch.bfloat16).graph)
+    assert "%linear (N=50257)" in note and "multiple of 8" in note
+    assert unaligned_gemm_note(costed(50304, torch.bfloat16).graph) is None
+    assert unaligned_gemm_note(costed(50257, torch.float32).graph) is None
