@@ -29,9 +29,11 @@ def _cluster(fast: str = "A100-80GB", slow: str = "T4", memory: str | None = Non
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     folder = tmp_path_factory.mktemp("build")
-    with torch.device("meta"):  # big enough that compute, not launch latency, sets the step (as in real use)
+    # Microbatches of 4 x 512 tokens: big enough that the GPUs' compute, not the host issuing ops, sets
+    # the step (at 1 x 512 an A100 and a T4 would be equally host-bound, as they are in eager PyTorch).
+    with torch.device("meta"):
         model = gpt2(n_layer=8, n_embd=512, n_head=8, vocab=1024)
-        ids = token_ids(32, 512, vocab=1024, device="meta")
+        ids = token_ids(128, 512, vocab=1024, device="meta")
     result = hetcc.compile(model, _cluster(), example_kwargs=lm_kwargs(ids), microbatches=32, dump_dir=folder)
     return result, folder
 

@@ -206,10 +206,14 @@ def test_apply_to_gpu_makes_achievable_equal_measured():
 
 
 def test_measured_host_costs_replace_the_types_and_unmeasured_ones_keep_it(tmp_path):
-    measured = make(host_op_s=11e-6, host_backward_op_s=40e-6)
+    measured = make(
+        host_op_s=11e-6, host_backward_op_s=40e-6, host_fused_op_s=90e-6, host_fused_backward_op_s=1e-4
+    )
     calibrated = apply(A100, measured)
     assert (calibrated.host_op_s, calibrated.host_backward_op_s) == (11e-6, 40e-6)
+    assert (calibrated.host_fused_op_s, calibrated.host_fused_backward_op_s) == (90e-6, 1e-4)
     assert "11 us forward, 40 us backward" in measured.describe()
+    assert "90 us forward, 100 us backward" in measured.describe()
     kept = apply(A100, make())  # a file without them (older, or a CPU's) leaves the type's own
     assert (kept.host_op_s, kept.host_backward_op_s) == (A100.host_op_s, A100.host_backward_op_s)
     path = measured.save(tmp_path / "a100.yaml")

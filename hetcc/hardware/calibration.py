@@ -14,7 +14,9 @@ A calibration file (YAML or JSON, one per device type and machine) looks like::
     memory_bandwidth_bps: 1.7e12                 # bytes/s (or "1.7 TB/s")
     kernel_overhead_s: 4.1e-06                   # seconds (or "4.1 us")
     host_op_s: 1.4e-05                           # optional (GPUs): host seconds per graph op,
-    host_backward_op_s: 6.4e-05                  # and per op's backward (see passes.cost)
+    host_backward_op_s: 6.4e-05                  # and per op's backward (see passes.cost);
+    host_fused_op_s: 1.9e-04                     # the same per fused-group call
+    host_fused_backward_op_s: 6.9e-04
 
 ``Calibration.load`` checks a file against that format (``_FILE``, a ``hetcc.hardware.schema`` record), so
 errors name the file, the field and the closest valid key.
@@ -31,8 +33,9 @@ Rule for ``apply`` (the achievable rates become the measured ones):
   raises the peak to the figure at efficiency 1.
 * CPUs (vendor "cpu": the peaks are placeholders): the measured figures become the peaks and
   bandwidth at efficiency 1.0; unmeasured dtypes keep their old achievable rate as their peak.
-* Both: ``kernel_overhead_s`` = the measured overhead; ``host_op_s`` / ``host_backward_op_s``, where
-  measured, replace the type's.
+* Both: ``kernel_overhead_s`` = the measured overhead; the host costs (``host_op_s``,
+  ``host_backward_op_s``, ``host_fused_op_s``, ``host_fused_backward_op_s``), where measured, replace
+  the type's.
 
 ``calibrated_types`` applies calibrations to the device types they name, and ``apply_to_cluster`` to a
 cluster's types; a cluster file's ``calibration:`` key does the latter while the file is read.
@@ -51,7 +54,7 @@ from typing import Any, Protocol, TypeVar
 import yaml
 
 from hetcc.errors import ClusterError, did_you_mean
-from hetcc.hardware.presets import DTYPE_KEYS, PRESETS, DeviceType, PeakTable, type_key
+from hetcc.hardware.presets import DTYPE_KEYS, HOST_FIELDS, PRESETS, DeviceType, PeakTable, type_key
 from hetcc.hardware.schema import Count, Nullable, Quantity, Record, Table, Text, Where, load_file
 
 FORMAT_VERSION = 1
@@ -66,8 +69,7 @@ _FILE = Record(
         ),
         "memory_bandwidth_bps": Quantity("bytes/s"),
         "kernel_overhead_s": Quantity("seconds"),
-        "host_op_s": Nullable(Quantity("seconds")),
-        "host_backward_op_s": Nullable(Quantity("seconds")),
+        **dict.fromkeys(HOST_FIELDS, Nullable(Quantity("seconds"))),
     },
     required=("device_type", "matmul_flops", "memory_bandwidth_bps", "kernel_overhead_s"),
     missing_hint="write calibration files with `hetcc calibrate`",
@@ -84,6 +86,8 @@ class Calibration:
     kernel_overhead_s: float  # seconds per op that does no work (dispatch + launch)
     host_op_s: float | None = None  # host seconds to issue one graph op (GPUs; None: not measured)
     host_backward_op_s: float | None = None  # ... and to run autograd's backward of one
+    host_fused_op_s: float | None = None  # the same for one fused-group call
+    host_fused_backward_op_s: float | None = None
     device_name: str = ""  # what the hardware calls itself ("NVIDIA A100-SXM4-80GB", a CPU model)
     host: str = ""
     torch_version: str = ""
@@ -115,7 +119,7 @@ class Calibration:
             )
         if not (_is_number(self.kernel_overhead_s) and 0 <= self.kernel_overhead_s < math.inf):
             yield "kernel_overhead_s", f"must be a number of seconds >= 0; got {self.kernel_overhead_s!r}"
-        for field in ("host_op_s", "host_backward_op_s"):
+        for field in HOST_FIELDS:
             value = getattr(self, field)
             if value is not None and not (_is_number(value) and 0 <= value < math.inf):
                 yield field, f"must be a number of seconds >= 0; got {value!r}"
@@ -190,6 +194,9 @@ class Calibration:
         if self.host_op_s is not None and self.host_backward_op_s is not None:
             host = f"{self.host_op_s * 1e6:.3g} us forward, {self.host_backward_op_s * 1e6:.3g} us backward"
             lines.append(_row("host per graph op", host))
+        if self.host_fused_op_s is not None and self.host_fused_backward_op_s is not None:
+            fused = f"{self.host_fused_op_s * 1e6:.3g} us forward, {self.host_fused_backward_op_s * 1e6:.3g} us backward"
+            lines.append(_row("host per fused call", fused))
         return "\n".join(lines)
 
 
@@ -251,8 +258,7 @@ def apply(device_type: DeviceType, calibration: Calibration) -> DeviceType:
 
 def _host(calibration: Calibration) -> dict[str, float]:
     """The host costs a calibration measured (none: the type keeps its own)."""
-    fields = ("host_op_s", "host_backward_op_s")
-    return {f: getattr(calibration, f) for f in fields if getattr(calibration, f) is not None}
+    return {f: getattr(calibration, f) for f in HOST_FIELDS if getattr(calibration, f) is not None}
 
 
 def _calibrated_peaks(device_type: DeviceType, calibration: Calibration) -> tuple[dict[str, float], float]:

@@ -26,8 +26,9 @@ such as ``H100``) or ``custom_types``; a custom type needs ``vendor``, ``peak_fl
 ``base``. A device entry expands ``count`` devices (default 1) named ``<type>-<k>`` (k counts that
 type across the cluster) or, given ``name``, ``<name><i>`` (``name`` itself when count is 1). Device
 entries may override ``memory`` (kept per device) and ``peak_flops`` (per dtype), ``memory_bandwidth``,
-``matmul_efficiency``, ``memory_efficiency``, ``kernel_overhead``, ``host_op`` and ``host_backward_op``
-(a derived type ``<type>@<first device>``). Links need ``kind`` and ``bandwidth``; ``latency`` defaults per kind
+``matmul_efficiency``, ``memory_efficiency``, ``kernel_overhead`` and the host costs ``host_op``,
+``host_backward_op``, ``host_fused_op``, ``host_fused_backward_op`` (a derived type ``<type>@<first
+device>``). Links need ``kind`` and ``bandwidth``; ``latency`` defaults per kind
 (``hetcc.hardware.parts.DEFAULT_LATENCY_S``).
 A node with several devices needs an ``intra_link``, and every two nodes need ``inter_node_link`` or
 a ``links`` entry. A ``calibration`` file replaces the efficiency profile of the device type it names
@@ -128,6 +129,8 @@ _TYPE_FIELDS = {
     "kernel_overhead": ("kernel_overhead_s", Quantity("seconds")),
     "host_op": ("host_op_s", Quantity("seconds")),
     "host_backward_op": ("host_backward_op_s", Quantity("seconds")),
+    "host_fused_op": ("host_fused_op_s", Quantity("seconds")),
+    "host_fused_backward_op": ("host_fused_backward_op_s", Quantity("seconds")),
 }
 _LINK_KEYS = {key: kind for key, (_, kind) in _LINK_FIELDS.items()}
 _TYPE_KEYS = {

@@ -71,6 +71,41 @@ def _host_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> d
     return {"host_op_s": forward_s / ops, "host_backward_op_s": max(both_s - forward_s, 0.0) / ops}
 
 
+def _host_fused_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> dict[str, float]:
+    """Host seconds of one fused-group call (``torch.ops.hetcc.fusion_group``: the custom op's Python
+    dispatch and autograd wrapper, then the Triton launch), forward and backward, on an 8 x 64 group
+    of two ops whose kernels take next to nothing."""
+    from hetcc.kernels import group as g
+    from hetcc.kernels.op import register_group
+
+    spec = g.TensorSpec("x", (8, 64), torch.float32, flat=True, broadcast=False, param=False)
+    instrs = (
+        g.Instr("mul", (("in", 0), ("const", 2.0)), torch.float32, "mul = x * 2.0"),
+        g.Instr("tanh", (("tmp", 0),), torch.float32, "tanh = tanh(mul)"),
+    )
+    key = g.structural_key("pointwise", (spec,), instrs, (1,), "generated")
+    group = g.FusionGroup(
+        g.group_name(instrs, key),
+        "pointwise",
+        (8, 64),
+        (spec,),
+        instrs,
+        (1,),
+        ("tanh",),
+        "generated",
+        dev.type,
+    )
+    register_group(group)
+    x = torch.randn(8, 64, device=dev, requires_grad=True)
+    grad = torch.ones(8, 64, device=dev)
+    budget = plan.overhead_budget_s
+    forward_s = _seconds_per_call(lambda: torch.ops.hetcc.fusion_group([x], group.name), sync, budget)
+    both_s = _seconds_per_call(
+        lambda: torch.autograd.backward(torch.ops.hetcc.fusion_group([x], group.name), [grad]), sync, budget
+    )
+    return {"host_fused_op_s": forward_s, "host_fused_backward_op_s": max(both_s - forward_s, 0.0)}
+
+
 @dataclass(frozen=True)
 class _Plan:
     """How much work one calibration does: matmul sizes, stream length, and time budgets."""
@@ -124,7 +159,11 @@ def calibrate(
         matmul_flops={key: _matmul_flops(torch, dev, key, plan, sync) for key in keys},
         memory_bandwidth_bps=_stream_bandwidth_bps(torch, dev, plan, sync),
         kernel_overhead_s=_kernel_overhead_s(torch, dev, plan, sync),
-        **(_host_op_s(torch, dev, plan, sync) if kind == "cuda" else {}),
+        **(
+            _host_op_s(torch, dev, plan, sync) | _host_fused_op_s(torch, dev, plan, sync)
+            if kind == "cuda"
+            else {}
+        ),
         date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     )
     log.info("%s", calibration.describe())

@@ -82,6 +82,9 @@ class PeakTable(Mapping[str, float]):
         return repr(dict(self._items))
 
 
+HOST_FIELDS = ("host_op_s", "host_backward_op_s", "host_fused_op_s", "host_fused_backward_op_s")
+
+
 @dataclass(frozen=True)
 class DeviceType:
     """One kind of device: dense peaks per dtype, memory, bandwidth and an efficiency profile."""
@@ -100,6 +103,11 @@ class DeviceType:
     # gave 14.2 us and 63.8 us, the defaults.
     host_op_s: float = 14e-6
     host_backward_op_s: float = 64e-6
+    # The same for one fused group's call (torch.ops.hetcc.fusion_group: a custom op's Python dispatch
+    # and autograd wrapper around the Triton launch), measured by ``hetcc.calibrate`` too; the H200's
+    # host gave 191 us and 694 us.
+    host_fused_op_s: float = 190e-6
+    host_fused_backward_op_s: float = 690e-6
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", PeakTable(self.peak_flops))
@@ -129,7 +137,7 @@ class DeviceType:
         for field in ("matmul_efficiency", "memory_efficiency"):
             if not (0 < getattr(self, field) <= 1):
                 yield f"{field} must be in (0, 1], got {getattr(self, field)!r}"
-        for field in ("kernel_overhead_s", "host_op_s", "host_backward_op_s"):
+        for field in ("kernel_overhead_s", *HOST_FIELDS):
             if not (0 <= getattr(self, field) < math.inf):
                 yield f"{field} must be >= 0, got {getattr(self, field)!r}"
 

@@ -8,8 +8,9 @@ node's dtype (or the ``dtype`` the user compiles for). Backward: the analysis gi
 (a matmul's backward is two matmuls); a memory-bound op's backward is about two memory passes.
 
 On a GPU the host issues work asynchronously: each op costs the host ``host_op_s`` (Python, the
-dispatcher, the launch; ``host_backward_op_s`` for autograd's backward of it, about half of that
-for a view), and the GPU runs what was queued. A node's time is what it adds to the end of that
+dispatcher, the launch; ``host_backward_op_s`` for autograd's backward of it; less for a view; a
+fused group's call ``host_fused_op_s`` / ``host_fused_backward_op_s``), and the GPU runs what was
+queued. A node's time is what it adds to the end of that
 queue (``_queue``): a large GEMM hides the host cost of the small ops around it, a run of small ops
 costs their host time. On a CPU the op runs where it is issued: roofline + overhead, one after the
 other. Under autocast (``autocast=True``, mixed precision on a GPU) an op autocast runs in the
@@ -152,6 +153,50 @@ def _queue(gpu: Sequence[float], host: Sequence[float]) -> list[float]:
     return added
 
 
+def fusion_note(
+    gm: torch.fx.GraphModule,
+    device_types: Sequence[DeviceType],
+    *,
+    dtype: object | None = None,
+    training: bool = True,
+    autocast: bool = False,
+) -> str | None:
+    """One line for the plan when, on a GPU type of the cluster, the costed graph's fused groups make a
+    microbatch's forward and backward through the whole model slower than their ops would unfused
+    (each call's host time outweighing the memory passes it saves), or None. Both ways are priced as
+    ``cost`` prices them, the host queue included."""
+    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    fused = sum(1 for n in nodes if info(n).members)
+    found = []
+    for device in (t for t in device_types if t.vendor != "cpu" and fused):
+        rates = {device.name: _Rates(device)}
+        as_fused, as_ops = [], []
+        for node in nodes:
+            record = info(node)
+            parts = _node_parts(node, record, rates, dtype, training, autocast, float)[device.name]
+            as_fused.append(parts)
+            key, floating = _flops_key(record, dtype)
+            members = [_times(rates[device.name], m, key, training and floating) for m in record.members]
+            as_ops.extend(members or [parts])
+        fused_s, ops_s = _queued_total(as_fused), _queued_total(as_ops)
+        if fused_s > ops_s:
+            found.append(f"{device.name} {fused_s * 1e3:.2f} ms fused, {ops_s * 1e3:.2f} ms unfused")
+    if not found:
+        return None
+    return (
+        f"the {fused} fused groups make a microbatch slower than their ops would run unfused: each "
+        f"call's host time outweighs the memory passes it saves (forward + backward through the model: "
+        f"{'; '.join(found)}); HETCC_FUSE=0 compiles without them"
+    )
+
+
+def _queued_total(parts: list) -> float:
+    """Forward then backward seconds of a node sequence in the queue model (``_queue``)."""
+    forward = _queue([p[0] for p in parts], [p[2] for p in parts])
+    backward = _queue([p[1] for p in parts][::-1], [p[3] for p in parts][::-1])
+    return sum(forward) + sum(backward)
+
+
 def _flops_key(record, dtype: object | None) -> tuple[str, bool]:
     """(the peak-FLOP/s key a node is priced at, whether its output is floating point): the compile
     dtype when one is given, else the node's own dtype (fp32 for integer nodes)."""
@@ -235,12 +280,15 @@ def _times(
     share = UNALIGNED_TENSOR_CORE_SHARE if slow else 1.0
     cast_s = cast[0] / device.achievable_bandwidth_bps if cast[1] else 0.0
     cast_host = cast[1] * device.kernel_overhead_s
+    if record.members and not on_cpu:  # one call of the fused-group op
+        host = (device.host_fused_op_s, device.host_fused_backward_op_s if has_backward else 0.0)
     if record.members and (on_cpu or (replays and has_backward)):
-        parts = [_times(rate, member, key, has_backward) for member in record.members]
+        parts = [_times(rate, member, key, has_backward, kind="op") for member in record.members]
         members_fwd = sum(p[0] for p in parts)
         fwd = members_fwd if on_cpu else rate.time_s(record.fwd_flops, record.bytes, key)
         bwd = sum(p[1] for p in parts) + members_fwd if has_backward else 0.0
-        replayed = len(record.members) * (host[0] + host[1]) if has_backward and not on_cpu else 0.0
+        # a replay differentiates the members under torch autograd, after the group op's own wrapper
+        replayed = host[1] + sum(p[2] + p[3] for p in parts) if not on_cpu else 0.0
         return fwd, bwd, host[0], replayed
     fwd = rate.time_s(record.fwd_flops, record.bytes, key, share) + cast_s
     if not has_backward:

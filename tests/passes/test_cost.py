@@ -5,9 +5,9 @@ import torch
 
 import hetcc
 from hetcc.errors import AnalysisError, ClusterError
-from hetcc.hardware.presets import get_preset
+from hetcc.hardware.presets import HOST_FIELDS, get_preset
 from hetcc.ir import info
-from hetcc.passes.cost import block_times, cost
+from hetcc.passes.cost import block_times, cost, fusion_note
 
 
 class MLP(torch.nn.Module):
@@ -31,7 +31,7 @@ def _node(analysis, name):
 
 def _no_host(device_type):
     """The type with no host cost per op: its node times are the roofline alone."""
-    return device_type.replace(host_op_s=0.0, host_backward_op_s=0.0)
+    return device_type.replace(**dict.fromkeys(HOST_FIELDS, 0.0))
 
 
 def test_roofline_time_is_the_max_of_compute_and_memory_plus_overhead():
@@ -121,6 +121,29 @@ def test_fused_chain_is_one_memory_pass_on_gpus_and_its_ops_plus_recompute_on_cp
     )
     assert dict(record.fwd_s)["cpu"] == pytest.approx(member_fwd)
     assert dict(record.bwd_s)["cpu"] > dict(record.fwd_s)["cpu"] * 2  # members' backward + the recompute
+
+
+def test_a_fused_call_costs_the_group_ops_host_time_on_a_gpu():
+    from transformers.activations import NewGELUActivation
+
+    from hetcc.passes.fuse import fuse
+
+    slow_call = get_preset("A100-80GB").replace(host_fused_op_s=1e-3, host_fused_backward_op_s=2e-3)
+    analysis = hetcc.analyze(NewGELUActivation(), (torch.randn(64, 64, requires_grad=True),))
+    fuse(analysis.graph)
+    cost(analysis.graph, device_types=[slow_call])
+    fused = [info(n) for n in analysis.graph.graph.nodes if info(n).members]
+    assert len(fused) == 1  # tiny kernels: the call's host time is the node's time
+    assert dict(fused[0].fwd_s)["A100-80GB"] == pytest.approx(1e-3, rel=0.01)
+    assert dict(fused[0].bwd_s)["A100-80GB"] == pytest.approx(2e-3, rel=0.01)
+    # the plan says so, with what each way costs and how to turn fusion off
+    note = fusion_note(analysis.graph, [slow_call])
+    assert (
+        "1 fused groups make a microbatch slower" in note and "A100-80GB" in note and "HETCC_FUSE=0" in note
+    )
+    free_call = slow_call.replace(host_fused_op_s=0.0, host_fused_backward_op_s=0.0)
+    assert fusion_note(analysis.graph, [free_call]) is None  # one memory pass beats seven
+    assert fusion_note(analysis.graph, [get_preset("cpu")]) is None  # a CPU runs the ops either way
 
 
 def test_queue_adds_gpu_time_when_the_host_is_ahead_and_host_time_when_it_is_behind():
