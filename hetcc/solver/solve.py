@@ -58,12 +58,14 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
     if rerank:
         # Each search's fastest simulated plan is refined in its own plan space: moving cuts can be worth
         # several percent, so the runner-up before refinement can win after it, and the plan is never
-        # slower than the pure pipeline ``replicate=False`` gives.
+        # slower than the pure pipeline ``replicate=False`` gives; the pure one is then regrouped too.
         refined = []
         for space, (_, _, plan, simulated) in winners:
-            lanes = sum(len(stage.group) for stage in plan.stages)
-            budget = max(8, min(REFINE_SIMULATIONS, REFINE_ACTIONS // (lanes * problem.microbatches)))
-            plan, simulated = _refine_by_simulation(space, plan, simulated, budget=budget)
+            # a pure pipeline is refined as one first (what replicate=False gives), then regrouped
+            for moves in (space, problem) if space is not problem else (problem,):
+                lanes = sum(len(stage.group) for stage in plan.stages)
+                budget = max(8, min(REFINE_SIMULATIONS, REFINE_ACTIONS // (lanes * problem.microbatches)))
+                plan, simulated = _refine_by_simulation(moves, plan, simulated, budget=budget)
             refined.append((space, (simulated, plan.step_time_s, plan, simulated)))
         winners = refined
     _, _, plan, simulated = min((item for _, item in winners), key=lambda item: item[:2])
