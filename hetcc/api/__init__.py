@@ -35,7 +35,7 @@ from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
 from hetcc.passes.codegen import codegen, stage_source
 from hetcc.passes.comm import StageGraph, format_stages, split_stages
-from hetcc.passes.cost import cost, fusion_note, unaligned_gemm_note
+from hetcc.passes.cost import cost, cost_notes
 from hetcc.passes.flops import flops, format_flops
 from hetcc.passes.fuse import fuse
 from hetcc.passes.memory import memory
@@ -275,16 +275,9 @@ def compile(  # noqa: A001 - the public API name
             analysis.blocks, analysis.tied_params = collect_blocks(gm)
         _dump_kernels(gm, dumper)
     with _step(dumper, "cost", lambda: ir.format(gm), lambda: verify.check_graph(gm, "cost")):
-        cost(gm, device_types=cluster.types, dtype=dtype, training=training, autocast=precision != "fp32")
-    notes.extend(
-        filter(
-            None,
-            [
-                unaligned_gemm_note(gm),
-                fusion_note(gm, cluster.types, dtype=dtype, training=training, autocast=precision != "fp32"),
-            ],
-        )
-    )
+        pricing = {"dtype": dtype, "training": training, "autocast": precision != "fp32"}
+        cost(gm, device_types=cluster.types, **pricing)
+    notes.extend(cost_notes(gm, cluster.types, **pricing))
     settings = PlanSettings(
         microbatches, schedule, training, optimizer, precision, recompute, replicate, rows
     )

@@ -191,12 +191,12 @@ class Calibration:
             )
         )
         lines.append(_row("kernel overhead", f"{self.kernel_overhead_s * 1e6:.3g} us"))
-        if self.host_op_s is not None and self.host_backward_op_s is not None:
-            host = f"{self.host_op_s * 1e6:.3g} us forward, {self.host_backward_op_s * 1e6:.3g} us backward"
-            lines.append(_row("host per graph op", host))
-        if self.host_fused_op_s is not None and self.host_fused_backward_op_s is not None:
-            fused = f"{self.host_fused_op_s * 1e6:.3g} us forward, {self.host_fused_backward_op_s * 1e6:.3g} us backward"
-            lines.append(_row("host per fused call", fused))
+        for label, forward, backward in (
+            ("host per graph op", self.host_op_s, self.host_backward_op_s),
+            ("host per fused call", self.host_fused_op_s, self.host_fused_backward_op_s),
+        ):
+            if forward is not None and backward is not None:
+                lines.append(_row(label, f"{forward * 1e6:.3g} us forward, {backward * 1e6:.3g} us backward"))
         return "\n".join(lines)
 
 

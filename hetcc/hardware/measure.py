@@ -65,10 +65,8 @@ def _host_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> d
     module = torch.fx.GraphModule(Chain(), leaves.trace(Chain())).to(dev)
     ops = sum(node.op in ("call_function", "call_method") for node in module.graph.nodes)
     x = torch.randn(8, 64, device=dev, requires_grad=True)
-    budget = plan.overhead_budget_s
-    forward_s = _seconds_per_call(lambda: module(x), sync, budget)
-    both_s = _seconds_per_call(lambda: module(x).backward(), sync, budget)
-    return {"host_op_s": forward_s / ops, "host_backward_op_s": max(both_s - forward_s, 0.0) / ops}
+    forward_s, backward_s = _forward_backward_s(lambda: module(x), lambda y: y.backward(), sync, plan)
+    return {"host_op_s": forward_s / ops, "host_backward_op_s": backward_s / ops}
 
 
 def _host_fused_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> dict[str, float]:
@@ -98,12 +96,20 @@ def _host_fused_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]
     register_group(group)
     x = torch.randn(8, 64, device=dev, requires_grad=True)
     grad = torch.ones(8, 64, device=dev)
-    budget = plan.overhead_budget_s
-    forward_s = _seconds_per_call(lambda: torch.ops.hetcc.fusion_group([x], group.name), sync, budget)
-    both_s = _seconds_per_call(
-        lambda: torch.autograd.backward(torch.ops.hetcc.fusion_group([x], group.name), [grad]), sync, budget
+    forward_s, backward_s = _forward_backward_s(
+        lambda: torch.ops.hetcc.fusion_group([x], group.name),
+        lambda y: torch.autograd.backward(y, [grad]),
+        sync,
+        plan,
     )
-    return {"host_fused_op_s": forward_s, "host_fused_backward_op_s": max(both_s - forward_s, 0.0)}
+    return {"host_fused_op_s": forward_s, "host_fused_backward_op_s": backward_s}
+
+
+def _forward_backward_s(forward, backward, sync: Callable[[], None], plan: _Plan) -> tuple[float, float]:
+    """(seconds of ``forward()``, seconds ``backward(forward())`` adds to it), each a median."""
+    forward_s = _seconds_per_call(forward, sync, plan.overhead_budget_s)
+    both_s = _seconds_per_call(lambda: backward(forward()), sync, plan.overhead_budget_s)
+    return forward_s, max(both_s - forward_s, 0.0)
 
 
 @dataclass(frozen=True)

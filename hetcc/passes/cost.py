@@ -57,6 +57,7 @@ LOWER_PRECISION_OPS = frozenset({
 # GEMMs and where their first matrix is in args: K is its last dim, N the output's.
 _GEMM_MATRIX_ARG = {"mm": 0, "bmm": 0, "matmul": 0, "linear": 0, "addmm": 1, "addbmm": 1, "baddbmm": 1}
 _NO_LAUNCH = (operator.getitem, getattr)
+_COMPUTE = ("call_function", "call_method", "call_module")  # the node ops that run something
 
 
 def cost(
@@ -70,24 +71,41 @@ def cost(
     """Annotate ``fwd_s`` / ``bwd_s`` per device type on every compute node (``autocast``: the stages
     run under torch.autocast at ``dtype``, fp32 weights cast on the fly)."""
     rates = {t.name: _Rates(t) for t in device_types}
-    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    parts = []
+    nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
+    parts, unaligned = [], []
     for node in nodes:
         record = info(node)
         _require_concrete(node, record)
-        parts.append(_node_parts(node, record, rates, dtype, training, autocast, float))
+        times, slow = _node_parts(node, record, rates, dtype, training, autocast, float)
+        parts.append(times)
+        unaligned.append(slow)
     fwd, bwd = _queued(parts, rates)
     for i, node in enumerate(nodes):
         record = annotate(
             node, fwd_s=tuple((t, fwd[t][i]) for t in rates), bwd_s=tuple((t, bwd[t][i]) for t in rates)
         )
-        dims = _unaligned_dims(node, op_name(node))
-        if dims and _flops_key(record, dtype)[0] in _TENSOR_CORE_KEYS and UNALIGNED_NOTE not in record.notes:
+        if unaligned[i] and UNALIGNED_NOTE not in record.notes:
             annotate(node, notes=(*record.notes, UNALIGNED_NOTE))
     return gm
 
 
 UNALIGNED_NOTE = "GEMM off tensor-core alignment"
+
+
+def cost_notes(
+    gm: torch.fx.GraphModule,
+    device_types: Sequence[DeviceType],
+    *,
+    dtype: object | None = None,
+    training: bool = True,
+    autocast: bool = False,
+) -> list[str]:
+    """The plan's notes about a costed graph: GEMMs off tensor-core alignment, fusion that does not pay."""
+    notes = [
+        unaligned_gemm_note(gm),
+        fusion_note(gm, device_types, dtype=dtype, training=training, autocast=autocast),
+    ]
+    return [note for note in notes if note]
 
 
 def unaligned_gemm_note(gm: torch.fx.GraphModule) -> str | None:
@@ -105,9 +123,10 @@ def unaligned_gemm_note(gm: torch.fx.GraphModule) -> str | None:
     )
 
 
-def _node_parts(node, record, rates, dtype, training: bool, autocast: bool, value) -> dict:
-    """Per device type, (GPU forward, GPU backward, host forward, host backward) seconds of one node;
-    ``value`` turns a (possibly symbolic) size into a number."""
+def _node_parts(node, record, rates, dtype, training: bool, autocast: bool, value) -> tuple[dict, bool]:
+    """Per device type, (GPU forward, GPU backward, host forward, host backward) seconds of one node,
+    and whether it is a half-precision GEMM off tensor-core alignment; ``value`` turns a (possibly
+    symbolic) size into a number."""
     key, floating = _flops_key(record, dtype)
     has_backward = training and floating
     group = node.meta.get(FUSION_META_KEY)
@@ -116,26 +135,31 @@ def _node_parts(node, record, rates, dtype, training: bool, autocast: bool, valu
     low = autocast and name in LOWER_PRECISION_OPS
     cast = _cast_elements(node) if low else (0, 0)
     cast = (value(cast[0]) * CAST_BYTES, cast[1])
-    slow = key in _TENSOR_CORE_KEYS and _unaligned_gemm(node, name)
+    slow = key in _TENSOR_CORE_KEYS and bool(_unaligned_dims(node, name))
     numbers = SimpleNamespace(
         fwd_flops=value(record.fwd_flops), bwd_flops=value(record.bwd_flops), bytes=value(record.bytes),
         members=record.members,
     )  # fmt: skip
     kind = _launch_kind(node, record)
-    return {
+    times = {
         t: _times(rate, numbers, key, has_backward, replays, cast=cast, slow=slow, kind=kind)
         for t, rate in rates.items()
     }
+    return times, slow
 
 
 def _queued(parts: list[dict], rates: dict) -> tuple[dict, dict]:
-    """Per device type, each node's forward and backward seconds in the queue model (``_queue``):
-    forwards in graph order, backwards in reverse."""
-    fwd, bwd = {}, {}
-    for t in rates:
-        fwd[t] = _queue([p[t][0] for p in parts], [p[t][2] for p in parts])
-        bwd[t] = _queue([p[t][1] for p in parts][::-1], [p[t][3] for p in parts][::-1])[::-1]
-    return fwd, bwd
+    """Per device type, each node's forward and backward seconds in the queue model (``_queue_both``)."""
+    both = {t: _queue_both([p[t] for p in parts]) for t in rates}
+    return {t: fwd for t, (fwd, _) in both.items()}, {t: bwd for t, (_, bwd) in both.items()}
+
+
+def _queue_both(parts: Sequence[tuple[float, float, float, float]]) -> tuple[list[float], list[float]]:
+    """Each node's forward and backward seconds (``_queue``): forwards in graph order, backwards in
+    reverse. ``parts``: (GPU forward, GPU backward, host forward, host backward) per node."""
+    forward = _queue([p[0] for p in parts], [p[2] for p in parts])
+    backward = _queue([p[1] for p in parts][::-1], [p[3] for p in parts][::-1])[::-1]
+    return forward, backward
 
 
 def _queue(gpu: Sequence[float], host: Sequence[float]) -> list[float]:
@@ -165,20 +189,19 @@ def fusion_note(
     microbatch's forward and backward through the whole model slower than their ops would unfused
     (each call's host time outweighing the memory passes it saves), or None. Both ways are priced as
     ``cost`` prices them, the host queue included."""
-    nodes = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     fused = sum(1 for n in nodes if info(n).members)
     found = []
     for device in (t for t in device_types if t.vendor != "cpu" and fused):
-        rates = {device.name: _Rates(device)}
-        as_fused, as_ops = [], []
+        rate, as_fused, as_ops = _Rates(device), [], []
         for node in nodes:
             record = info(node)
-            parts = _node_parts(node, record, rates, dtype, training, autocast, float)[device.name]
-            as_fused.append(parts)
+            times, _ = _node_parts(node, record, {device.name: rate}, dtype, training, autocast, float)
+            as_fused.append(times[device.name])
             key, floating = _flops_key(record, dtype)
-            members = [_times(rates[device.name], m, key, training and floating) for m in record.members]
-            as_ops.extend(members or [parts])
-        fused_s, ops_s = _queued_total(as_fused), _queued_total(as_ops)
+            members = [_times(rate, m, key, training and floating) for m in record.members]
+            as_ops.extend(members or [times[device.name]])
+        fused_s, ops_s = (sum(map(sum, _queue_both(way))) for way in (as_fused, as_ops))
         if fused_s > ops_s:
             found.append(f"{device.name} {fused_s * 1e3:.2f} ms fused, {ops_s * 1e3:.2f} ms unfused")
     if not found:
@@ -188,13 +211,6 @@ def fusion_note(
         f"call's host time outweighs the memory passes it saves (forward + backward through the model: "
         f"{'; '.join(found)}); HETCC_FUSE=0 compiles without them"
     )
-
-
-def _queued_total(parts: list) -> float:
-    """Forward then backward seconds of a node sequence in the queue model (``_queue``)."""
-    forward = _queue([p[0] for p in parts], [p[2] for p in parts])
-    backward = _queue([p[1] for p in parts][::-1], [p[3] for p in parts][::-1])
-    return sum(forward) + sum(backward)
 
 
 def _flops_key(record, dtype: object | None) -> tuple[str, bool]:
@@ -237,12 +253,7 @@ def _cast_elements(node: torch.fx.Node) -> tuple[object, int]:
 def _low_precision_source(node: torch.fx.Node) -> bool:
     while node.op == "call_function" and _launch_kind(node, info(node)) == "view" and node.all_input_nodes:
         node = node.all_input_nodes[0]
-    return node.op in ("call_function", "call_method", "call_module") and op_name(node) in LOWER_PRECISION_OPS
-
-
-def _unaligned_gemm(node: torch.fx.Node, name: str) -> bool:
-    """A GEMM whose inner (K) or output (N) dimension is a known size that is not a multiple of 8."""
-    return bool(_unaligned_dims(node, name))
+    return node.op in _COMPUTE and op_name(node) in LOWER_PRECISION_OPS
 
 
 def _unaligned_dims(node: torch.fx.Node, name: str) -> list[str]:
@@ -363,11 +374,12 @@ def block_times_at(
     for i, names in enumerate(block_nodes):
         for name in names:
             node = by_name[name]
-            if node.op in ("call_function", "call_method", "call_module"):
+            if node.op in _COMPUTE:
                 owner.append(i)
-                parts.append(
-                    _node_parts(node, info(node), rates, dtype, training, autocast, lambda v: _at(v, subs))
+                times, _ = _node_parts(
+                    node, info(node), rates, dtype, training, autocast, lambda v: _at(v, subs)
                 )
+                parts.append(times)
     per_node = _queued(parts, rates)
     fwd, bwd = ({t: [0.0] * len(block_nodes) for t in rates} for _ in range(2))
     for total, times in zip((fwd, bwd), per_node):

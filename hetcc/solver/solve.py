@@ -42,7 +42,7 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
         pure = search(pure_problem, keep=rerank)
         searches.append((pure_problem, pure.candidates if pure is not None else []))
     bound_s = lower_bound(problem)
-    seen, winners = set(), []
+    seen, best = set(), None
     for space, candidates in searches:
         scored = []
         for boundaries, groups, recompute in candidates:
@@ -53,22 +53,21 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
             plan = evaluate(problem, boundaries, groups, recompute, bound_s)
             simulated = simulate(problem, boundaries, groups, recompute).step_time_s
             scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
-        if scored:
-            winners.append((space, min(scored, key=lambda item: item[:2])))
-    if rerank:
-        # Each search's fastest simulated plan is refined in its own plan space: moving cuts can be worth
-        # several percent, so the runner-up before refinement can win after it, and the plan is never
-        # slower than the pure pipeline ``replicate=False`` gives; the pure one is then regrouped too.
-        refined = []
-        for space, (_, _, plan, simulated) in winners:
-            # a pure pipeline is refined as one first (what replicate=False gives), then regrouped
+        if not scored:
+            continue
+        winner = min(scored, key=lambda item: item[:2])
+        if rerank:
+            # Each search's fastest simulated plan is refined in its own plan space: moving cuts can be
+            # worth several percent, so the runner-up before refinement can win after it, and the plan is
+            # never slower than the pure pipeline replicate=False gives; a pure one is then regrouped too.
+            _, _, plan, simulated = winner
             for moves in (space, problem) if space is not problem else (problem,):
                 lanes = sum(len(stage.group) for stage in plan.stages)
                 budget = max(8, min(REFINE_SIMULATIONS, REFINE_ACTIONS // (lanes * problem.microbatches)))
                 plan, simulated = _refine_by_simulation(moves, plan, simulated, budget=budget)
-            refined.append((space, (simulated, plan.step_time_s, plan, simulated)))
-        winners = refined
-    _, _, plan, simulated = min((item for _, item in winners), key=lambda item: item[:2])
+            winner = (simulated, plan.step_time_s, plan, simulated)
+        best = winner if best is None or winner[:2] < best[:2] else best
+    _, _, plan, simulated = best
     gap = simulated / plan.lower_bound_s - 1 if plan.lower_bound_s > 0 else math.inf
     return replace(plan, exact=found.exact, orders_searched=found.solved, simulated_s=simulated, gap=gap)
 
