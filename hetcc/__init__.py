@@ -20,7 +20,7 @@ from hetcc.hardware.measure import calibrate
 from hetcc.hardware.presets import DeviceType, get_preset
 from hetcc.passes.trace import trace
 from hetcc.plan import Plan, PlanStage
-from hetcc.runtime.checkpoint import export
+from hetcc.train.export import export
 
 __all__ = [
     "Analysis",

@@ -32,7 +32,6 @@ import torch.distributed as dist
 
 from hetcc import config
 from hetcc.errors import HetccError, PlanFormatError
-from hetcc.runtime.checkpoint import write_build_pointer
 from hetcc.runtime.graph_json import resolve_function
 from hetcc.runtime.groups import GPU_VENDORS, world_backend
 from hetcc.runtime.layout import placements
@@ -40,6 +39,7 @@ from hetcc.runtime.local import Checkpointing, run_rank
 from hetcc.runtime.placement import device_mismatch, rank_at, torchrun_commands
 from hetcc.runtime.reprice import repricing_lines
 from hetcc.runtime.store import load_inputs, load_stage, read_outline
+from hetcc.train.checkpoint import write_build_pointer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -187,12 +187,12 @@ def test_mutated_plan_and_problem_json(folders, data, which):
     )  # escapes fail test_nothing_escaped_the_plan_problem_export_and_report_readers
 
 
-# ---- readers owned elsewhere: hetcc.export (runtime/checkpoint.py) and the report (report/data.py) ------
+# ---- readers owned elsewhere: hetcc.export (train/export.py) and the report (report/data.py) ------
 @FUZZ
 @given(data=st.data(), which=st.sampled_from(["pipeline.json", "stage0.safetensors", "plan.json"]))
 def test_export_and_report_of_tampered_folders(folders, scratch, data, which):
     from hetcc.report import load
-    from hetcc.runtime.checkpoint import export
+    from hetcc.train.export import export
 
     folder = copy_folder(folders["compiled"], scratch / "export")
     if which.endswith(".json"):

@@ -338,7 +338,7 @@ def run_local(
     ``.stats`` per rank: transfers through the send/recv ops and fused-kernel launches by backend).
     ``inputs`` is one step's batch; schedule and microbatches come from the plan. ``checkpoint_dir``:
     checkpoints every ``checkpoint_every`` steps and at the end; ``resume=True`` continues from the
-    newest complete one there (``hetcc.runtime.checkpoint``)."""
+    newest complete one there (``hetcc.train.checkpoint``)."""
     _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer)
     if isinstance(compiled_or_dir, Compiled):
         pipeline = compiled_or_dir.pipeline
@@ -373,15 +373,16 @@ def replan(
     ``compile_options`` go to ``compile``; microbatches, schedule and optimizer are the old run's, and so
     are precision, replicate and recompute unless ``compile_options`` set them.
     """
-    from hetcc.runtime import checkpoint as ckpt
-    from hetcc.runtime.replan import move_checkpoint
+    from hetcc.train import checkpoint as ckpt
+    from hetcc.train.export import export
+    from hetcc.train.replan import move_checkpoint
 
     build, found = ckpt.locate(Path(source))
     if found is None:
         raise HetccError(f"{source} holds no complete checkpoint", hint="train with checkpoint_dir= first")
     root, step = found
     meta = pipeline_meta(str(build))
-    model.load_state_dict(ckpt.export(Path(root) / f"step-{step:08d}"))
+    model.load_state_dict(export(Path(root) / f"step-{step:08d}"))
     compiled = compile(
         model, cluster, example_inputs, example_kwargs, microbatches=int(meta.get("microbatches", 1)),
         schedule=meta.get("schedule", "1f1b"), optimizer=(meta.get("optimizer") or {}).get("name", "adam"),

@@ -1,7 +1,7 @@
 """The files of a saved pipeline folder, read as untrusted: ``pipeline.json`` checked against its
 schema and for consistency (``read_document``), file names kept inside the folder (``folder_file``),
 safetensors headers checked against the file before any tensor memory is taken (``read_tensors``), and
-checksums (``file_sha256``). ``hetcc.runtime.store`` and ``hetcc.runtime.checkpoint`` read through these."""
+checksums (``file_sha256``). ``hetcc.runtime.store`` and ``hetcc.train.checkpoint`` read through these."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ files ``hetcc.launch`` runs on a cluster. Every stage runs on this machine's CPU
 devices the plan names (it says so once). The ranks are watched by ``hetcc.runtime.supervisor``: a
 rank that fails, dies or stops ends the run within the communication timeout plus a few seconds, and
 the error lists the ranks in the order they failed, the cause first.
-With ``checkpoint_dir`` each rank checkpoints its stage (``hetcc.runtime.checkpoint``) and ``resume``
+With ``checkpoint_dir`` each rank checkpoints its stage (``hetcc.train.checkpoint``) and ``resume``
 continues bit-identically from the newest complete checkpoint.
 """
 
@@ -29,7 +29,6 @@ from hetcc import config
 from hetcc.errors import HetccError, PlanFormatError, RuntimeFailure
 from hetcc.kernels import launch_stats, reset_launch_stats
 from hetcc.passes.comm import StageGraph
-from hetcc.runtime import checkpoint as ckpt
 from hetcc.runtime.executor import StageExecutor
 from hetcc.runtime.groups import GPU_VENDORS, Links
 from hetcc.runtime.layout import RankLayout, placements
@@ -44,6 +43,7 @@ from hetcc.runtime.store import (
 )
 from hetcc.runtime.supervisor import error_report, failure_error, spawn_ranks, start_heartbeat, write_report
 from hetcc.solver.schedules import stage_actions
+from hetcc.train import checkpoint as ckpt
 
 
 @dataclass

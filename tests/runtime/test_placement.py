@@ -16,9 +16,9 @@ from runtime_models import MLP_RULES, ResidualMLP, export, stages_by_module
 import hetcc
 from hetcc import cli
 from hetcc.passes.comm import split_stages
-from hetcc.runtime import checkpoint as ckpt
 from hetcc.runtime.placement import device_mismatch, placement, rank_at, torchrun_commands
 from hetcc.runtime.store import save_stages
+from hetcc.train import checkpoint as ckpt
 
 ROOT = Path(__file__).parents[2]
 TWO_NODES = ROOT / "examples" / "clusters" / "mixed_a100_t4.yaml"

@@ -16,10 +16,10 @@ from runtime_models import GPT2_RULES, export, stages_by_module, tiny_gpt2
 import hetcc
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.comm import split_stages
-from hetcc.runtime import checkpoint as ckpt
 from hetcc.runtime.executor import FAULT_ENV
 from hetcc.runtime.local import run_local
 from hetcc.runtime.store import Pipeline, save_stages
+from hetcc.train import checkpoint as ckpt
 
 ADAM = {"name": "adam", "lr": 0.01}
 

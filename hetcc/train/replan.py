@@ -17,8 +17,8 @@ import torch
 
 from hetcc.errors import PlanFormatError
 from hetcc.passes.comm import StageGraph
-from hetcc.runtime import checkpoint as ckpt
 from hetcc.runtime.store import load_pipeline
+from hetcc.train import checkpoint as ckpt
 
 
 def trainable_names(stage: StageGraph) -> list[str]:
