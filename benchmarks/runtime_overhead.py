@@ -1,7 +1,11 @@
-"""Step time of hetcc's runtime vs torch.distributed.pipelining on the same split.
+"""Step time of hetcc's runtime vs torch.distributed.pipelining on the same split, and what hetcc's data
+path adds.
 
-Two ranks on gloo (CPU), same MLP, same schedule and microbatch count; each rank runs both runtimes in
-one process group, so startup costs are excluded. Prints per-step times and the ratio (aim: <= 1.10x).
+Two ranks on gloo (CPU), same MLP, same schedule and microbatch count; each rank runs every runtime in
+one process group, so startup costs are excluded. Prints per-step times and the ratios: hetcc against
+pipelining (aim: <= 1.10x), and hetcc reading each step's batch through ``hetcc.train.data`` (a shuffled
+map-style dataset, this rank's microbatches and inputs only) against the same steps on the same batches
+split before the clock starts (aim: <= 1.05x).
 
     python benchmarks/runtime_overhead.py --schedule 1f1b --microbatches 4 --steps 30
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import socket
 import statistics
@@ -25,9 +30,9 @@ from hetcc.passes.comm import split_stages
 from hetcc.runtime.executor import StageExecutor
 from hetcc.runtime.groups import Links
 from hetcc.runtime.interop import pipelining_schedule
-from hetcc.runtime.local import split_microbatches
 from hetcc.runtime.store import load_stages, save_stages
 from hetcc.solver.schedules import stage_actions
+from hetcc.train.data import RankData, RankInputs
 
 
 def build_mlp(width: int, depth: int) -> torch.nn.Sequential:
@@ -46,14 +51,29 @@ def split_two(width: int, depth: int, microbatch: int, directory: str) -> None:
     save_stages(split_stages(gm, stage_of, 2), directory)
 
 
-def hetcc_step(stages, rank, x, y, args):
-    """One training step of hetcc's executor on this rank, as a closure."""
+def hetcc_step(stages, rank, x, y, args, data_path: bool = False):
+    """One training step of hetcc's executor and an SGD step on this rank, as a closure. Each step takes
+    the next batch of a shuffled dataset of ``x, y`` rows: drawn through ``hetcc.train.data`` at the step
+    (``data_path``: indices, this rank's items fetched and collated, checked), or split beforehand."""
     links = Links(["cpu", "cpu"], [], 60.0)
-    executor = StageExecutor(stages[rank], links, args.microbatches, F.mse_loss, {"name": "sgd", "lr": 1e-3})
-    chunks = split_microbatches({stages[0].inputs[0]: x}, args.microbatches)
-    targets = list(y.chunk(args.microbatches))
+    executor = StageExecutor(stages[rank], links, args.microbatches, F.mse_loss)
+    optimizer = torch.optim.SGD(executor.params, lr=1e-3)
     actions = stage_actions(args.schedule, 2, args.microbatches)[rank]
-    return lambda: executor.step(chunks, targets, actions)
+    name, rows = stages[0].inputs[0], x.shape[0] // args.microbatches
+    needs = RankInputs(stages[rank].inputs, args.microbatches, rows, tuple(range(args.microbatches)),
+                       dict(stages[rank].input_shapes), model_inputs=(name,), target=rank == 1)  # fmt: skip
+    batches = RankData(torch.utils.data.TensorDataset(x.repeat(4, 1), y.repeat(4, 1)), needs)
+    if not data_path:  # the same batches, split before the clock starts
+        batches = itertools.cycle(
+            [next(batches) for _ in range(4 * (args.warmup + args.steps * args.rounds))]
+        )
+
+    def step():
+        batch = next(batches)
+        executor.run(batch.inputs, batch.targets, actions)
+        optimizer.step()
+
+    return step
 
 
 def pipelining_step(stages, rank, x, y, args):
@@ -98,6 +118,7 @@ def worker(rank: int, port: int, directory: str, args) -> None:
     runners = {
         "hetcc": hetcc_step(load_stages(directory), rank, x, y, args),
         "pipelining": pipelining_step(load_stages(directory), rank, x, y, args),
+        "hetcc+data": hetcc_step(load_stages(directory), rank, x, y, args, data_path=True),
     }
     results = {name: [] for name in runners}
     for step in runners.values():  # warm up both
@@ -114,6 +135,7 @@ def worker(rank: int, port: int, directory: str, args) -> None:
         for name, seconds in med.items():
             print(f"  {name:<11} {seconds * 1e3:8.2f} ms/step")
         print(f"  ratio hetcc / pipelining: {med['hetcc'] / med['pipelining']:.3f}x")
+        print(f"  ratio hetcc+data / hetcc (the data path's cost): {med['hetcc+data'] / med['hetcc']:.3f}x")
     dist.destroy_process_group()
 
 

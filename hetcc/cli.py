@@ -9,32 +9,23 @@ dict (keyword arguments) holding one step's batch.
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import sys
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from hetcc.errors import HetccError, did_you_mean
+from hetcc.errors import HetccError
+from hetcc.train.options import add_train_options, passthrough
 
-FACTORY_FORM = "pkg.module:factory or path/to/file.py:factory"
+FACTORY_FORM = "pkg.module:factory or path/to/file.py:factory"  # as hetcc.train.sources reads it
 
 
 def _load_factory(spec: str):
     """Import the factory named by ``spec``, call it, and check what it returns."""
-    source, _, attr = spec.rpartition(":")
-    if not source or not attr:
-        raise HetccError(f"model {spec!r} is not of the form {FACTORY_FORM}")
-    module = _import_source(source, spec)
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise HetccError(
-            f"{source} has no function {attr!r}",
-            hint=f"define `def {attr}(): return model, example_inputs` there"
-            + did_you_mean(attr, dir(module)),
-        )
+    from hetcc.train.sources import import_attribute
+
+    factory = import_attribute(spec, "model", returns="model, example_inputs")
     try:
         result = factory()
     except Exception as exc:
@@ -43,29 +34,6 @@ def _load_factory(spec: str):
             hint="call the factory in Python to see the full traceback",
         ) from exc
     return _check_factory_result(spec, result)
-
-
-def _import_source(source: str, spec: str):
-    """The module a factory lives in: a ``.py`` file by path, or a module importable from here."""
-    is_file = source.endswith(".py") or "/" in source or "\\" in source
-    path = Path(source).resolve()
-    if is_file and not path.is_file():
-        raise HetccError(f"model file {source} does not exist (from {spec!r})", hint=f"use {FACTORY_FORM}")
-    sys.path.insert(0, str(path.parent if is_file else Path.cwd()))  # so its own imports resolve
-    try:
-        if not is_file:
-            return importlib.import_module(source)
-        module_spec = importlib.util.spec_from_file_location(f"_hetcc_model_{path.stem}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-        return module
-    except ImportError as exc:
-        raise HetccError(
-            f"cannot import {source!r} for model {spec!r}: {exc}",
-            hint=f"run from the folder that holds the package, or use {FACTORY_FORM}",
-        ) from exc
-    except Exception as exc:
-        raise HetccError(f"importing {source} raised {type(exc).__name__}: {exc}") from exc
 
 
 def _check_factory_result(spec: str, result):
@@ -162,15 +130,20 @@ def _simulate(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    import os
     import tempfile
 
-    from hetcc.api import run_local
-    from hetcc.launch import loss_function
+    from hetcc.launch import example_batch, loss_function, traced_seq_len
     from hetcc.runtime.recorder import TRACE_DIR_ENV
-    from hetcc.runtime.store import load_inputs
+    from hetcc.runtime.store import read_outline
+    from hetcc.train.local import run_local
+    from hetcc.train.metrics import run_lines
+    from hetcc.train.options import settings
 
     build = Path(args.build)
+    if not build.is_dir():
+        raise HetccError(
+            f"{build} does not exist or is not a folder", hint="pass the --out folder of `hetcc compile`"
+        )
     if not (build / "pipeline.json").exists():
         what = "a plan only" if (build / "plan.json").exists() else "no compiled pipeline"
         raise HetccError(
@@ -178,21 +151,26 @@ def _run(args: argparse.Namespace) -> None:
             hint="compile a factory whose model has weights, e.g. `hetcc compile examples.models:gpt2_tiny "
             "--cluster examples/clusters/cpu4.yaml --out build`",
         )
-    inputs, targets = load_inputs(args.build)
-    loss_fn = loss_function(args.loss)
+    outline = read_outline(str(build))
+    run, data, eval_data = settings(
+        args, str(build), outline.meta, traced_seq_len(outline), sys.stderr.isatty()
+    )
+    loss_fn = loss_function(args.loss or outline.meta.get("loss"))
     with tempfile.TemporaryDirectory(prefix="hetcc-trace-") as scratch:
         if args.trace:
             os.environ[TRACE_DIR_ENV] = scratch  # the spawned ranks inherit it
         try:
             result = run_local(
-                args.build, inputs, targets=targets, loss_fn=loss_fn, steps=args.steps,
-                checkpoint_dir=args.checkpoint_dir or build / "checkpoints",
-                checkpoint_every=args.checkpoint_every, resume=args.resume,
+                str(build), loss_fn=loss_fn, steps=run.steps, optimizer=run.optimizer,
+                checkpoint_dir=run.checkpoint_dir, checkpoint_every=run.checkpoint_every, resume=run.resume,
+                data=data if data is not None else example_batch(str(build)), eval_data=eval_data,
+                eval_every=run.eval_every, eval_batches=run.eval_batches, lr_schedule=run.lr_schedule,
+                clip_grad_norm=run.clip_grad_norm, seed=run.seed, log_dir=run.log_dir, progress=run.progress,
             )  # fmt: skip
         finally:
             os.environ.pop(TRACE_DIR_ENV, None)
-        for step, loss in enumerate(result.losses, start=result.first_step):
-            print(f"step {step} loss {loss:.6f}")
+        for line in run_lines(vars(result), run.checkpoint_dir, str(build)):
+            print(line)
         if args.trace:
             _write_measured_trace(build, scratch, args.trace)
 
@@ -259,13 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     text = "train a saved build locally, one process per stage (gloo, on CPU)"
     run_cmd = commands.add_parser("run", help=text, description=text)
     run_cmd.add_argument("build", help="build folder written by `hetcc compile` from a model with weights")
-    run_cmd.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
+    run_cmd.add_argument("--steps", type=_positive, default=1, help="training steps to run (default 1)")
     run_cmd.add_argument("--loss", default=None, help="torch.nn.functional loss name (default: the model's)")
     run_cmd.add_argument("--trace", metavar="OUT.json", help="also write the measured steps as "
                          "Chrome trace / Perfetto JSON (one row per stage, microseconds)")  # fmt: skip
-    _add_checkpoint_options(run_cmd)
+    add_train_options(run_cmd)
     run_cmd.set_defaults(run=_run)
     _add_launch_and_export(commands)
+    _add_prepare_text(commands)
     text = "measure this machine's device and write a calibration file"
     calibrate_cmd = commands.add_parser("calibrate", help=text, description=text)
     calibrate_cmd.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -279,12 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_checkpoint_options(sub) -> None:
-    sub.add_argument("--checkpoint-dir", metavar="D", help="where every stage checkpoints (default "
-                     "BUILD/checkpoints); the trained weights are saved there at the end")  # fmt: skip
-    sub.add_argument("--checkpoint-every", metavar="N", type=int, default=0,
-                     help="checkpoint every N steps (default: only at the end)")  # fmt: skip
-    sub.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 def _add_launch_and_export(commands) -> None:
@@ -294,10 +271,10 @@ def _add_launch_and_export(commands) -> None:
     launch_cmd.add_argument("--rdzv-endpoint", required=True, metavar="HOST:PORT",
                             help="node 0's address and a free port, reachable from every node")  # fmt: skip
     launch_cmd.add_argument("--node", type=int, metavar="N", help="run node N's command here instead")
-    launch_cmd.add_argument("--steps", type=int, default=1, help="training steps to run (default 1)")
+    launch_cmd.add_argument("--steps", type=_positive, default=1, help="training steps to run (default 1)")
     launch_cmd.add_argument("--allow-substitute", action="store_true",
                             help="let a rank run on another device than the plan's (it says so)")  # fmt: skip
-    _add_checkpoint_options(launch_cmd)
+    add_train_options(launch_cmd)
     launch_cmd.set_defaults(run=_launch)
     text = "merge a build's or a checkpoint's stages into one safetensors state dict of the model"
     export_cmd = commands.add_parser("export", help=text, description=text)
@@ -317,16 +294,43 @@ def _add_launch_and_export(commands) -> None:
     replan_cmd.set_defaults(run=_replan)
 
 
+def _add_prepare_text(commands) -> None:
+    text = "tokenise a folder of text files into train.bin, val.bin and meta.json for TokenDataset"
+    prepare_cmd = commands.add_parser("prepare-text", help=text, description=text)
+    prepare_cmd.add_argument("folder", help="folder of text files, read recursively (binary files, hidden "
+                             "folders and __pycache__ are skipped)")  # fmt: skip
+    prepare_cmd.add_argument("out", help="token folder to write (new or empty; created if missing)")
+    prepare_cmd.add_argument("--tokenizer", metavar="NAME", help="a transformers tokenizer already on this "
+                             "machine, by cached name or folder (nothing is downloaded; default: bytes)")  # fmt: skip
+    prepare_cmd.add_argument("--val-fraction", type=float, default=0.05, metavar="F",
+                             help="share of tokens, from the end, kept for validation (default 0.05)")  # fmt: skip
+    prepare_cmd.add_argument("--pattern", default="**/*", metavar="GLOB",
+                             help="which files under FOLDER to read (default **/*)")  # fmt: skip
+    prepare_cmd.add_argument("--max-bytes", type=int, metavar="N",
+                             help="stop before the first file that would take the text read past N bytes")  # fmt: skip
+    prepare_cmd.add_argument("--force", action="store_true", help="replace an earlier token folder at OUT")
+    prepare_cmd.set_defaults(run=_prepare_text)
+
+
+def _prepare_text(args: argparse.Namespace) -> None:
+    import json
+
+    from hetcc.train.tokens import prepare_text
+
+    summary = prepare_text(
+        args.folder, args.out, tokenizer=args.tokenizer, pattern=args.pattern,
+        val_fraction=args.val_fraction, max_bytes=args.max_bytes, overwrite=args.force,
+    )  # fmt: skip
+    print(f"written {summary.describe()}")
+    print(f"train on it with `hetcc run BUILD --data {args.out}`, or in Python "
+          f"hetcc.train.TokenDataset({json.dumps(args.out)}, seq_len=...)")  # fmt: skip
+
+
 def _launch(args: argparse.Namespace) -> None:
     from hetcc.launch import launch_node
 
-    passthrough = ["--steps", str(args.steps)]
-    if args.checkpoint_dir:
-        passthrough += ["--checkpoint-dir", args.checkpoint_dir]
-    if args.checkpoint_every:
-        passthrough += ["--checkpoint-every", str(args.checkpoint_every)]
-    passthrough += ["--resume"] * args.resume + ["--allow-substitute"] * args.allow_substitute
-    code = launch_node(args.build, args.rdzv_endpoint, args.node, passthrough)
+    words = ["--steps", str(args.steps), *passthrough(args)] + ["--allow-substitute"] * args.allow_substitute
+    code = launch_node(args.build, args.rdzv_endpoint, args.node, words)
     if code:
         raise HetccError(
             f"torchrun on node {args.node} exited with code {code}", hint="see the ranks' errors above"

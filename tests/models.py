@@ -7,6 +7,8 @@ import copy
 import torch
 from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from hetcc.train.optim import param_groups
+
 
 def gpt2(n_layer: int = 2, n_embd: int = 64, n_head: int = 2, vocab: int = 128, **kw) -> GPT2LMHeadModel:
     torch.manual_seed(0)
@@ -137,7 +139,8 @@ def eager_training(
 ):
     """The eager reference of a pipeline run, in one process: each step runs the microbatches one after
     the other (train-mode BatchNorm sees the same batches), backward of ``loss / microbatches``, then
-    the optimizer (``{"name": "sgd" | "adam", **options}``). ``loss_fn(output, target)``, or the model's
+    the optimizer (``{"name": "sgd" | "adam" | "adamw", **options}``, with the built-in loop's
+    weight-decay groups). ``loss_fn(output, target)``, or the model's
     own ``.loss``. Returns the mean microbatch loss per step and the last step's gradients under every
     parameter name (a tied weight under each of its names; parameters the loss misses have none).
 
@@ -147,8 +150,10 @@ def eager_training(
     refuse_active_dropout(model)
     model = copy.deepcopy(model)
     options = dict(optimizer)
-    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[options.pop("name")](
-        model.parameters(), **options
+    named = list({id(p): (n, p) for n, p in model.named_parameters()}.values())
+    groups = param_groups(named, options.get("weight_decay", 0.0))  # the built-in loop's groups
+    opt = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[options.pop("name")](
+        groups, **options
     )
     chunks = [
         {k: v.chunk(microbatches)[i] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

@@ -6,19 +6,24 @@ least two stages, whatever the architecture. Checks per model:
 - the block chain follows the computation (first and last block, contiguous, data only forward);
 - forward FLOPs within 2% of ``FlopCounterMode`` on the eager model (plus, for grouped expert matmuls,
   the routed-token FLOPs it cannot count; recurrent layers against their matmuls counted by hand);
-- two training steps (1F1B, Adam): loss within 1e-5 relative, every gradient within 1e-4.
+- two training steps (1F1B, Adam): loss within 1e-5 relative, every gradient within 1e-4;
+- ``hetcc.export`` of the saved build, returned and written, has exactly the keys of the model's
+  ``state_dict()`` (no non-persistent buffer, every name of a tied weight) and loads strictly.
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import safetensors.torch
 import torch
 from model_zoo import CASES
 from models import assert_chain_in_compute_order, eager_training
 from torch.utils.flop_counter import FlopCounterMode
 
 import hetcc
-from hetcc.runtime.local import split_microbatches
+from hetcc.train.data import split_microbatches
 
 pytestmark = pytest.mark.slow
 MICROBATCHES = 2
@@ -62,7 +67,7 @@ def case(request):
     return request.param()
 
 
-def test_analyse_plan_and_train_like_eager(case):
+def test_analyse_plan_and_train_like_eager(case, tmp_path):
     microbatch = split_microbatches(case.inputs, MICROBATCHES)[0]
     analysis = hetcc.analyze(case.model, example_kwargs=microbatch)
     names = [b.name for b in analysis.blocks]
@@ -75,6 +80,7 @@ def test_analyse_plan_and_train_like_eager(case):
                              example_kwargs=case.inputs, microbatches=MICROBATCHES, schedule="1f1b",
                              optimizer="adam")  # fmt: skip
     assert len(compiled.plan.stages) >= 2, compiled.explain()
+    _check_export(case, compiled, tmp_path)
     result = hetcc.run_local(compiled, case.inputs, targets=case.targets, loss_fn=case.loss_fn, steps=2,
                              optimizer=ADAM)  # fmt: skip
     losses, grads = eager_training(case.model, case.inputs, case.targets, case.loss_fn, 2, MICROBATCHES, ADAM)
@@ -89,3 +95,16 @@ def test_analyse_plan_and_train_like_eager(case):
     for name, grad in result.grads.items():  # parameters the loss does not reach have no eager grad
         want_grad = grads.get(name, torch.zeros_like(grad))
         torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-4, msg=name)
+
+
+def _check_export(case, compiled, tmp_path) -> None:
+    """The build's weights (the model's own, untrained) come back under exactly the model's keys."""
+    folder = compiled.save(tmp_path / "build")
+    state = hetcc.export(folder, tmp_path / "model.safetensors")
+    written = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    assert list(state) == list(case.model.state_dict())
+    assert set(written) == set(case.model.state_dict())
+    for loaded in (state, written):
+        copy.deepcopy(case.model).load_state_dict(loaded)  # strict
+        for key, tensor in case.model.state_dict().items():
+            assert torch.equal(loaded[key], tensor), key

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,3 +55,41 @@ def test_the_readme_walkthrough_runs_line_by_line(tmp_path):
         trace = json.loads((build / f"{name}.trace.json").read_text())
         kinds = {e["name"][0] for e in trace["traceEvents"] if e["ph"] == "X"}
         assert {"F", "B"} <= kinds, name
+
+
+def train_commands() -> list[str]:
+    """The lines of the sh block under the README's "Train on your data" heading."""
+    section = (ROOT / "README.md").read_text().split("## Train on your data", 1)[1]
+    block = re.search(r"```sh\n(.*?)```", section, flags=re.S).group(1)
+    return [line for line in block.splitlines() if line.startswith("hetcc ")]
+
+
+@pytest.mark.slow
+def test_the_readme_trains_on_the_standard_library_resumes_and_exports(tmp_path):
+    """As a user types them (a shell, the venv's bin on PATH, no Triton interpreter): the job trains,
+    evaluates, resumes at step 200 and exports weights the model loads strictly."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(ROOT), PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
+    printed = []
+    for line in train_commands():
+        done = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)  # fmt: skip
+        assert done.returncode == 0, f"`{line}` failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        assert "Traceback" not in done.stderr, line
+        printed.append(done.stdout)
+    first, resumed = printed[2], printed[3]
+    losses = {int(w[1]): float(w[3]) for w in (ln.split() for ln in first.splitlines() + resumed.splitlines())
+              if w[:1] == ["step"] and w[2:3] == ["loss"]}  # fmt: skip
+    assert sorted(losses) == list(range(300))
+    assert sum(losses[s] for s in range(290, 300)) / 10 < losses[0] - 1.5  # ln 256 = 5.5 falls below 4
+    assert "eval after step 99: loss" in first and "eval after step 199: loss" in first
+    assert "trained weights: build/lm/checkpoints" in first and "measured step" in first
+    assert resumed.startswith("resumed at step 200 from build/lm/checkpoints")
+    records = (tmp_path / "build/lm/checkpoints/metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["step"] for r in records] == list(range(300))  # the resumed run appended
+    sys.path.insert(0, str(ROOT))
+    from examples.models import gpt2_bytes
+
+    model, _ = gpt2_bytes()
+    model.load_state_dict(safetensors.torch.load_file(tmp_path / "build/lm.safetensors"), strict=True)

@@ -25,6 +25,18 @@ def test_traced_graph_runs_equal_to_eager():
     torch.testing.assert_close(traced.gm(**kwargs)[0], model(**kwargs).logits)
 
 
+def test_a_hugging_face_model_traces_without_use_cache_given():
+    """hetcc passes use_cache=False itself (export cannot capture a returned DynamicCache), with a
+    dict of dynamic shapes too (export wants an entry for every argument)."""
+    kwargs = {"input_ids": token_ids(2, 8)}
+    batch = torch.export.Dim("batch", min=1, max=4)
+    for dynamic_shapes in (None, {"input_ids": {0: batch}}):
+        traced = hetcc.trace(gpt2(), example_kwargs=kwargs, dynamic_shapes=dynamic_shapes)
+        assert traced.frontend == "export"
+        assert [n.target for n in traced.gm.graph.find_nodes(op="placeholder")] == ["input_ids", "use_cache"]
+    assert set(traced.dim_symbols) == {"batch"}
+
+
 def test_falls_back_to_symbolic_trace_when_export_rejects_the_model(monkeypatch):
     def reject(*args, **kwargs):
         raise RuntimeError("export says no")

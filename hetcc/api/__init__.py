@@ -46,10 +46,10 @@ from hetcc.passes.trace import trace
 from hetcc.plan import Plan
 from hetcc.report import write_report
 from hetcc.runtime.interop import pipelining_schedule
-from hetcc.runtime.local import run_local as run_pipeline
 from hetcc.runtime.placement import placement
 from hetcc.runtime.store import Pipeline, pipeline_meta, save_stages
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
+from hetcc.train.local import run_local as run_pipeline
 
 MIXED_PRECISION_UNFUSED = (
     "pointwise fusion is off under mixed precision (HETCC_FUSE_MIXED_PRECISION=1 turns it on): each fused "
@@ -308,8 +308,17 @@ def compile(  # noqa: A001 - the public API name
         "inputs": [n.target for n in gm.graph.find_nodes(op="placeholder")],
         "routing": [list(s.route) for s in solution.stages], "recompute": [s.recompute for s in plan.stages],
         "precision": plan.precision, "plan_space": {"replicate": bool(replicate), "recompute": recompute},
+        "state_dict": _state_dict_keys(model), "training": training,
     }  # fmt: skip
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
+
+
+def _state_dict_keys(model: torch.nn.Module) -> dict[str, str]:
+    """Each key of ``model.state_dict()`` -> the first key of the same tensor: what ``hetcc.export``
+    returns. The stages hold a tied weight under one of its names and non-persistent buffers too, and
+    the traced graph drops the other names, so they cannot be told from the stages alone."""
+    first: dict[int, str] = {}
+    return {key: first.setdefault(id(t), key) for key, t in model.state_dict(keep_vars=True).items()}
 
 
 def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
@@ -324,7 +333,7 @@ def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
 
 def run_local(
     compiled_or_dir: Compiled | str | Path,
-    inputs: dict[str, Any] | tuple,
+    inputs: dict[str, Any] | tuple | None = None,
     targets: torch.Tensor | None = None,
     loss_fn=None,
     steps: int = 1,
@@ -332,24 +341,34 @@ def run_local(
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 0,
     resume: bool = False,
+    *,
+    data: Any = None,
+    eval_data: Any = None,
+    eval_every: int = 0,
+    eval_batches: int = 1,
+    lr_schedule: dict[str, Any] | None = None,
+    clip_grad_norm: float | None = None,
+    seed: int = 0,
+    log_dir: str | Path | None = None,
+    progress: bool = False,
 ):
-    """Train ``steps`` steps with one local process per stage (gloo) and return ``RunResult``
-    (``.losses`` per step, ``.outputs`` of the last step, ``.grads`` by the model's parameter names,
-    ``.stats`` per rank: transfers through the send/recv ops and fused-kernel launches by backend).
-    ``inputs`` is one step's batch; schedule and microbatches come from the plan. ``checkpoint_dir``:
-    checkpoints every ``checkpoint_every`` steps and at the end; ``resume=True`` continues from the
-    newest complete one there (``hetcc.train.checkpoint``)."""
-    _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer)
-    if isinstance(compiled_or_dir, Compiled):
-        pipeline = compiled_or_dir.pipeline
-        meta = pipeline.meta
-    else:  # the ranks load the folder themselves: only its run settings are read here
-        pipeline = str(compiled_or_dir)
-        meta = pipeline_meta(pipeline)
+    """Train ``steps`` steps with one local process per rank (gloo) and return ``RunResult``
+    (``.losses`` and ``.records`` per step, ``.outputs`` of the last step, ``.grads`` by the model's
+    parameter names, ``.stats`` per rank, ``.summary``: measured against simulated). ``data=`` (a
+    Dataset, DataLoader, iterable of global batches, or a factory returning one) gives step k its batch
+    k; ``inputs`` instead is one global batch trained at every step. Schedule and microbatches come from
+    the plan. The other options are ``hetcc.train.local.run_local``'s: an optimizer with weight decay,
+    ``lr_schedule`` (warmup, cosine), ``clip_grad_norm``, evaluation of ``eval_data`` every
+    ``eval_every`` steps, ``log_dir`` for metrics.jsonl (default ``checkpoint_dir``). ``checkpoint_dir``:
+    checkpoints every ``checkpoint_every`` steps and at the end, with the data position; ``resume=True``
+    continues from the newest complete one, with the settings given now."""
+    _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer, data)
+    pipeline = compiled_or_dir.pipeline if isinstance(compiled_or_dir, Compiled) else str(compiled_or_dir)
     return run_pipeline(
-        pipeline, inputs, targets=targets, loss_fn=loss_fn, steps=steps, schedule=meta.get("schedule", "1f1b"),
-        microbatches=meta.get("microbatches", 1), optimizer=optimizer or meta.get("optimizer"),
-        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume,
+        pipeline, inputs, targets=targets, loss_fn=loss_fn, steps=steps, optimizer=optimizer,
+        checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, data=data,
+        eval_data=eval_data, eval_every=eval_every, eval_batches=eval_batches, lr_schedule=lr_schedule,
+        clip_grad_norm=clip_grad_norm, seed=seed, log_dir=log_dir, progress=progress,
     )  # fmt: skip
 
 
@@ -430,13 +449,15 @@ def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
 # ------------------------------------------------------------------------------------ arguments
 # Checked first, so a wrong argument fails at once with its name instead of deep in a pass or a rank
 # (those of analyze and compile: hetcc.api.checks).
-def _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer) -> None:
+def _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer, data=None) -> None:
     if not isinstance(compiled_or_dir, (Compiled, str, os.PathLike)):
         raise HetccError(
             f"run_local takes a Compiled or a saved folder, got {type(compiled_or_dir).__name__}",
             hint="pass what hetcc.compile returned, or the folder Compiled.save wrote",
         )
-    if not isinstance(inputs, (dict, tuple, list)) or (
+    if inputs is None and data is not None:
+        inputs = {}
+    elif not isinstance(inputs, (dict, tuple, list)) or (
         isinstance(inputs, dict) and not all(isinstance(k, str) for k in inputs)
     ):
         raise HetccError(

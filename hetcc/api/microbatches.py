@@ -19,8 +19,8 @@ from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.cost import block_times_at
 from hetcc.passes.partition import RERANK, PlanSettings, build_problem
-from hetcc.runtime.local import split_microbatches
 from hetcc.solver.solve import solve
+from hetcc.train.data import split_microbatches
 
 
 def search_microbatches(

@@ -83,6 +83,7 @@ class StageGraph:
     tied: tuple[TiedGroup, ...]  # every tied group of the pipeline (the same on all stages)
     num_outputs: int  # flat model outputs returned (last stage only; 0 elsewhere)
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # traced (microbatch) shapes
+    input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # traced dtypes of tensor inputs
 
     @property
     def is_last(self) -> bool:
@@ -206,6 +207,13 @@ def _static_shape(node: fx.Node) -> tuple[int, ...] | None:
     return tuple(shape)
 
 
+def _dtype(node: fx.Node) -> torch.dtype | None:
+    """The traced dtype of a tensor placeholder, if known."""
+    val = node.meta.get("val", node.meta.get("tensor_meta"))
+    dtype = getattr(val, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
+
+
 class _Cut:
     """Creates the edges of the cut on demand: one send in the producer per (value, consumer stage)."""
 
@@ -320,9 +328,10 @@ class _StageBuilder:
         placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
         inputs = tuple(n.target for n in placeholders)
         shapes = {n.target: _static_shape(n) for n in placeholders if _static_shape(n) is not None}
+        dtypes = {n.target: _dtype(n) for n in placeholders if _dtype(n) is not None}
         return StageGraph(
             self.index, self.num_stages, module, inputs, tuple(self.recvs), tuple(e for e, _ in sends),
-            self._param_names(), tied, self.num_outputs, shapes,
+            self._param_names(), tied, self.num_outputs, shapes, dtypes,
         )  # fmt: skip
 
     def _hoist_inputs(self) -> None:

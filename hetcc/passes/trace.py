@@ -34,8 +34,8 @@ from hetcc.errors import TraceError
 log = logging.getLogger(__name__)
 
 _FIXES = (
-    "Hugging Face models: pass use_cache=False in example_kwargs (a DynamicCache output cannot be "
-    "traced) and build with attn_implementation='eager' or 'sdpa'",
+    "Hugging Face models: build with attn_implementation='eager' or 'sdpa'; a DynamicCache output "
+    "cannot be traced (hetcc passes use_cache=False where forward() takes it; else pass it yourself)",
     "data-dependent Python control flow (if tensor.sum() > 0): use torch.cond or make it static",
     "inputs the model does not accept: check example_inputs / example_kwargs against forward()",
 )
@@ -57,11 +57,12 @@ def trace(
     example_kwargs: dict[str, Any] | None = None,
     dynamic_shapes: Any = None,
 ) -> Traced:
-    """Capture ``model`` called as ``model(*example_inputs, **example_kwargs)``."""
+    """Capture ``model`` called as ``model(*example_inputs, **example_kwargs)`` (a Hugging Face model
+    with ``use_cache=False`` added unless given: ``_without_cache``)."""
     if not isinstance(model, torch.nn.Module):
         raise TraceError(f"hetcc.trace expects a torch.nn.Module, got {type(model).__name__}")
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    kwargs = dict(example_kwargs or {})
+    kwargs, dynamic_shapes = _without_cache(model, args, dict(example_kwargs or {}), dynamic_shapes)
     try:
         with warnings.catch_warnings(), _quiet_export():  # RNNs cache weights in a list export warns about
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights")
@@ -72,6 +73,35 @@ def trace(
     gm = exported.module()
     _drop_guard_calls(gm)
     return Traced(gm, "export", _dim_symbols(gm, args, kwargs, dynamic_shapes, model), exported)
+
+
+def _without_cache(
+    model: torch.nn.Module, args: tuple, kwargs: dict[str, Any], dynamic_shapes: Any
+) -> tuple[dict[str, Any], Any]:
+    """The call's kwargs and dynamic shapes with ``use_cache=False`` added (and ``use_cache: None`` in a
+    dict of dynamic shapes, which export wants for every argument given) where ``_returns_cache``: a
+    positional ``dynamic_shapes`` leaves the call as given."""
+    if not _returns_cache(model, args, kwargs) or isinstance(dynamic_shapes, (tuple, list)):
+        return kwargs, dynamic_shapes
+    shapes = {**dynamic_shapes, "use_cache": None} if isinstance(dynamic_shapes, dict) else dynamic_shapes
+    return {**kwargs, "use_cache": False}, shapes
+
+
+def _returns_cache(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether the call returns a KV cache (a DynamicCache, which export cannot capture) that training
+    never reads: a transformers ``PreTrainedModel`` whose forward takes ``use_cache`` and a call that
+    does not set it. transformers is not imported for this (such a model has imported it already)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None or not isinstance(model, modeling.PreTrainedModel):
+        return False
+    try:
+        signature = inspect.signature(model.forward)
+        return (
+            "use_cache" in signature.parameters
+            and "use_cache" not in signature.bind_partial(*args, **kwargs).arguments
+        )
+    except (TypeError, ValueError):  # a call forward does not take: export says so in its words
+        return False
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""hetcc's runtime: send/recv ops and their transports, process groups, the schedule executor, local runs,
+"""hetcc's runtime: send/recv ops and their transports, process groups, the schedule executor, placement,
 saved pipelines.
 
 Names are imported on first use: ``hetcc.passes.comm`` imports ``hetcc.runtime.ops`` while the
@@ -10,8 +10,6 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "run_local": "hetcc.runtime.local",
-    "RunResult": "hetcc.runtime.local",
     "Pipeline": "hetcc.runtime.store",
     "save_stages": "hetcc.runtime.store",
     "load_stages": "hetcc.runtime.store",

@@ -14,9 +14,11 @@ interprets the actions of ``hetcc.solver.schedules.stage_actions``:
 A replicated stage runs on several ranks, each with the actions of the microbatches routed to it
 (``RankLayout.actions``). After the last action the sends are waited for, the replicas' gradients are
 summed (all-reduce over the stage's replicas), tied parameters' gradients are summed over every rank
-holding them (all replicas of their stages), and the optimizer steps. The layout's ``recompute`` runs
-the forward under ``torch.utils.checkpoint`` (the transport replays what was received), its
-``precision`` under autocast, with loss scaling agreed by every rank for fp16 (``runtime.precision``).
+holding them (all replicas of their stages): each parameter then holds its full-batch gradient, for
+the caller's optimizer (``hetcc.train``). The layout's ``recompute`` runs the forward under
+``torch.utils.checkpoint`` (the transport replays what was received), its ``precision`` under autocast,
+with loss scaling agreed by every rank for fp16 (``runtime.precision``). ``forward_only`` runs the
+forwards alone, without gradients or dropout: an evaluation, or a build compiled for inference.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import StageGraph
-from hetcc.passes.partition import optimizer
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.ops import use_transport
@@ -44,18 +46,6 @@ from hetcc.solver.schedules import Action
 FAULT_ENV = "HETCC_FAULT_EXIT_AT"
 
 
-def build_optimizer(spec: Mapping | None, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer | None:
-    """An optimizer from a JSON-able spec such as ``{"name": "adam", "lr": 1e-3}`` (None: no step);
-    the names are the planner's (``passes.partition.OPTIMIZERS``)."""
-    if spec is None or not params:
-        return None
-    options = dict(spec)
-    entry = optimizer(options.pop("name", "sgd"))
-    if entry.torch_class is None:
-        return None
-    return getattr(torch.optim, entry.torch_class)(params, **{**entry.defaults, **options})
-
-
 @dataclass
 class StepResult:
     """What one training step produced on this rank (losses and outputs only on the last stage)."""
@@ -64,10 +54,14 @@ class StepResult:
     outputs: list[tuple] = field(default_factory=list)  # per microbatch: the model's flat outputs
     microbatches: list[int] = field(default_factory=list)  # which microbatch each loss/output is
     mean_loss: float | None = None  # over all M microbatches, every replica's (last stage only)
+    skipped: bool = False  # fp16: an inf/nan gradient on some rank; gradients dropped, no update
+    busy_s: float = 0.0  # wall time of this rank's F/B actions (its compute and the waits inside them)
 
 
 class StageExecutor:
-    """One stage on one rank: runs F/B actions through the stage module, reduces tied grads, steps."""
+    """One stage on one rank: runs F/B actions through the stage module and leaves each parameter with
+    its full-batch gradient (summed over replicas and tied holders; unscaled under fp16). The optimizer
+    is the caller's (``hetcc.train``)."""
 
     def __init__(
         self,
@@ -75,7 +69,6 @@ class StageExecutor:
         links: Links,
         microbatches: int,
         loss_fn: Callable | None = None,
-        optimizer: Mapping | None = None,
         device: torch.device | str = "cpu",
         layout: RankLayout | None = None,
     ):
@@ -90,21 +83,23 @@ class StageExecutor:
             keep_received=self.recompute,
         )  # fmt: skip
         self.params = _unique_parameters(self.module)
-        self.optimizer = build_optimizer(optimizer, self.params)
         self.roots: dict[int, list[torch.Tensor]] = {}  # microbatch -> where its backward starts
-        self.step_index = 0
         self.recorder = ActionRecorder(links.rank)
 
-    def step(self, inputs: list[dict], targets: list | None, actions: list[Action]) -> StepResult:
-        """Run one optimizer step over all microbatches (``inputs[m]``: model input name -> value)."""
-        _maybe_inject_fault(self.links.rank, self.step_index)
+    def run(self, inputs: Mapping[int, dict], targets: Mapping[int, object] | None, actions: list[Action],
+            step: int = 0) -> StepResult:  # fmt: skip
+        """Forward and backward of every microbatch of ``actions`` (``inputs[m]``: model input name ->
+        value; ``targets[m]``: the loss function's target), then the gradient sums, so each parameter
+        holds its full-batch gradient. Under fp16 loss scaling the gradients are unscaled; if any rank
+        found an inf or nan, every rank drops its gradients (an optimizer step then changes nothing)."""
+        _maybe_inject_fault(self.links.rank, step)
         for param in self.params:
             param.grad = None
         result = StepResult()
         with use_transport(self.transport):
             for action in actions:
                 m = self.transport.microbatch = action.microbatch
-                with self.recorder.record(action.kind, m):  # timed only under HETCC_TRACE_DIR
+                with self.recorder.record(action.kind, m, result):
                     if action.kind == "F":
                         self._forward(m, inputs[m], targets[m] if targets is not None else None, result)
                     else:
@@ -112,11 +107,29 @@ class StageExecutor:
         self.links.wait_sends()
         self._reduce_replica_grads()
         self._reduce_tied_grads()
-        self._optimizer_step()
+        result.skipped = self._unscale()
         if self.stage.is_last:
-            result.mean_loss = self._mean_loss(result.losses)
-        self.step_index += 1
+            result.mean_loss = self._mean_loss(result.losses, self.microbatches)
         self.recorder.end_step()
+        return result
+
+    def forward_only(self, inputs: Mapping[int, dict], targets: Mapping[int, object] | None,
+                     actions: list[Action]) -> StepResult:  # fmt: skip
+        """Forwards of ``microbatches`` without gradients and without dropout (an evaluation); buffers a
+        forward updates (train-mode BatchNorm statistics) are restored after it."""
+        result = StepResult()
+        buffers = _buffer_snapshot(self.module)
+        with use_transport(self.transport), torch.no_grad(), without_dropout():
+            for m in (action.microbatch for action in actions if action.kind == "F"):
+                self.transport.microbatch = m
+                with self.recorder.record("F", m, result):
+                    self._forward(m, inputs[m], targets[m] if targets is not None else None, result)
+            self.links.wait_sends()
+            for buffer, before in buffers:
+                buffer.copy_(before)
+        if self.stage.is_last:  # a model that returns no loss (and no loss_fn) gives none
+            mean = self._mean_loss(result.losses, self.microbatches)
+            result.mean_loss = mean if result.losses or not result.microbatches else None
         return result
 
     def named_grads(self) -> dict[str, torch.Tensor]:
@@ -129,12 +142,11 @@ class StageExecutor:
         return grads
 
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of this stage: weights and buffers, optimizer state, steps taken, and
-        the fp16 loss scale (JSON-able values only besides the tensors)."""
-        optimizer = self.optimizer.state_dict() if self.optimizer is not None else None
-        state = {"module": self.module.state_dict(), "optimizer": optimizer, "step": self.step_index}
+        """What a checkpoint keeps of this stage's execution: weights and buffers, and the fp16 loss scale
+        (JSON-able values only besides the tensors)."""
+        state = {"module": self.module.state_dict()}
         if self.scaler is not None:
-            state["loss_scale"] = {"scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
+            state["loss_scale"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -149,29 +161,28 @@ class StageExecutor:
                 f"unexpected {result.unexpected_keys[:5]}",
                 hint="resume with the pipeline the checkpoint was written by",
             )
-        if self.optimizer is not None and state.get("optimizer") is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("loss_scale"):
-            self.scaler.scale = float(state["loss_scale"]["scale"])
-            self.scaler.good_steps = int(state["loss_scale"]["good_steps"])
-        self.step_index = int(state["step"])
+            self.scaler.load_state_dict(state["loss_scale"])
 
     def _forward(self, m: int, inputs: dict, target, result: StepResult) -> None:
         args = [_to(inputs[name], self.device) for name in self.stage.inputs]
+        training = torch.is_grad_enabled()
         with forward_context(self.precision, self.device):
-            if self.recompute:  # keeps the inputs only; backward runs the forward again
+            if self.recompute and training:  # keeps the inputs only; backward runs the forward again
                 outputs = checkpoint(self.module, *args, use_reentrant=False)
             else:
                 outputs = self.module(*args)
-            loss = self._loss(outputs, _to(target, self.device)) if self.stage.is_last else None
+            loss = self._loss(outputs, _to(target, self.device), training) if self.stage.is_last else None
+        if self.stage.is_last:
+            result.outputs.append(tuple(_detach(o) for o in outputs))
+            result.microbatches.append(m)
         roots = outputs  # the send tokens of a non-last stage
         if loss is not None:
             result.losses.append(loss.detach().float())
-            result.outputs.append(tuple(_detach(o) for o in outputs))
-            result.microbatches.append(m)
             scaled = self.scaler.scale_loss(loss) if self.scaler is not None else loss
             roots = (scaled / self.microbatches,)
-        self.roots[m] = [root for root in roots if root.requires_grad]
+        if training:
+            self.roots[m] = [root for root in roots if root.requires_grad]
 
     def _backward(self, m: int) -> None:
         roots = self.roots.pop(m)
@@ -188,12 +199,16 @@ class StageExecutor:
         self.transport.forget(m)
         self.transport.settle_gradients()
 
-    def _loss(self, outputs: tuple, target) -> torch.Tensor:
-        if self.loss_fn is not None:
+    def _loss(self, outputs: tuple, target, required: bool) -> torch.Tensor | None:
+        """``loss_fn(output, target)``, else the model's first output if it is a scalar loss; training
+        needs one, a forward-only run goes without."""
+        if self.loss_fn is not None and (target is not None or required):
             return self.loss_fn(outputs[0] if len(outputs) == 1 else outputs, target)
         first = outputs[0] if outputs else None
         if isinstance(first, torch.Tensor) and first.dim() == 0 and first.is_floating_point():
             return first
+        if not required:
+            return None
         raise RuntimeFailure(
             "the model's first output is not a scalar loss and no loss_fn was given",
             hint="pass loss_fn= and targets= (e.g. torch.nn.functional.cross_entropy)",
@@ -221,24 +236,25 @@ class StageExecutor:
             param.grad = grad.clone() if reached else None
             offset += param.numel()
 
-    def _optimizer_step(self) -> None:
-        """Step; under fp16 loss scaling, unscale first and skip the step on every rank if any rank
-        found an inf or nan (the ranks agree on it), then adjust the scale."""
+    def _unscale(self) -> bool:
+        """fp16: unscale the gradients; if any rank found an inf or nan (the ranks agree on it), drop
+        them all, so the step changes nothing, and adjust the scale. Whether the step is skipped."""
         if self.scaler is None:
-            if self.optimizer is not None:
-                self.optimizer.step()
-            return
+            return False
         found_inf = self.scaler.unscale(p.grad for p in self.params)
         found_inf = self.links.any_rank(found_inf, "the ranks' agreement on skipping an fp16 step")
-        if self.optimizer is not None and not found_inf:
-            self.optimizer.step()
+        if found_inf:
+            for param in self.params:
+                param.grad = None
         self.scaler.update(found_inf)
+        return found_inf
 
-    def _mean_loss(self, losses: list[torch.Tensor]) -> float:
-        """The step's loss: the mean over all M microbatches, whichever replica ran them."""
+    def _mean_loss(self, losses: list[torch.Tensor], count: int) -> float | None:
+        """The mean over ``count`` microbatches, whichever replica ran them (None: no loss, as a model
+        that returns only outputs gives when run forward only)."""
         total = torch.stack(losses).sum().reshape(1) if losses else torch.zeros(1, device=self.device)
         self.links.sum_over_replicas(total, "loss sum over the replicas of the last stage")
-        return float(total) / self.microbatches
+        return float(total) / count
 
     def _reduce_tied_grads(self) -> None:
         for index, group in enumerate(self.stage.tied):
@@ -249,6 +265,16 @@ class StageExecutor:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             self.links.all_reduce(param.grad, index, f"gradient sum of tied parameter {group.name}")
+
+
+class without_dropout(TorchFunctionMode):  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Dropout off for an evaluation: an exported graph records ``aten.dropout(x, p, train=True)``
+    whatever the module's mode; under this mode that op returns its input."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.dropout.default:
+            return args[0]
+        return func(*args, **(kwargs or {}))
 
 
 def _buffer_snapshot(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

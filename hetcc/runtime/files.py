@@ -61,6 +61,7 @@ _STAGE = Record(
     {
         "index": _INDEX, "inputs": ListOf(Text()), "recvs": ListOf(_EDGE), "sends": ListOf(_EDGE),
         "peers": ListOf(_INDEX), "num_outputs": _INDEX, "input_shapes": Table(None, _SHAPE, "input to shape"),
+        "input_dtypes": Table(None, Text(), "input to dtype"),
         "param_names": _NAMES, "aliases": _NAMES, "frozen": ListOf(Text()), "training": Flag(),
         "graph": Text(), "weights": Text(), "source": Text(), "weights_sha256": Text(), "tensors": Table(None, _TENSOR, "tensor to dtype and shape"),
     },
@@ -69,7 +70,9 @@ _STAGE = Record(
 )  # fmt: skip
 _META = Record(
     {"schedule": Choice(SCHEDULES, "schedule"), "microbatches": Count(), "loss": Text(),
-     "optimizer": Record({"name": Text()}, required=("name",), open=True), "vendors": ListOf(Text())},
+     "optimizer": Record({"name": Text()}, required=("name",), open=True), "vendors": ListOf(Text()),
+     "state_dict": Table(None, Text(), "state_dict key to the first key of its tensor"),  # hetcc.export's keys
+     "training": Flag()},  # False: compiled for inference (runs forward only)
     open=True,
 )  # fmt: skip
 _PIPELINE = Record(

@@ -116,10 +116,16 @@ class Links:
 
     def any_rank(self, flag: bool, what: str) -> bool:
         """Whether ``flag`` is true on any rank of the job (every rank must call it)."""
+        return self.reduce_world(float(flag), "max", what) > 0
+
+    def reduce_world(self, value: float, op: str, what: str) -> float:
+        """``value`` summed (``op`` "sum"), or its max or min, over every rank of the job, in float64
+        (every rank must call it)."""
         device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
-        value = torch.tensor([float(flag)], device=device)
-        self.wait(dist.all_reduce(value, op=dist.ReduceOp.MAX, async_op=True), what, None)
-        return bool(value.item())
+        tensor = torch.tensor([value], dtype=torch.float64, device=device)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        self.wait(dist.all_reduce(tensor, op=reduce_op, async_op=True), what, None)
+        return float(tensor.item())
 
     def _sum(self, tensor: torch.Tensor, group, backend: str, what: str) -> None:
         wire = tensor.cpu() if backend == "gloo" else tensor

@@ -82,13 +82,14 @@ class RankLayout:
         """The rank that runs microbatch ``microbatch`` of ``stage``."""
         return self.stage_ranks(stage)[self.routing[stage][microbatch]]
 
-    def actions(self, schedule: str, rank: int) -> list[Action]:
-        """``rank``'s part of its stage's schedule: the actions of the microbatches routed to it."""
+    def actions(self, schedule: str, rank: int, training: bool = True) -> list[Action]:
+        """``rank``'s part of its stage's schedule (forwards only unless ``training``): the actions of
+        the microbatches routed to it."""
         placement = self.ranks[rank]
         replicas = [sum(1 for r in self.ranks if r.stage == k) for k in range(len(self.routing))]
-        every = stage_actions(schedule, len(self.routing), len(self.routing[0]), replicas=replicas)[
-            placement.stage
-        ]
+        every = stage_actions(
+            schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas
+        )[placement.stage]
         return [a for a in every if self.routing[placement.stage][a.microbatch] == placement.replica]
 
     def replica_groups(self) -> list[list[int]]:

@@ -72,7 +72,7 @@ class Repricing:
 
 def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Repricing:
     """The plan in ``directory`` (``hetcc compile --out``) re-priced with pipeline rank r on the device
-    ``found[r]`` (``{"vendor", "name", "memory_bytes"}``, as ``hetcc.launch.found_device`` gives it).
+    ``found[r]`` (``{"vendor", "name", "memory_bytes"}``, as ``hetcc.runtime.torchrun.found_device`` gives it).
     Ranks are numbered as ``placement.placement`` numbers them: stage order, replicas next to each other."""
     on_cpu = [str(rank) for rank in sorted(found) if found[rank]["vendor"] == "cpu"]
     if on_cpu:

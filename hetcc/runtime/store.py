@@ -102,6 +102,7 @@ class StageOutline:
     num_stages: int
     inputs: tuple[str, ...]
     input_shapes: dict[str, tuple[int | str, ...]]  # traced (microbatch) shapes
+    input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # traced dtypes (absent: unchecked)
 
     @property
     def is_last(self) -> bool:
@@ -126,6 +127,7 @@ def read_outline(directory: str) -> PipelineOutline:
             document["num_stages"],
             tuple(entry["inputs"]),
             {name: tuple(shape) for name, shape in entry.get("input_shapes", {}).items()},
+            _input_dtypes(entry),
         )  # fmt: skip
         for entry in document["stages"]
     )
@@ -135,7 +137,7 @@ def read_outline(directory: str) -> PipelineOutline:
 def load_stage(directory: str, index: int) -> StageGraph:
     """Stage ``index`` alone: only pipeline.json, the kernels and that stage's own graph and weights are
     read, so a damaged file of another stage does not fail it. Each rank loads its stage this way
-    (``runtime.local.load_rank``, ``hetcc.launch``); ``read_outline`` tells it what it needs of the others."""
+    (``hetcc.train.rank.load_rank``); ``read_outline`` tells it what it needs of the others."""
     document = read_document(directory)
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < document["num_stages"]:
         raise PlanFormatError(f"{directory}: no stage {index!r}; the pipeline has {document['num_stages']}")
@@ -174,18 +176,34 @@ def _edge_json(edge: CommEdge) -> dict[str, Any]:
         "dst": edge.dst,
         "value": edge.value,
         "shape": list(edge.shape),
-        "dtype": str(edge.dtype).removeprefix("torch."),
+        "dtype": _dtype_name(edge.dtype),
         "requires_grad": edge.requires_grad,
     }
 
 
-def _edge_from_json(data: dict[str, Any]) -> CommEdge:
-    dtype = getattr(torch, data["dtype"], None) if not data["dtype"].startswith("_") else None
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_json(name: str, what: str) -> torch.dtype:
+    """A dtype pipeline.json names (``float32``); only torch's public dtypes are accepted."""
+    dtype = getattr(torch, name, None) if not name.startswith("_") else None
     if not isinstance(dtype, torch.dtype):
         raise PlanFormatError(
-            f"pipeline.json: edge {data['tag']} has unknown dtype {short_repr(data['dtype'])}",
-            hint="save the pipeline again",
+            f"pipeline.json: {what} has unknown dtype {short_repr(name)}", hint="save the pipeline again"
         )
+    return dtype
+
+
+def _input_dtypes(entry: dict[str, Any]) -> dict[str, torch.dtype]:
+    where = f"stage {entry['index']} input"
+    return {
+        name: _dtype_from_json(d, f"{where} {name!r}") for name, d in entry.get("input_dtypes", {}).items()
+    }
+
+
+def _edge_from_json(data: dict[str, Any]) -> CommEdge:
+    dtype = _dtype_from_json(data["dtype"], f"edge {data['tag']}")
     return CommEdge(
         data["tag"], data["src"], data["dst"], data["value"], tuple(data["shape"]), dtype,
         data.get("requires_grad", True),
@@ -202,6 +220,7 @@ def _stage_entry(stage: StageGraph) -> dict[str, Any]:
         "peers": peers,
         "num_outputs": stage.num_outputs,
         "input_shapes": {name: list(shape) for name, shape in stage.input_shapes.items()},
+        "input_dtypes": {name: _dtype_name(dtype) for name, dtype in stage.input_dtypes.items()},
         "param_names": stage.param_names,
         "aliases": _aliases(stage.module),
         "frozen": [n for n, p in stage.module.named_parameters() if not p.requires_grad],
@@ -287,7 +306,7 @@ def _load_stage(entry: dict, directory: str, num_stages: int, tied: tuple[TiedGr
         entry["index"], num_stages, module, tuple(entry["inputs"]),
         tuple(_edge_from_json(e) for e in entry["recvs"]), tuple(_edge_from_json(e) for e in entry["sends"]),
         dict(entry["param_names"]), tied, entry["num_outputs"],
-        {name: tuple(shape) for name, shape in entry.get("input_shapes", {}).items()},
+        {name: tuple(shape) for name, shape in entry.get("input_shapes", {}).items()}, _input_dtypes(entry),
     )  # fmt: skip
 
 

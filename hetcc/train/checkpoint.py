@@ -3,7 +3,8 @@
 A checkpoint folder holds one folder per saved step; every rank writes its own stage there::
 
     <dir>/step-00000004/stage<k>.safetensors     weights (model.*), optimizer tensors (optimizer.*), RNG (rng.*)
-    <dir>/step-00000004/stage<k>.json            step, optimizer hyper-parameters and scalar state
+    <dir>/step-00000004/stage<k>.json            step, optimizer hyper-parameters and scalar state, and the
+                                                 loop's record (data position, settings)
     <dir>/step-00000004/stage<k>.manifest.json   sha256 of the two files above; written last
     <dir>/step-00000004/stage<k>.replica<r>.rng.safetensors   the RNG of replica r > 0 of a replicated stage
 
@@ -47,7 +48,8 @@ def step_dir(root: str | os.PathLike, step: int) -> Path:
 
 
 def save_checkpoint(root: str | os.PathLike, stage: int, step: int, state: Mapping[str, Any]) -> Path:
-    """Write one stage's ``state`` (``StageExecutor.state_dict()`` plus ``rng``) at ``step``, atomically."""
+    """Write one stage's ``state`` (``StageExecutor.state_dict()`` plus ``optimizer``, ``rng`` and the
+    loop's JSON-able ``train`` record) at ``step``, atomically."""
     folder = step_dir(root, step)
     folder.mkdir(parents=True, exist_ok=True)
     tensors, document = _split_state(state)
@@ -85,7 +87,9 @@ def _split_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dic
     """Tensors (module, optimizer state, RNG) for safetensors; the rest as JSON-able values."""
     tensors = {f"model.{k}": v.detach().cpu().contiguous() for k, v in _unaliased(state["module"]).items()}
     tensors.update({f"rng.{k}": v.cpu().contiguous() for k, v in state.get("rng", {}).items()})
-    document: dict[str, Any] = {"optimizer": None, "loss_scale": state.get("loss_scale")}
+    document: dict[str, Any] = {
+        "optimizer": None, "loss_scale": state.get("loss_scale"), "train": state.get("train") or {}
+    }  # fmt: skip
     optimizer = state.get("optimizer")
     if optimizer is not None:
         scalars: dict[str, dict[str, Any]] = {}
@@ -214,6 +218,7 @@ def load_checkpoint(root: str | os.PathLike, stage: int, step: int) -> dict[str,
 
 def _unpack(tensors: dict[str, torch.Tensor], document: dict) -> dict[str, Any]:
     state: dict[str, Any] = {"module": {}, "rng": {}, "optimizer": None, "step": int(document["step"])}
+    state["train"] = dict(document.get("train") or {})
     if document.get("loss_scale"):
         state["loss_scale"] = dict(document["loss_scale"])
     optimizer_tensors: dict[int, dict[str, torch.Tensor]] = {}

@@ -26,8 +26,8 @@ import hetcc
 from hetcc import config
 from hetcc.errors import HetccError, RuntimeFailure
 from hetcc.passes.comm import split_stages
-from hetcc.runtime.local import run_local
 from hetcc.runtime.store import Pipeline
+from hetcc.train.local import run_local
 
 TIMEOUT_S = 20.0
 SLACK_S = 60.0  # spawning three ranks on a loaded 2-core machine, the stale-heartbeat wait and the grace
@@ -155,7 +155,7 @@ def test_a_script_without_the_main_guard_is_told_to_add_it(tmp_path):
             import torch
             import torch.nn.functional as F
             from test_faults import _three_stage_mlp
-            from hetcc.runtime.local import run_local
+            from hetcc.train.local import run_local
 
             stages, x, y = _three_stage_mlp()
             run_local(stages, {{"x": x}}, y, F.mse_loss, microbatches=2)  # no __main__ guard

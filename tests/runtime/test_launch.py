@@ -24,8 +24,8 @@ from hetcc import config
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.executor import FAULT_ENV
-from hetcc.runtime.local import run_local
 from hetcc.runtime.store import save_stages
+from hetcc.train.local import run_local
 
 pytestmark = pytest.mark.slow
 TWO_STAGES = [(prefix, min(stage, 1)) for prefix, stage in MLP_RULES]

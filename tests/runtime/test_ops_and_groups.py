@@ -12,8 +12,8 @@ from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.groups import link_backend, link_backends, world_backend
 from hetcc.runtime.interop import pipelining_schedule
-from hetcc.runtime.local import run_local
 from hetcc.runtime.ops import LocalTransport, new_anchor, transfer_stats, use_transport
+from hetcc.train.local import run_local
 
 
 def test_backward_of_send_receives_and_backward_of_recv_sends_the_gradient():

@@ -13,8 +13,9 @@ from runtime_models import MLP_RULES, ResidualMLP, export, stages_by_module
 from hetcc import cli, launch
 from hetcc.errors import PlanFormatError
 from hetcc.passes.comm import split_stages
-from hetcc.runtime.local import load_rank, run_local
 from hetcc.runtime.store import save_stages
+from hetcc.train.local import run_local
+from hetcc.train.rank import load_rank
 
 SGD = {"name": "sgd", "lr": 0.1}
 

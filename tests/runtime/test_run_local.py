@@ -28,7 +28,7 @@ from runtime_models import (
 
 from hetcc import config
 from hetcc.passes.comm import split_stages
-from hetcc.runtime.local import run_local
+from hetcc.train.local import run_local
 
 pytestmark = pytest.mark.slow
 MICROBATCHES = 2

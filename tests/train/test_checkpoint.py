@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import safetensors
@@ -17,11 +18,12 @@ import hetcc
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.executor import FAULT_ENV
-from hetcc.runtime.local import run_local
 from hetcc.runtime.store import Pipeline, save_stages
 from hetcc.train import checkpoint as ckpt
+from hetcc.train.local import run_local
 
 ADAM = {"name": "adam", "lr": 0.01}
+CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
 
 
 class Tied(torch.nn.Module):
@@ -143,7 +145,26 @@ def _gpt2_stages():
     return model, ids, split_stages(gm, stages_by_module(gm, GPT2_RULES), 3)
 
 
-def test_export_of_a_build_folder_is_the_models_state_dict_with_tied_weights_once(tmp_path):
+def _recorded(model) -> dict:
+    """The meta ``hetcc.compile`` saves: the keys of ``model.state_dict()`` that ``hetcc.export`` returns."""
+    from hetcc.api import _state_dict_keys
+
+    return {"state_dict": _state_dict_keys(model)}
+
+
+def test_export_of_a_build_folder_is_exactly_the_models_state_dict(tmp_path):
+    model, _, stages = _gpt2_stages()
+    save_stages(stages, str(tmp_path / "build"), _recorded(model))
+    merged = hetcc.export(tmp_path / "build", tmp_path / "model.safetensors")
+    written = safetensors.torch.load_file(str(tmp_path / "model.safetensors"))
+    for state in (merged, written):  # every name of the tied weight, in the file a copy for each
+        assert set(state) == set(model.state_dict())
+        assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+        copy.deepcopy(model).load_state_dict(state)  # strict
+
+
+def test_a_folder_without_the_recorded_keys_exports_a_tied_weight_once_in_the_file(tmp_path):
+    """Older builds (and ``save_stages`` without meta): every tensor the stages hold, by model name."""
     model, _, stages = _gpt2_stages()
     save_stages(stages, str(tmp_path / "build"))
     merged = hetcc.export(tmp_path / "build", tmp_path / "model.safetensors")
@@ -156,35 +177,53 @@ def test_export_of_a_build_folder_is_the_models_state_dict_with_tied_weights_onc
     assert aliases == {"lm_head.weight": "transformer.wte.weight"}
 
 
+class Unused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_export_warns_of_state_dict_keys_no_stage_holds(tmp_path):
+    model = Unused()
+    compiled = hetcc.compile(model, CLUSTERS / "cpu4.yaml", (torch.randn(4, 4),), microbatches=1)
+    folder = compiled.save(tmp_path / "build")
+    with pytest.warns(UserWarning, match=r"no stage holds \['unused.weight', 'unused.bias'\]"):
+        merged = hetcc.export(folder)
+    assert set(merged) == {"used.weight", "used.bias"}
+
+
 @pytest.mark.slow
 def test_trained_weights_are_saved_at_the_end_and_export_loads_into_the_model(tmp_path):
     model, ids, stages = _gpt2_stages()
     run_local(
-        stages, {"input_ids": ids, "labels": ids}, steps=1, microbatches=2, optimizer=ADAM,
-        checkpoint_dir=tmp_path / "ckpt",
+        Pipeline(stages, _recorded(model)), {"input_ids": ids, "labels": ids}, steps=1, microbatches=2,
+        optimizer=ADAM, checkpoint_dir=tmp_path / "ckpt",
     )  # fmt: skip
     eager = copy.deepcopy(model)
     optimizer = torch.optim.Adam(eager.parameters(), lr=0.01)
     for chunk in ids.chunk(2):
         (eager(input_ids=chunk, labels=chunk, use_cache=False).loss / 2).backward()
     optimizer.step()
-    trained = copy.deepcopy(model)
-    trained.load_state_dict(hetcc.export(tmp_path / "ckpt", tmp_path / "trained.safetensors"))
-    for name, tensor in eager.state_dict().items():
-        torch.testing.assert_close(trained.state_dict()[name], tensor, rtol=0, atol=1e-5, msg=name)
-    assert trained.lm_head.weight is trained.transformer.wte.weight
+    exported = hetcc.export(tmp_path / "ckpt", tmp_path / "trained.safetensors")
+    for state in (exported, safetensors.torch.load_file(str(tmp_path / "trained.safetensors"))):
+        trained = copy.deepcopy(model)
+        trained.load_state_dict(state)  # strict: exactly the model's keys
+        for name, tensor in eager.state_dict().items():
+            torch.testing.assert_close(trained.state_dict()[name], tensor, rtol=0, atol=1e-5, msg=name)
+        assert trained.lm_head.weight is trained.transformer.wte.weight
 
 
 def test_hetcc_export_on_the_command_line_writes_the_merged_state_dict(tmp_path, capsys):
     from hetcc import cli
 
     model, _, stages = _gpt2_stages()
-    save_stages(stages, str(tmp_path / "build"))
+    save_stages(stages, str(tmp_path / "build"), _recorded(model))
     assert cli.main(["export", str(tmp_path / "build"), str(tmp_path / "out.safetensors")]) == 0
     assert "by the model's parameter names" in capsys.readouterr().out
-    loaded = safetensors.torch.load_file(str(tmp_path / "out.safetensors"))
-    missing = model.load_state_dict(loaded, strict=False).missing_keys
-    assert missing == ["lm_head.weight"]  # the tied weight is stored once
+    model.load_state_dict(safetensors.torch.load_file(str(tmp_path / "out.safetensors")))  # strict
 
 
 def test_each_stage_keeps_its_two_newest_complete_steps(tmp_path):

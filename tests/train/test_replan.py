@@ -10,7 +10,7 @@ from models import eager_training, gpt2, token_ids
 
 import hetcc
 
-ADAM = {"name": "adam", "lr": 0.01}
+ADAM = {"name": "adamw", "lr": 0.01, "weight_decay": 0.1}  # two groups: biases and norms without decay
 
 
 def _cpus(count: int) -> hetcc.Cluster:

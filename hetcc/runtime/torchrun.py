@@ -1,0 +1,96 @@
+"""This process as torchrun started it: its pipeline rank, its device, the check that the device is the
+one the plan was made for, and the process group (``hetcc.launch`` and ``hetcc.train.PipelineRank.join``).
+
+With a placement written by ``hetcc.compile``, the process torchrun starts as (GROUP_RANK, LOCAL_RANK)
+is the rank planned for that node's GPU (``hetcc.runtime.placement``); else it is RANK.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from hetcc import config
+from hetcc.errors import HetccError, PlanFormatError
+from hetcc.runtime.groups import GPU_VENDORS, world_backend
+from hetcc.runtime.layout import placements
+from hetcc.runtime.placement import device_mismatch, rank_at
+
+
+def this_rank(meta: dict) -> int:
+    """This process's pipeline rank: the placement entry of its (node rank, local rank), else RANK."""
+    entries = meta.get("placement") or []
+    if entries and all("node_rank" in e for e in entries) and "GROUP_RANK" in os.environ:
+        node_rank, local_rank = int(os.environ["GROUP_RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+        try:
+            return int(rank_at(entries, node_rank, local_rank)["rank"])
+        except LookupError as error:
+            raise PlanFormatError(
+                str(error), hint="start each node with the command `hetcc launch DIR` prints"
+            ) from None
+    return int(os.environ.get("RANK", "0"))
+
+
+def planned_device(vendor: str, meta: dict, rank: int) -> torch.device:
+    """The planned GPU of this node (``local_index``), else cuda:LOCAL_RANK, else the CPU."""
+    if vendor.lower() in GPU_VENDORS and torch.cuda.is_available():
+        entries = meta.get("placement") or []
+        local = entries[rank].get("local_index") if entries else None
+        return torch.device("cuda", int(local if local is not None else os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def found_device(device: torch.device) -> dict:
+    """What this rank runs on, as ``device_mismatch`` compares it with the plan."""
+    if device.type != "cuda":
+        return {"vendor": "cpu", "name": "CPU", "memory_bytes": 0}
+    props = torch.cuda.get_device_properties(device)
+    vendor = "amd" if getattr(torch.version, "hip", None) else "nvidia"
+    return {"vendor": vendor, "name": props.name, "memory_bytes": props.total_memory}
+
+
+def check_device(meta: dict, rank: int, device: torch.device, allow_substitute: bool) -> dict | None:
+    """Stop if this rank's device is not the plan's, unless substitutes are allowed; then return what it
+    found (``found_device``). None: the planned device (or a plan without placement types)."""
+    entries = meta.get("placement") or []
+    if not entries or "type" not in entries[rank]:
+        return None
+    found = found_device(device)
+    problem = device_mismatch(entries[rank], found)
+    if problem is None:
+        return None
+    if not allow_substitute:
+        raise HetccError(
+            f"{problem}: the plan's stage sizes and times do not hold there",
+            hint="start each node with the command `hetcc launch DIR --rdzv-endpoint HOST:PORT` prints, or "
+            "pass --allow-substitute to run anyway",
+        )
+    print(f"hetcc.launch: {problem}; running on it anyway (--allow-substitute)", file=sys.stderr, flush=True)
+    return found
+
+
+def start_process_group(directory: str, meta: dict, num_stages: int, allow_substitute: bool):
+    """Join the job torchrun started: (rank, device, what a substituting rank found). Checks the world
+    size against the plan's ranks and this rank's device against its placement first."""
+    ranks = placements(meta, num_stages)  # replicas of a stage are ranks of their own
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != len(ranks):
+        raise PlanFormatError(
+            f"{directory} has {len(ranks)} ranks ({num_stages} stages) but WORLD_SIZE is {world}",
+            hint=f"start torchrun with {len(ranks)} processes in all (--nproc-per-node times the node count)",
+        )
+    vendors = [placement.vendor for placement in ranks]
+    rank = this_rank(meta)
+    device = planned_device(vendors[rank], meta, rank)
+    substitute = check_device(meta, rank, device, allow_substitute)
+    if not torch.cuda.is_available():  # a GPU plan on CPU hosts (allowed above): every link is gloo
+        vendors = ["cpu"] * len(ranks)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives (and object gathers) run on the current device
+    timeout = datetime.timedelta(seconds=config.comm_timeout_s)
+    dist.init_process_group(world_backend(vendors), timeout=timeout, rank=rank, world_size=len(ranks))
+    return rank, device, substitute

@@ -1,0 +1,223 @@
+"""The built-in training loop, written on ``PipelineRank``: what ``run_local``, ``hetcc run`` and
+``hetcc.launch`` run on every rank.
+
+Per step: the rank's share of global batch k (``hetcc.train.data``), ``step``, the global gradient norm
+(clipped to ``clip_grad_norm`` when set), the optimizer (``hetcc.train.optim``: the build's optimizer
+or the one given, weight-decay groups) and the learning-rate schedule; every ``eval_every`` steps a
+forward-only pass over ``eval_batches`` batches of ``eval_data``; every ``checkpoint_every`` steps and at
+the end a checkpoint holding the data position and the run's settings. The reporting rank (the last
+stage's first replica) writes one record per step (``hetcc.train.metrics``) and, with ``progress``,
+draws a progress bar. A build compiled for inference runs forward only: each step is an evaluation.
+
+A resumed run takes the optimizer's state (moments) and the data position from the checkpoint and its
+settings (learning rate, weight decay, schedule, clipping) from what it is given now, and says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetcc.errors import HetccError
+from hetcc.kernels import launch_stats, reset_launch_stats
+from hetcc.runtime.ops import reset_transfer_stats, transfer_stats
+from hetcc.train.metrics import MetricsLog, RunFigures, summary_lines
+from hetcc.train.optim import LRSchedule, apply_settings, build_optimizer
+from hetcc.train.rank import PipelineRank
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """One run of the built-in loop (JSON-able: a checkpoint records it, and a resume reports changes)."""
+
+    steps: int
+    optimizer: dict | None = None  # {"name": ..., "lr": ...}; None: the build's, with torch's defaults
+    lr_schedule: dict | None = None  # LRSchedule's fields; None: constant
+    clip_grad_norm: float | None = None
+    eval_every: int = 0  # 0: no evaluation during the run
+    eval_batches: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end (when checkpoint_dir is set)
+    resume: bool = False
+    log_dir: str | None = None  # metrics.jsonl (default: checkpoint_dir; None and no checkpoint: none)
+    seed: int = 0  # the data order (shuffling, a sampler's seed)
+    progress: bool = False
+
+
+def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any = None) -> dict[str, Any]:
+    """Run ``settings.steps`` steps on ``rank`` (every rank calls it); returns what ``RunResult`` takes
+    from a rank: losses and records (reporting rank), gradients, counters, the summary."""
+    optimizer = build_optimizer(settings.optimizer, rank.named_parameters()) if rank.training else None
+    first_step, position, notes = 0, 0, []
+    if not rank.training:
+        notes.append(f"{rank.directory} was compiled for inference: each step is a forward-only evaluation, "
+                     "and no weight changes")  # fmt: skip
+    if settings.resume:
+        first_step, position, notes = _resume(rank, optimizer, settings)
+    schedule = LRSchedule.from_spec(settings.lr_schedule, total_steps=first_step + settings.steps)
+    scheduler = schedule.scheduler(optimizer, first_step) if optimizer is not None else None
+    batches = rank.data(data, seed=settings.seed, position=position)
+    figures = _figures(rank)
+    log = _open_log(rank, settings)
+    losses, records, evals, step_times, busy = [], [], [], [], []
+    last = None
+    reset_transfer_stats()
+    reset_launch_stats()
+    with _progress(rank.reports and settings.progress, settings.steps, first_step) as advance:
+        for step in range(first_step, first_step + settings.steps):
+            started = time.perf_counter()
+            batch = next(batches)
+            lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
+            if rank.training:
+                last = rank.step(batch)
+                norm = (
+                    rank.clip_grad_norm_(settings.clip_grad_norm)
+                    if settings.clip_grad_norm
+                    else rank.grad_norm()
+                )
+                if optimizer is not None:
+                    optimizer.step()
+                    scheduler.step()
+            else:
+                last, norm = rank.evaluate(batch), None
+                rank.steps_done += 1
+            step_s = time.perf_counter() - started
+            step_times.append(step_s)
+            busy.append(last.busy_s)
+            record = {"step": step, "loss": last.mean_loss, "lr": lr, "grad_norm": norm,
+                      **figures.step_record(step_s), "skipped": last.skipped}  # fmt: skip
+            if settings.eval_every and (step + 1) % settings.eval_every == 0 and eval_data is not None:
+                record["eval_loss"] = evaluate(rank, eval_data, settings.eval_batches, settings.seed)
+                evals.append((step, record["eval_loss"]))
+            if rank.reports:
+                losses.append(last.mean_loss)
+                records.append(record)
+                if log is not None:
+                    log.write(record)
+                advance(record)
+            if _checkpoint_due(settings, rank.steps_done, step == first_step + settings.steps - 1):
+                rank.save(settings.checkpoint_dir, optimizer, _record(settings, batches.position))
+    if log is not None:
+        log.close()
+    summary = _summary(rank, figures, step_times, busy)
+    return {
+        "losses": losses, "records": records, "eval_losses": evals, "first_step": first_step, "notes": notes,
+        "outputs": dict(zip(last.microbatches, last.outputs)) if last is not None else {},
+        "grads": rank.executor.named_grads(), "stats": {**transfer_stats(), **launch_stats()},
+        "summary": summary, "metrics": str(log.path) if log is not None else None,
+    }  # fmt: skip
+
+
+def evaluate(rank: PipelineRank, data: Any, batches: int, seed: int = 0) -> float | None:
+    """The mean loss of the first ``batches`` global batches of ``data``, forward only (every rank)."""
+    losses = [rank.evaluate(batch).mean_loss for _, batch in zip(range(batches), rank.data(data, seed=seed))]
+    return statistics.fmean(losses) if losses and None not in losses else None
+
+
+def _resume(rank: PipelineRank, optimizer, settings: TrainSettings) -> tuple[int, int, list[str]]:
+    """Load the newest checkpoint; the run's settings win over the checkpoint's, and the notes say what
+    it resumed with and what changed."""
+    resumed = rank.load(settings.checkpoint_dir, optimizer)
+    saved = resumed.train.get("settings") or {}
+    changed = apply_settings(optimizer, settings.optimizer or {}) if optimizer is not None else {}
+    notes = [f"resumed at step {resumed.step} from {settings.checkpoint_dir}"]
+    notes += [
+        f"optimizer {key}: {before!r} in the checkpoint, {now!r} now"
+        for key, (before, now) in changed.items()
+    ]
+    for key in ("lr_schedule", "clip_grad_norm"):
+        if key in saved and saved[key] != getattr(settings, key):
+            notes.append(f"{key}: {saved[key]!r} in the checkpoint, {getattr(settings, key)!r} now")
+    position = int((resumed.train.get("data") or {}).get("batches", resumed.step))
+    return resumed.step, position, notes
+
+
+def _record(settings: TrainSettings, position: int) -> dict[str, Any]:
+    return {"data": {"batches": position, "seed": settings.seed}, "settings": asdict(settings)}
+
+
+def _checkpoint_due(settings: TrainSettings, done: int, last: bool) -> bool:
+    if settings.checkpoint_dir is None:
+        return False
+    return last or bool(settings.checkpoint_every and done % settings.checkpoint_every == 0)
+
+
+def _figures(rank: PipelineRank) -> RunFigures:
+    """Tokens and samples per global batch (from the traced first model input) and the plan's FLOPs."""
+    needs = rank.needs
+    first = next((s for stage in rank.outline.stages for s in stage.input_shapes.values() if s), ())
+    tokens = needs.batch_rows * int(first[1]) if len(first) == 2 and isinstance(first[1], int) else 0
+    types = [entry.get("type") for entry in rank.outline.meta.get("placement") or []]
+    return RunFigures.of(rank.directory, rank.layout, types, rank.device.type == "cpu", tokens,
+                         needs.batch_rows, rank.training)  # fmt: skip
+
+
+def _open_log(rank: PipelineRank, settings: TrainSettings) -> MetricsLog | None:
+    folder = settings.log_dir or settings.checkpoint_dir
+    return MetricsLog(folder, settings.resume) if rank.reports and folder is not None else None
+
+
+def _summary(
+    rank: PipelineRank, figures: RunFigures, step_times: list[float], busy: list[float]
+) -> list[str]:
+    """Every rank's median busy time gathered once; the reporting rank writes the summary."""
+    mine = statistics.median(busy) if busy else 0.0
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if not rank.reports:
+        return []
+    return summary_lines(figures, step_times, gathered)
+
+
+@contextmanager
+def _progress(enabled: bool, steps: int, first_step: int) -> Iterator:
+    """A progress bar (``rich``) with the latest loss and throughput, on the reporting rank's stderr."""
+    if not enabled:
+        yield lambda record: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+               TextColumn("{task.fields[figures]}"))  # fmt: skip
+    with Progress(*columns, console=Console(file=sys.stderr), transient=False) as bar:
+        task = bar.add_task("train", total=steps, figures="")
+
+        def advance(record: dict) -> None:
+            loss = f"loss {record['loss']:.4f}" if record.get("loss") is not None else ""
+            speed = f"{record['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in record else ""
+            bar.update(task, advance=1, figures=f"step {record['step']} {loss} {speed}".strip())
+
+        yield advance
+
+
+def check_settings(settings: TrainSettings) -> None:
+    """Wrong values fail before any process starts, naming the setting."""
+    for name in ("steps",):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HetccError(f"{name} must be an integer >= 1, got {value!r}")
+    for name in ("eval_every", "checkpoint_every"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise HetccError(f"{name} must be an integer >= 0, got {value!r}")
+    if settings.eval_batches < 1:
+        raise HetccError(f"eval_batches must be an integer >= 1, got {settings.eval_batches!r}")
+    clip = settings.clip_grad_norm
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+        raise HetccError(f"clip_grad_norm must be a positive number or None, got {clip!r}")
+    if settings.resume and settings.checkpoint_dir is None:
+        raise HetccError(
+            "resume=True needs checkpoint_dir=", hint="pass the checkpoint_dir of the earlier run"
+        )
+    LRSchedule.from_spec(settings.lr_schedule, settings.steps)
+    if settings.optimizer is not None:
+        build_optimizer(settings.optimizer, [("probe", torch.nn.Parameter(torch.zeros(2, 2)))])

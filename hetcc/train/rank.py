@@ -1,0 +1,310 @@
+"""``PipelineRank``: this process's part of a compiled pipeline, for a training loop of one's own.
+
+In the spirit of ``torch.distributed.pipelining``'s ``schedule.step(...)``: every rank runs the same loop,
+and hetcc runs the schedule inside ``step``::
+
+    rank = hetcc.train.PipelineRank.join("build/")          # under torchrun: this rank's stage, checked
+    optimizer = torch.optim.AdamW(hetcc.train.param_groups(rank.named_parameters(), 0.1), lr=3e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 100))
+    for batch in rank.data(dataset):                          # this rank's share of global batch k
+        out = rank.step(batch)                                # forward + backward of its microbatches
+        norm = rank.clip_grad_norm_(1.0)                      # the global norm, over every stage and replica
+        optimizer.step(); scheduler.step()
+        if rank.is_last: print(out.mean_loss)
+
+After ``step`` each parameter holds its full-batch gradient (the mean over microbatches, summed over the
+stage's replicas and over the holders of a tied weight), as after ``loss.backward()`` in eager PyTorch;
+under fp16 loss scaling it is unscaled, and a step with an inf or nan on any rank leaves every gradient
+``None`` (``out.skipped``), so ``optimizer.step()`` changes nothing. The loss is known on the last stage.
+Collectives (``step``, ``clip_grad_norm_``, ``grad_norm``, ``evaluate``, ``save``, ``load``) must be
+called by every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetcc import config
+from hetcc.errors import HetccError, RuntimeFailure
+from hetcc.passes.comm import StageGraph
+from hetcc.runtime.executor import StageExecutor, StepResult
+from hetcc.runtime.groups import Links
+from hetcc.runtime.layout import RankLayout, placements
+from hetcc.runtime.store import PipelineOutline, load_stage, read_outline
+from hetcc.runtime.torchrun import start_process_group
+from hetcc.train import checkpoint as ckpt
+from hetcc.train.data import RankBatch, RankData, RankInputs, share_of
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What ``PipelineRank.load`` found: the step to continue from and what the loop saved with it."""
+
+    step: int
+    train: dict[str, Any]  # the loop's own record (data position, settings), as saved
+
+
+class PipelineRank:
+    """One rank of a compiled pipeline folder: its stage (or replica of it), under torch.distributed
+    (already initialised; ``join`` initialises it under torchrun)."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        rank: int,
+        *,
+        device: torch.device | str = "cpu",
+        loss_fn: Callable | None = None,
+        schedule: str | None = None,
+        timeout_s: float | None = None,
+        seed: int = 0,
+    ):
+        self.directory = os.fspath(directory)
+        self.outline: PipelineOutline = read_outline(self.directory)  # pipeline.json: no other stage read
+        meta = self.outline.meta
+        self.microbatches, self.schedule = (
+            int(meta.get("microbatches", 1)),
+            schedule or meta.get("schedule", "1f1b"),
+        )
+        self.layout = RankLayout.from_meta(meta, len(self.outline.stages), self.microbatches)
+        self.rank, self.placement = rank, self.layout.ranks[rank]
+        self.stage = load_stage(self.directory, self.placement.stage)
+        self.device = torch.device(device)
+        self.training = meta.get("training", True)  # False: compiled for inference, forward only
+        self.owns_group = False
+        self.substitute: dict | None = None  # under join: the device found in place of the planned one
+        torch.manual_seed(seed + rank)  # the rank's own draws (dropout): runs repeat exactly
+        self.links = self._links(timeout_s)
+        self.executor = StageExecutor(
+            self.stage, self.links, self.microbatches, loss_fn, self.device, self.layout
+        )
+        self.loss_fn, self.steps_done = loss_fn, 0
+        self.needs = rank_inputs(self.outline, self.layout, rank, loss_fn is not None)
+
+    @classmethod
+    def join(
+        cls,
+        directory: str | os.PathLike,
+        *,
+        loss_fn: Callable | None = None,
+        allow_substitute: bool = False,
+        seed: int = 0,
+    ) -> PipelineRank:
+        """This process's rank of the job torchrun started: its rank from the placement, its planned
+        device (checked against what it found), and the process group, then the rank itself."""
+        outline = read_outline(os.fspath(directory))
+        rank, device, substitute = start_process_group(
+            os.fspath(directory), outline.meta, len(outline.stages), allow_substitute
+        )
+        joined = cls(directory, rank, device=device, loss_fn=loss_fn, seed=seed)
+        joined.owns_group, joined.substitute = True, substitute
+        return joined
+
+    # ---------------------------------------------------------------------------------- what it is
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.num_ranks
+
+    @property
+    def stage_index(self) -> int:
+        return self.placement.stage
+
+    @property
+    def replica(self) -> int:
+        return self.placement.replica
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage.is_last
+
+    @property
+    def seq_len(self) -> int:
+        """The sequence length the pipeline was traced with (dim 1 of its first 2-d input; 0: none)."""
+        shapes = (shape for stage in self.outline.stages for shape in stage.input_shapes.values())
+        return next((int(s[1]) for s in shapes if len(s) == 2 and isinstance(s[1], int)), 0)
+
+    @property
+    def reports(self) -> bool:
+        """The one rank that reports a run's figures: the last stage's first replica (it has the loss)."""
+        return self.is_last and self.replica == 0
+
+    def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """This stage's trainable parameters by the model's names (a tied weight once)."""
+        names = self.stage.param_names
+        seen: set[int] = set()
+        named = []
+        for local, param in self.executor.module.named_parameters():
+            if param.requires_grad and id(param) not in seen:
+                seen.add(id(param))
+                named.append((names.get(local, local), param))
+        return named
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [param for _, param in self.named_parameters()]
+
+    # ---------------------------------------------------------------------------------- running
+
+    def data(self, data: Any, *, seed: int = 0, position: int = 0) -> RankData:
+        """This rank's share of each global batch of ``data`` (``hetcc.train.data``), from ``position``."""
+        return RankData(data, self.needs, seed=seed, position=position)
+
+    def step(self, batch: RankBatch | Mapping[str, Any]) -> StepResult:
+        """One training step: forward and backward of this rank's microbatches, gradients summed (see the
+        module docstring). ``batch``: from ``data()``, or one global batch as a dict (this rank takes the
+        inputs its stage reads; a batch without them fails here, naming the input)."""
+        if not self.training:
+            raise HetccError(
+                f"{self.directory} was compiled for inference: it runs forward only",
+                hint="call evaluate(batch), or compile without --inference / with training=True",
+            )
+        share = self._share(batch)
+        actions = self.layout.actions(self.schedule, self.rank)
+        result = self.executor.run(share.inputs, share.targets, actions, step=self.steps_done)
+        self.steps_done += 1
+        return result
+
+    def evaluate(self, batch: RankBatch | Mapping[str, Any]) -> StepResult:
+        """Forward only, without gradients or dropout: ``mean_loss`` on the last stage (None when the
+        model returns no loss), ``outputs`` per microbatch there."""
+        share = self._share(batch)
+        actions = self.layout.actions(self.schedule, self.rank, training=False)
+        return self.executor.forward_only(share.inputs, share.targets, actions)
+
+    def grad_norm(self, norm_type: float = 2.0) -> float:
+        """The norm of the whole model's gradient, each parameter counted once (its first replica; a tied
+        weight on the first stage holding it), as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+        norm_type = float(norm_type)
+        norms = [torch.linalg.vector_norm(g.detach(), norm_type).double() for g in self._counted_grads()]
+        inf = norm_type == float("inf")
+        local = (
+            (torch.stack(norms).max() if inf else torch.stack(norms).pow(norm_type).sum()) if norms else None
+        )
+        value = float(local) if local is not None else 0.0
+        total = self.links.reduce_world(value, "max" if inf else "sum", "the gradient norm over every rank")
+        return total if inf else total ** (1.0 / norm_type)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Scale every gradient so the global norm is at most ``max_norm`` (``clip_grad_norm_``'s rule);
+        returns the norm before clipping, the same on every rank."""
+        total = self.grad_norm(norm_type)
+        coefficient = torch.clamp(max_norm / (torch.tensor(total, dtype=torch.float32) + 1e-6), max=1.0)
+        grads = [p.grad for p in self.executor.params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coefficient.to(grads[0].device))
+        return total
+
+    # ---------------------------------------------------------------------------------- state
+
+    def save(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+             train: Mapping[str, Any] | None = None) -> None:  # fmt: skip
+        """Checkpoint this rank at ``steps_done`` (``hetcc.train.checkpoint``): replica 0 writes the
+        stage (weights, optimizer state, loss scale, RNG, ``train``: the loop's JSON-able record),
+        another replica only its RNG."""
+        directory, stage, step = os.fspath(directory), self.stage_index, self.steps_done
+        rng = ckpt.rng_state(self.device)
+        if self.replica:
+            ckpt.save_replica_rng(directory, stage, self.replica, step, rng)
+            return
+        state = {**self.executor.state_dict(), "rng": rng, "train": dict(train or {})}
+        state["optimizer"] = optimizer.state_dict() if optimizer is not None else None
+        ckpt.save_checkpoint(directory, stage, step, state)
+        ckpt.prune(directory, stage)
+
+    def load(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Resumed:
+        """Continue from the newest step every rank has complete (the ranks agree on it): weights, the
+        optimizer's state (its hyper-parameters too: set the run's own after, see ``optim.apply_settings``),
+        loss scale and RNG. Returns that step and the loop's record."""
+        directory = os.fspath(directory)
+        mine = ckpt.latest_stage_step(directory, self.stage_index)
+        step = int(self.links.reduce_world(-1 if mine is None else mine, "min", "the ranks' agreement on "
+                                           "the checkpoint to resume from"))  # fmt: skip
+        if step < 0:
+            raise RuntimeFailure(
+                f"{directory}: no complete checkpoint of every stage to resume from",
+                hint="run with a checkpoint folder first; a step folder without a stage's manifest is incomplete",
+            )
+        state = ckpt.load_checkpoint(directory, self.stage_index, step)
+        self.executor.load_state_dict(state)
+        if optimizer is not None and state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        rng = ckpt.load_replica_rng(directory, self.stage_index, self.replica, step) if self.replica else None
+        ckpt.set_rng_state(rng or state["rng"], self.device)
+        self.steps_done = step
+        return Resumed(step, dict(state.get("train") or {}))
+
+    def close(self) -> None:
+        """Leave the process group if ``join`` started it."""
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---------------------------------------------------------------------------------- inside
+
+    def _links(self, timeout_s: float | None) -> Links:
+        vendors = self.layout.vendors()
+        if self.device.type == "cpu":  # a GPU plan checked on CPU ranks: every link is gloo
+            vendors = ["cpu"] * self.layout.num_ranks
+        tied_ranks = [self.layout.holders(group.stages) for group in self.stage.tied]
+        timeout_s = config.comm_timeout_s if timeout_s is None else timeout_s
+        return Links(vendors, tied_ranks, timeout_s, self.device, replica_ranks=self.layout.replica_groups())
+
+    def _share(self, batch: RankBatch | Mapping[str, Any]) -> RankBatch:
+        if isinstance(batch, RankBatch):
+            return batch
+        if not self.needs.reads_data:
+            return RankBatch(self.steps_done, {m: {} for m in self.needs.mine})
+        return share_of(batch, replace(self.needs, model_inputs=()), self.steps_done)
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        """The gradients this rank counts in the global norm: none on a replica other than the first; a
+        tied weight only on the first stage that holds it."""
+        if self.replica:
+            return []
+        module = self.executor.module
+        not_mine = {
+            id(module.get_parameter(local))
+            for group in self.stage.tied
+            for stage, local in group.members
+            if stage == self.stage_index and min(group.stages) != self.stage_index
+        }
+        return [p.grad for p in self.executor.params if p.grad is not None and id(p) not in not_mine]
+
+
+def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, StageGraph]:
+    """What ``rank`` runs: the folder's outline (pipeline.json) and its own stage, the only graph and
+    weights it reads (a damaged file of another stage fails that stage's ranks, not this one)."""
+    outline = read_outline(directory)
+    return outline, load_stage(directory, placements(outline.meta, len(outline.stages))[rank].stage)
+
+
+def rank_inputs(outline: PipelineOutline, layout: RankLayout, rank: int, loss_fn: bool) -> RankInputs:
+    """What ``rank`` reads of each global batch (``hetcc.train.data.RankInputs``), from pipeline.json."""
+    placement = layout.ranks[rank]
+    stage = outline.stages[placement.stage]
+    model_inputs = tuple(dict.fromkeys(name for s in outline.stages for name in s.inputs))
+    rows = next(
+        (
+            int(shape[0])
+            for s in outline.stages
+            for shape in s.input_shapes.values()
+            if shape and isinstance(shape[0], int)
+        ),
+        1,
+    )
+    mine = tuple(
+        m for m, replica in enumerate(layout.routing[placement.stage]) if replica == placement.replica
+    )
+    return RankInputs(
+        stage.inputs, len(layout.routing[0]), rows, mine, dict(stage.input_shapes), dict(stage.input_dtypes),
+        model_inputs, target=stage.is_last and loss_fn,
+    )  # fmt: skip
