@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 
 from hetcc.errors import HetccError, did_you_mean
 
@@ -285,12 +285,16 @@ class _Indexed(_Source):
         return _checked(step, share, self.needs)
 
     def _fetch(self, indices: list[int], step: int) -> dict[str, Any]:
-        """The items at ``indices`` collated: ``rows()`` of hetcc's token dataset, else torch's batched
-        ``__getitems__`` where the dataset has it, else item by item, then the collate function."""
-        fast = getattr(self.dataset, "rows", None)
+        """The items at ``indices`` collated: in one read where the dataset allows it and the collate
+        function is torch's default (``rows()`` of hetcc's token dataset, a ``TensorDataset``'s tensors:
+        the stack of the items), else torch's batched ``__getitems__`` where the dataset has it, else item
+        by item, then the collate function."""
         try:
-            if fast is not None and self.collate is default_collate:
-                return dict(fast(indices))
+            if self.collate is default_collate and hasattr(self.dataset, "rows"):
+                return dict(self.dataset.rows(indices))
+            if self.collate is default_collate and isinstance(self.dataset, TensorDataset):
+                rows = torch.as_tensor(indices)
+                return as_named([tensor[rows] for tensor in self.dataset.tensors], self.needs, step)
             many = getattr(self.dataset, "__getitems__", None)
             items = many(indices) if many is not None else [self.dataset[i] for i in indices]
             return as_named(self.collate(items), self.needs, step)

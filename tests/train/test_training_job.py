@@ -174,3 +174,39 @@ def test_the_example_loop_on_the_per_rank_api_trains_like_eager_under_torchrun(j
     assert all(abs(g - w) <= 1e-5 * w for g, w in zip(got_norms, norms))
     assert lines[-1].startswith("val loss ")
     assert latest_complete_step(tmp_path / "build" / "my-checkpoints", len(REPLICAS)) == 20
+
+
+def test_settings_given_at_resume_win_over_the_checkpoints_and_the_run_says_so(job, tmp_path):
+    """Resuming with lr=0 changes no weight (before: the checkpoint's lr silently won)."""
+    compiled, _ = job
+    batch = {
+        "input_ids": torch.randint(0, 256, (M * ROWS, SEQ)),
+        "labels": torch.randint(0, 256, (M * ROWS, SEQ)),
+    }
+    hetcc.run_local(compiled, batch, steps=2, optimizer=OPTIMIZER, checkpoint_dir=tmp_path)
+    before = hetcc.export(tmp_path)
+    resumed = hetcc.run_local(compiled, batch, steps=1, optimizer={**OPTIMIZER, "lr": 0.0}, checkpoint_dir=tmp_path,
+                              resume=True)  # fmt: skip
+    assert "optimizer lr: 0.003 in the checkpoint, 0.0 now" in resumed.notes
+    after = hetcc.export(tmp_path)
+    assert sorted(after) == sorted(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert resumed.checkpoint_dir == str(tmp_path) and resumed.metrics == str(tmp_path / "metrics.jsonl")
+
+
+def test_an_inference_build_runs_forward_only_and_says_so(tmp_path):
+    model = gpt2(n_layer=2, n_embd=32, n_head=2, vocab=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = torch.randint(0, 256, (M * ROWS, SEQ))
+    with hetcc.config.patch(fuse=False):
+        compiled = hetcc.compile(model, "examples/clusters/cpu4.yaml", example_kwargs={"input_ids": ids, "labels": ids},
+                                 microbatches=M, training=False)  # fmt: skip
+    compiled.save(tmp_path / "build")
+    result = hetcc.run_local(str(tmp_path / "build"), {"input_ids": ids, "labels": ids}, steps=2,
+                             optimizer=OPTIMIZER, checkpoint_dir=tmp_path / "ckpt")  # fmt: skip
+    assert "compiled for inference" in result.notes[0]
+    assert result.losses[0] == result.losses[1]  # nothing trained: the same batch gives the same loss
+    with torch.no_grad():
+        want = model(input_ids=ids, labels=ids).loss
+    assert abs(result.losses[0] - float(want)) <= 1e-5 * float(want)
+    assert all(record["grad_norm"] is None for record in result.records)
+    saved = hetcc.export(tmp_path / "ckpt")
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
