@@ -183,12 +183,11 @@ def _progress(enabled: bool, steps: int, first_step: int) -> Iterator:
     if not enabled:
         yield lambda record: None
         return
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                TextColumn("{task.fields[figures]}"))  # fmt: skip
-    with Progress(*columns, console=Console(file=sys.stderr), transient=False) as bar:
+    with Progress(*columns, console=_console(), transient=False) as bar:
         task = bar.add_task("train", total=steps, figures="")
 
         def advance(record: dict) -> None:
@@ -197,6 +196,12 @@ def _progress(enabled: bool, steps: int, first_step: int) -> Iterator:
             bar.update(task, advance=1, figures=f"step {record['step']} {loss} {speed}".strip())
 
         yield advance
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(file=sys.stderr)
 
 
 def check_settings(settings: TrainSettings) -> None:
