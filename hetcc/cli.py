@@ -315,7 +315,7 @@ def _add_prepare_text(commands) -> None:
 def _prepare_text(args: argparse.Namespace) -> None:
     import json
 
-    from hetcc.train.tokens import prepare_text
+    from hetcc.train.text import prepare_text
 
     summary = prepare_text(
         args.folder, args.out, tokenizer=args.tokenizer, pattern=args.pattern,

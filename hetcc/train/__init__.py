@@ -5,7 +5,7 @@ of the runtime's execution (``hetcc.runtime``: transport, ops, executor, process
     loop.py      the built-in loop on it (run_local, hetcc run, hetcc.launch), TrainSettings
     local.py     run_local: one spawned process per rank, watched
     data.py      datasets, loaders and iterables as each rank's share of global batch k
-    tokens.py    the on-disk token dataset and prepare_text
+    tokens.py    the on-disk token dataset; text.py prepare_text, which writes one
     optim.py     optimizer from settings, weight-decay groups, warmup + decay schedule
     metrics.py   per-step figures, metrics.jsonl / TensorBoard, measured vs simulated
     checkpoint.py, export.py, replan.py   checkpoints, the trained weights as one state dict, re-planning
@@ -22,7 +22,7 @@ _EXPORTS = {
     "param_groups": "hetcc.train.optim",
     "PipelineRank": "hetcc.train.rank",
     "TokenDataset": "hetcc.train.tokens",
-    "prepare_text": "hetcc.train.tokens",
+    "prepare_text": "hetcc.train.text",
     "global_batches": "hetcc.train.data",
     "RunResult": "hetcc.train.local",
 }

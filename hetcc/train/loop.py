@@ -56,64 +56,58 @@ def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any
     """Run ``settings.steps`` steps on ``rank`` (every rank calls it); returns what ``RunResult`` takes
     from a rank: losses and records (reporting rank), gradients, counters, the summary."""
     optimizer = build_optimizer(settings.optimizer, rank.named_parameters()) if rank.training else None
-    first_step, position, notes = 0, 0, []
+    first_step, position, notes = _resume(rank, optimizer, settings) if settings.resume else (0, 0, [])
     if not rank.training:
         notes.append(f"{rank.directory} was compiled for inference: each step is a forward-only evaluation, "
                      "and no weight changes")  # fmt: skip
-    if settings.resume:
-        first_step, position, notes = _resume(rank, optimizer, settings)
     schedule = LRSchedule.from_spec(settings.lr_schedule, total_steps=first_step + settings.steps)
     scheduler = schedule.scheduler(optimizer, first_step) if optimizer is not None else None
     batches = rank.data(data, seed=settings.seed, position=position)
-    figures = _figures(rank)
-    log = _open_log(rank, settings)
-    losses, records, evals, step_times, busy = [], [], [], [], []
-    last = None
+    figures, log = _figures(rank), _open_log(rank, settings)
+    records, evals, step_times, busy, last = [], [], [], [], None
     reset_transfer_stats()
     reset_launch_stats()
     with _progress(rank.reports and settings.progress, settings.steps, first_step) as advance:
         for step in range(first_step, first_step + settings.steps):
             started = time.perf_counter()
-            batch = next(batches)
             lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
-            if rank.training:
-                last = rank.step(batch)
-                norm = (
-                    rank.clip_grad_norm_(settings.clip_grad_norm)
-                    if settings.clip_grad_norm
-                    else rank.grad_norm()
-                )
-                if optimizer is not None:
-                    optimizer.step()
-                    scheduler.step()
-            else:
-                last, norm = rank.evaluate(batch), None
-                rank.steps_done += 1
-            step_s = time.perf_counter() - started
-            step_times.append(step_s)
+            last, norm = _step(rank, next(batches), optimizer, scheduler, settings.clip_grad_norm)
+            step_times.append(time.perf_counter() - started)
             busy.append(last.busy_s)
             record = {"step": step, "loss": last.mean_loss, "lr": lr, "grad_norm": norm,
-                      **figures.step_record(step_s), "skipped": last.skipped}  # fmt: skip
+                      **figures.step_record(step_times[-1]), "skipped": last.skipped}  # fmt: skip
             if settings.eval_every and (step + 1) % settings.eval_every == 0 and eval_data is not None:
                 record["eval_loss"] = evaluate(rank, eval_data, settings.eval_batches, settings.seed)
                 evals.append((step, record["eval_loss"]))
             if rank.reports:
-                losses.append(last.mean_loss)
                 records.append(record)
+                advance(record)
                 if log is not None:
                     log.write(record)
-                advance(record)
             if _checkpoint_due(settings, rank.steps_done, step == first_step + settings.steps - 1):
                 rank.save(settings.checkpoint_dir, optimizer, _record(settings, batches.position))
     if log is not None:
         log.close()
-    summary = _summary(rank, figures, step_times, busy)
     return {
-        "losses": losses, "records": records, "eval_losses": evals, "first_step": first_step, "notes": notes,
-        "outputs": dict(zip(last.microbatches, last.outputs)) if last is not None else {},
+        "losses": [r["loss"] for r in records], "records": records, "eval_losses": evals, "first_step": first_step,
+        "notes": notes, "outputs": dict(zip(last.microbatches, last.outputs)) if last is not None else {},
         "grads": rank.executor.named_grads(), "stats": {**transfer_stats(), **launch_stats()},
-        "summary": summary, "metrics": str(log.path) if log is not None else None,
+        "summary": _summary(rank, figures, step_times, busy), "metrics": str(log.path) if log is not None else None,
     }  # fmt: skip
+
+
+def _step(rank: PipelineRank, batch, optimizer, scheduler, clip: float | None) -> tuple[Any, float | None]:
+    """One step: forward and backward, the global gradient norm (clipped), the optimizer and the
+    schedule; a build compiled for inference evaluates instead. Returns the step's result and norm."""
+    if not rank.training:
+        rank.steps_done += 1
+        return rank.evaluate(batch), None
+    result = rank.step(batch)
+    norm = rank.clip_grad_norm_(clip) if clip else rank.grad_norm()
+    if optimizer is not None:
+        optimizer.step()
+        scheduler.step()
+    return result, norm
 
 
 def evaluate(rank: PipelineRank, data: Any, batches: int, seed: int = 0) -> float | None:

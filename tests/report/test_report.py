@@ -6,6 +6,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import hetcc
 from hetcc.errors import PlanFormatError
 from hetcc.report import REPORT_FILE, load, measured_trace, render, simulated_trace, write_report
+from hetcc.runtime.executor import StepResult
 from hetcc.runtime.recorder import TRACE_DIR_ENV, ActionRecorder
 
 CLUSTERS = Path(__file__).resolve().parents[2] / "examples" / "clusters"
@@ -100,16 +102,17 @@ def test_the_simulated_trace_has_one_row_per_stage_in_microseconds(dump):
 
 def test_the_recorder_writes_nothing_unless_asked_and_its_files_merge_into_one_trace(tmp_path, monkeypatch):
     monkeypatch.delenv(TRACE_DIR_ENV, raising=False)
-    off = ActionRecorder(0)
-    with off.record("F", 0):
-        pass
+    off, timed = ActionRecorder(0), StepResult()
+    with off.record("F", 0, timed):
+        time.sleep(0.01)
     off.end_step()
     assert off.events == [] and not list(tmp_path.iterdir())
+    assert timed.busy_s >= 0.01  # the step's busy time is added up whether or not the trace is on
     monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path))
     for rank in range(2):
         recorder = ActionRecorder(rank)
         for kind in ("F", "B"):
-            with recorder.record(kind, 0):
+            with recorder.record(kind, 0, StepResult()):
                 pass
         recorder.end_step()
     trace = measured_trace(tmp_path, [(0, 0, "cpu-0"), (1, 0, "cpu-1")])

@@ -14,7 +14,8 @@ import torch
 
 from hetcc.cli import main
 from hetcc.errors import HetccError
-from hetcc.train.tokens import TokenDataset, prepare_text, read_token_folder
+from hetcc.train.text import prepare_text
+from hetcc.train.tokens import TokenDataset, read_token_folder
 
 TEXTS = {
     "a.txt": "hello world\n",

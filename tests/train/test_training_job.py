@@ -30,7 +30,8 @@ from hetcc.runtime.store import Pipeline, save_stages
 from hetcc.train.checkpoint import latest_complete_step
 from hetcc.train.data import global_batches
 from hetcc.train.optim import LRSchedule, param_groups
-from hetcc.train.tokens import TokenDataset, prepare_text
+from hetcc.train.text import prepare_text
+from hetcc.train.tokens import TokenDataset
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
