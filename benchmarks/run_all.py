@@ -121,8 +121,10 @@ def runtime_overhead(mode: str) -> dict:
     for schedule in ("1f1b", "gpipe"):
         text = run_script("runtime_overhead.py", ["--schedule", schedule, *steps])
         ratio = re.search(r"ratio hetcc / pipelining: ([\d.]+)x", text)
-        times = dict(re.findall(r"^\s+(hetcc|pipelining)\s+([\d.]+) ms/step", text, flags=re.M))
-        out[schedule] = {"ratio": float(ratio.group(1)) if ratio else math.nan, "ms": times, "text": text}
+        data = re.search(r"ratio hetcc\+data / hetcc [^:]*: ([\d.]+)x", text)
+        times = dict(re.findall(r"^\s+(hetcc\+data|hetcc|pipelining)\s+([\d.]+) ms/step", text, flags=re.M))
+        out[schedule] = {"ratio": float(ratio.group(1)) if ratio else math.nan, "ms": times, "text": text,
+                         "data_ratio": float(data.group(1)) if data else math.nan}  # fmt: skip
         print(f"runtime overhead {schedule}: {out[schedule]['ratio']}", flush=True)
     return out
 
