@@ -174,3 +174,10 @@ def eager_reference(model, inputs: dict, targets, loss_fn, steps: int, microbatc
 
 def mse(output, target):
     return F.mse_loss(output, target)
+
+
+def mlp_batches(steps: int = 3) -> list[dict]:
+    """``--data runtime_models:mlp_batches``: a new global batch of ResidualMLP inputs and targets per step."""
+    generator = torch.Generator().manual_seed(7)
+    return [{"x": torch.randn(4, 8, generator=generator), "targets": torch.randn(4, 8, generator=generator)}
+            for _ in range(steps)]  # fmt: skip

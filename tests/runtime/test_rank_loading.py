@@ -8,10 +8,10 @@ import socket
 import pytest
 import torch
 import torch.nn.functional as F
-from runtime_models import MLP_RULES, ResidualMLP, export, stages_by_module
+from runtime_models import MLP_RULES, ResidualMLP, export, mlp_batches, stages_by_module
 
 from hetcc import cli, launch
-from hetcc.errors import PlanFormatError
+from hetcc.errors import HetccError, PlanFormatError
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.store import save_stages
 from hetcc.train.local import run_local
@@ -81,3 +81,31 @@ def test_launch_resume_numbers_steps_from_the_checkpoint(tmp_path, monkeypatch, 
 def _printed_steps(capsys) -> list[str]:
     """The step numbers of the ``step <i> loss <value>`` lines printed since the last call."""
     return [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+
+def test_launch_trains_on_the_data_it_is_given(tmp_path, monkeypatch, capsys):
+    """``--data pkg.module:factory``: step k trains batch k of what the factory returns (eager SGD on the
+    same batches agrees); a factory that does not exist is named before the process group starts."""
+    _saved_mlp(tmp_path, 1)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    assert launch.main([str(tmp_path), "--steps", "3", "--data", "runtime_models:mlp_batches"]) == 0
+    printed = [
+        float(line.split()[3]) for line in capsys.readouterr().out.splitlines() if line.startswith("step ")
+    ]
+    torch.manual_seed(0)
+    torch.randn(4, 8), torch.randn(4, 8)  # as _saved_mlp draws its example batch before the model
+    model = ResidualMLP()
+    optimizer = torch.optim.SGD(model.parameters(), lr=SGD["lr"])
+    for got, batch in zip(printed, mlp_batches(), strict=True):
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(batch["x"]), batch["targets"])
+        loss.backward()
+        optimizer.step()
+        assert abs(got - loss.item()) <= 1e-6 * loss.item()
+    with pytest.raises(HetccError, match="runtime_models has no function 'nothing'"):
+        launch.main([str(tmp_path), "--steps", "1", "--data", "runtime_models:nothing"])

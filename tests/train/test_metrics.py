@@ -97,3 +97,22 @@ def test_the_progress_bar_shows_the_step_loss_and_throughput(monkeypatch):
         advance({"step": 1, "loss": 4.25, "tokens_per_s": 1300.0})
     text = screen.getvalue()
     assert "2/2" in text and "step 1 loss 4.2500 1300 tok/s" in text
+
+
+def test_every_number_of_a_record_goes_to_tensorboard_when_it_is_installed(tmp_path, monkeypatch):
+    from hetcc.train import metrics
+
+    scalars = []
+
+    class Writer:  # what torch.utils.tensorboard.SummaryWriter is asked, without the tensorboard package
+        def add_scalar(self, tag, value, step):
+            scalars.append((tag, value, step))
+
+        def close(self):
+            scalars.append("closed")
+
+    monkeypatch.setattr(metrics, "_tensorboard", lambda folder: Writer())
+    log = MetricsLog(tmp_path, resume=False)
+    log.write({"step": 3, "loss": 2.5, "lr": None, "tokens_per_s": 100.0, "skipped": False})
+    log.close()
+    assert scalars == [("loss", 2.5, 3), ("tokens_per_s", 100.0, 3), ("skipped", False, 3), "closed"]
