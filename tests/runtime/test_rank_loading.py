@@ -63,15 +63,21 @@ def test_hetcc_run_resume_numbers_steps_from_the_checkpoint(tmp_path, capsys):
     assert _printed_steps(capsys) == ["2", "3"]
 
 
-def test_launch_resume_numbers_steps_from_the_checkpoint(tmp_path, monkeypatch, capsys):
-    """``python -m hetcc.launch`` in this process as a one-rank world (a one-stage pipeline)."""
-    _saved_mlp(tmp_path, 1)
+@pytest.fixture
+def one_rank_world(monkeypatch):
+    """The environment torchrun gives a one-process world (``python -m hetcc.launch`` in this process)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MASTER_PORT", str(port))
+
+
+@pytest.mark.usefixtures("one_rank_world")
+def test_launch_resume_numbers_steps_from_the_checkpoint(tmp_path, capsys):
+    """``python -m hetcc.launch`` in this process as a one-rank world (a one-stage pipeline)."""
+    _saved_mlp(tmp_path, 1)
     assert launch.main([str(tmp_path), "--steps", "3", "--checkpoint-every", "3"]) == 0
     assert _printed_steps(capsys) == ["0", "1", "2"]
     assert launch.main([str(tmp_path), "--steps", "2", "--resume"]) == 0
@@ -83,16 +89,11 @@ def _printed_steps(capsys) -> list[str]:
     return [line.split()[1] for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
 
 
-def test_launch_trains_on_the_data_it_is_given(tmp_path, monkeypatch, capsys):
+@pytest.mark.usefixtures("one_rank_world")
+def test_launch_trains_on_the_data_it_is_given(tmp_path, capsys):
     """``--data pkg.module:factory``: step k trains batch k of what the factory returns (eager SGD on the
     same batches agrees); a factory that does not exist is named before the process group starts."""
     _saved_mlp(tmp_path, 1)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("MASTER_PORT", str(port))
     assert launch.main([str(tmp_path), "--steps", "3", "--data", "runtime_models:mlp_batches"]) == 0
     printed = [
         float(line.split()[3]) for line in capsys.readouterr().out.splitlines() if line.startswith("step ")
