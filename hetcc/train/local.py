@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from hetcc import config
 from hetcc.errors import HetccError, PlanFormatError
+from hetcc.hardware.schema import short_repr
 from hetcc.passes.comm import StageGraph
 from hetcc.runtime.groups import GPU_VENDORS
 from hetcc.runtime.layout import placements
@@ -153,11 +154,11 @@ def _repeated(outline: PipelineOutline, inputs, targets, microbatches: int) -> R
     """``inputs`` (and ``targets``) as the one global batch of every step, checked before any rank starts."""
     if inputs is None:
         raise HetccError("run_local needs data= (a dataset, loader or batches) or inputs= (one batch)")
-    batch = named_inputs(outline, inputs)
-    check_inputs_taken(outline, batch)
+    batch = _named_inputs(outline, inputs)
+    _check_inputs_taken(outline, batch)
     if isinstance(targets, torch.Tensor):
         batch[TARGET_KEYS[0]] = targets
-    check_microbatch_shapes(outline, split_microbatches(batch, microbatches)[0])
+    _check_microbatch_shapes(outline, split_microbatches(batch, microbatches)[0])
     return Repeated(batch)
 
 
@@ -172,7 +173,7 @@ class Repeated:
             yield self.batch
 
 
-def named_inputs(outline: PipelineOutline, inputs: Mapping[str, Any] | tuple | list) -> dict[str, Any]:
+def _named_inputs(outline: PipelineOutline, inputs: Mapping[str, Any] | tuple | list) -> dict[str, Any]:
     """Model inputs by placeholder name; positional inputs follow the model's placeholder order."""
     if isinstance(inputs, Mapping):
         return dict(inputs)
@@ -187,7 +188,7 @@ def named_inputs(outline: PipelineOutline, inputs: Mapping[str, Any] | tuple | l
     return dict(zip(names, inputs))
 
 
-def check_microbatch_shapes(outline: PipelineOutline, microbatch: dict[str, Any]) -> None:
+def _check_microbatch_shapes(outline: PipelineOutline, microbatch: dict[str, Any]) -> None:
     """Every stage's graph was traced at one microbatch's shapes; fail before any rank waits."""
     for stage in outline.stages:
         for name in stage.inputs:
@@ -202,7 +203,7 @@ def check_microbatch_shapes(outline: PipelineOutline, microbatch: dict[str, Any]
                 )
 
 
-def check_inputs_taken(outline: PipelineOutline, inputs: Mapping[str, Any]) -> None:
+def _check_inputs_taken(outline: PipelineOutline, inputs: Mapping[str, Any]) -> None:
     """A tensor input the model was not traced with would be ignored silently (say, ``labels`` given
     to a plan compiled without them, whose model then returns logits, not a loss): refuse it."""
     taken = set(outline.meta.get("inputs") or ()) | {n for stage in outline.stages for n in stage.inputs}
@@ -245,15 +246,10 @@ def _check_picklable(*values) -> None:
             pickle.dumps(value)
         except Exception as error:  # noqa: BLE001 - pickle raises PicklingError, AttributeError, TypeError
             raise HetccError(
-                f"{what} {short(value)} cannot be sent to the spawned ranks: {type(error).__name__}: {error}",
+                f"{what} {short_repr(value)} cannot be sent to the spawned ranks: {type(error).__name__}: {error}",
                 hint="define it with `def` at the top level of a module (not a lambda or a nested function); "
                 "for data, pass a Dataset or a module-level function that returns the iterable",
             ) from None
-
-
-def short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _say_where_it_runs(outline: PipelineOutline) -> None:
