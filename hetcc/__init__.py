@@ -1,10 +1,13 @@
 """hetcc: compile one PyTorch model into unequal pipeline stages for a cluster of unequal devices.
 
-Where each step lives is mapped in ``hetcc/README.md``.
+Where each step lives is mapped in ``hetcc/README.md``. The public names below are imported on first
+use, so ``import hetcc.cli`` (``hetcc --help``, an argument error) does not wait for torch.
 """
 
-from hetcc import config, ir
-from hetcc.api import Analysis, Compiled, analyze, compile, replan, run_local
+from __future__ import annotations
+
+import importlib
+
 from hetcc.errors import (
     AnalysisError,
     ClusterError,
@@ -14,41 +17,47 @@ from hetcc.errors import (
     RuntimeFailure,
     TraceError,
 )
-from hetcc.hardware.calibration import Calibration, apply_to_cluster
-from hetcc.hardware.cluster import Cluster, Device, Link
-from hetcc.hardware.measure import calibrate
-from hetcc.hardware.presets import DeviceType, get_preset
-from hetcc.passes.trace import trace
-from hetcc.plan import Plan, PlanStage
-from hetcc.train.export import export
+
+_EXPORTS = {
+    "Analysis": "hetcc.api",
+    "Compiled": "hetcc.api",
+    "analyze": "hetcc.api",
+    "compile": "hetcc.api",
+    "replan": "hetcc.api",
+    "run_local": "hetcc.api",
+    "Calibration": "hetcc.hardware.calibration",
+    "apply_to_cluster": "hetcc.hardware.calibration",
+    "Cluster": "hetcc.hardware.cluster",
+    "Device": "hetcc.hardware.cluster",
+    "Link": "hetcc.hardware.cluster",
+    "calibrate": "hetcc.hardware.measure",
+    "DeviceType": "hetcc.hardware.presets",
+    "get_preset": "hetcc.hardware.presets",
+    "trace": "hetcc.passes.trace",
+    "Plan": "hetcc.plan",
+    "PlanStage": "hetcc.plan",
+    "export": "hetcc.train.export",
+}
+_SUBMODULES = ("api", "config", "ir", "train", "report", "runtime", "solver", "hardware", "passes", "kernels")
 
 __all__ = [
-    "Analysis",
-    "Calibration",
-    "Cluster",
-    "apply_to_cluster",
-    "calibrate",
-    "Compiled",
-    "Plan",
-    "PlanStage",
-    "compile",
-    "export",
-    "replan",
-    "run_local",
-    "Device",
-    "DeviceType",
-    "Link",
-    "get_preset",
-    "analyze",
-    "ir",
-    "trace",
-    "AnalysisError",
-    "ClusterError",
-    "HetccError",
-    "InfeasiblePlanError",
-    "PlanFormatError",
-    "RuntimeFailure",
+    *_EXPORTS, "ir", "config", "train",
+    "AnalysisError", "ClusterError", "HetccError", "InfeasiblePlanError", "PlanFormatError", "RuntimeFailure",
     "TraceError",
-    "config",
-]
+]  # fmt: skip
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"hetcc.{name}")
+    else:
+        raise AttributeError(f"module 'hetcc' has no attribute {name!r}")
+    globals()[name] = value  # found once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS, *_SUBMODULES})

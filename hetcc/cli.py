@@ -130,15 +130,6 @@ def _simulate(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
-    import tempfile
-
-    from hetcc.launch import example_batch, loss_function, traced_seq_len
-    from hetcc.runtime.recorder import TRACE_DIR_ENV
-    from hetcc.runtime.store import read_outline
-    from hetcc.train.local import run_local
-    from hetcc.train.metrics import run_lines
-    from hetcc.train.options import settings
-
     build = Path(args.build)
     if not build.is_dir():
         raise HetccError(
@@ -151,6 +142,15 @@ def _run(args: argparse.Namespace) -> None:
             hint="compile a factory whose model has weights, e.g. `hetcc compile examples.models:gpt2_tiny "
             "--cluster examples/clusters/cpu4.yaml --out build`",
         )
+    import tempfile
+
+    from hetcc.launch import example_batch, loss_function, traced_seq_len
+    from hetcc.runtime.recorder import TRACE_DIR_ENV
+    from hetcc.runtime.store import read_outline
+    from hetcc.train.local import run_local
+    from hetcc.train.metrics import run_lines
+    from hetcc.train.options import settings
+
     outline = read_outline(str(build))
     run, data, eval_data = settings(
         args, str(build), outline.meta, traced_seq_len(outline), sys.stderr.isatty()

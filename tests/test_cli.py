@@ -1,3 +1,5 @@
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +169,27 @@ def test_calibrate_prints_a_path_that_works_from_any_cluster_file(tmp_path, monk
     from hetcc import Cluster
 
     Cluster.from_file(elsewhere / "cluster.yaml")  # the printed line resolves
+
+
+def test_run_on_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "doesnotexist")]) == 2
+    assert "doesnotexist does not exist or is not a folder" in capsys.readouterr().err
+
+
+def test_help_errors_and_explain_start_without_importing_torch(build):
+    """`hetcc --help`, an argument error, a missing folder and `hetcc explain` need no torch (it takes
+    seconds to import on a loaded machine); each runs in a fresh interpreter that records what it loaded."""
+    probe = (
+        "import sys, hetcc.cli\n"
+        "try:\n    code = hetcc.cli.main(sys.argv[1:])\nexcept SystemExit as exit:\n    code = exit.code\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', code)\n"
+    )
+    for argv in (["--help"], ["compile"], ["run", "nowhere/"], ["explain", str(build)]):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120
+        )
+        assert done.stdout.splitlines()[-1].startswith("NO-TORCH"), (
+            argv,
+            done.stdout[-500:],
+            done.stderr[-500:],
+        )

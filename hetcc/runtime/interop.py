@@ -12,13 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from hetcc.errors import PlanFormatError
 from hetcc.passes.codegen import compute_module
 from hetcc.passes.comm import StageGraph
 
-_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}  # in torch.distributed.pipelining
 
 
 class PipeliningModule(torch.nn.Module):
@@ -51,8 +50,10 @@ def pipelining_schedule(
     _check_chain(stages)
     previous = stages[rank - 1] if rank > 0 else None
     module = PipeliningModule(stages[rank], previous).to(device)
-    stage = PipelineStage(module, rank, len(stages), torch.device(device))
-    return _SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn)
+    from torch.distributed import pipelining  # 0.4-4 s to import: only where a schedule is built
+
+    stage = pipelining.PipelineStage(module, rank, len(stages), torch.device(device))
+    return getattr(pipelining, _SCHEDULES[schedule])(stage, microbatches, loss_fn=loss_fn)
 
 
 def _check_chain(stages: list[StageGraph]) -> None:
