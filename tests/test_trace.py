@@ -130,3 +130,22 @@ def test_a_failed_export_prints_nothing_before_the_error(capfd):
         hetcc.trace(Branchy(), (torch.ones(3),))
     out, err = capfd.readouterr()
     assert "def forward" not in out + err and "symbolic_shapes" not in err  # torch's graph and warning
+
+
+def test_a_transformers_models_capture_error_is_whole_sentences_and_names_no_unrelated_cause():
+    """symbolic_trace cannot follow a whole transformers model, so its error is no second cause; the
+    export error is cut after a whole sentence, not mid-sentence."""
+    with pytest.raises(TraceError) as caught:
+        hetcc.trace(gpt2(), example_kwargs={"input_ids": token_ids(2, 8), "use_cache": True})  # a cache out
+    text = str(caught.value)
+    assert "symbolic_trace" not in text and "co_varnames" not in text
+    export_line = next(line for line in text.splitlines() if line.strip().startswith("torch.export:"))
+    assert "DynamicCache" in export_line and export_line.rstrip().endswith("."), export_line
+
+
+def test_a_long_error_line_is_cut_after_its_last_whole_sentence():
+    from hetcc.passes.trace import _first_line
+
+    error = RuntimeError("First sentence here. " * 10 + "If you do not need it, please " + "x " * 200)
+    cut = _first_line(error)
+    assert len(cut) <= 300 and cut.endswith("First sentence here.")

@@ -91,8 +91,7 @@ def _returns_cache(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
     """Whether the call returns a KV cache (a DynamicCache, which export cannot capture) that training
     never reads: a transformers ``PreTrainedModel`` whose forward takes ``use_cache`` and a call that
     does not set it. transformers is not imported for this (such a model has imported it already)."""
-    modeling = sys.modules.get("transformers.modeling_utils")
-    if modeling is None or not isinstance(model, modeling.PreTrainedModel):
+    if not _is_transformers_model(model):
         return False
     try:
         signature = inspect.signature(model.forward)
@@ -102,6 +101,12 @@ def _returns_cache(model: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) 
         )
     except (TypeError, ValueError):  # a call forward does not take: export says so in its words
         return False
+
+
+def _is_transformers_model(model: torch.nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (without importing transformers: such a model has already)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 @contextlib.contextmanager
@@ -136,8 +141,13 @@ def _drop_guard_calls(gm: torch.fx.GraphModule) -> None:
 
 
 def _symbolic_trace_or_raise(model, args, kwargs, dynamic_shapes, export_error) -> Traced:
+    """The fallback for plain torch modules; it is not tried where it cannot apply (dynamic shapes, a
+    whole transformers model, whose forward symbolic tracing cannot follow), so its error would only
+    be a second, unrelated cause."""
     if dynamic_shapes is not None:
         raise _trace_error(model, export_error, None, "dynamic_shapes need torch.export")
+    if _is_transformers_model(model):
+        raise _trace_error(model, export_error, None)
     try:
         gm = torch.fx.symbolic_trace(model)
         _propagate_fake(gm, model, args, kwargs)
@@ -221,9 +231,15 @@ def _data_dependent_advice(model, where: str) -> str:
     )
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """The error's first line; a long one is cut after its last whole sentence (or word) that fits."""
+    lines = str(error).strip().splitlines()
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    if len(text) <= limit:
+        return text
+    cut = text[:limit]
+    end = cut.rfind(". ")
+    return cut[: end + 1] if end > limit // 3 else cut[: cut.rfind(" ")] + " ..."
 
 
 def _user_frame(error: BaseException, reported: BaseException | None = None) -> str:
