@@ -82,32 +82,57 @@ def chain_chart(saved: SavedPlan) -> str:
     )
 
 
+LABEL_ROOM = 220  # room right of the bars for their stage and device labels
+
+
 def baseline_chart(saved: SavedPlan) -> str:
     """Per-stage busy time in one step (compute and cut transfers of every microbatch the stage's busiest
-    replica runs) of hetcc's plan and of each baseline: the longest bar bounds the pipeline's period."""
+    replica runs) of hetcc's plan and of each baseline: the longest bar bounds the pipeline's period.
+    Each bar is labelled with its stage and devices; its colour is the stage's, as in the other charts."""
     m = saved.problem.microbatches
-    rows = [("hetcc", [(number(s.get("compute_s")) * _share(s, m), number(s.get("comm_s")) * m) for s in saved.stages],
+    names = [d.name for d in saved.problem.devices]
+    rows = [("hetcc", [(number(s.get("compute_s")) * _share(s, m), number(s.get("comm_s")) * m,
+                        _devices_label(saved.stage_devices(s))) for s in saved.stages],
              number(saved.plan.get("step_time_s")))]  # fmt: skip
     for name, solution in saved.baselines.items():
-        stages = [(s.compute_s * m, s.comm_s * m) for s in solution.stages]
+        stages = [(s.compute_s * m, s.comm_s * m, _devices_label([names[d] for d in s.devices or (s.device,)]))
+                  for s in solution.stages]  # fmt: skip
         rows.append((name, stages, number(saved.plan.get("baselines", {}).get(name), solution.step_time_s)))
-    finite = [c + m for _, stages, _ in rows for c, m in stages if math.isfinite(c + m)]
+    finite = [c + m for _, stages, _ in rows for c, m, _ in stages if math.isfinite(c + m)]
     top = axis_top(max(finite, default=1e-3))
-    bar_h, gap = 12, 4
+    bar_h, gap = 14, 4
     body, y = [], 10.0
     for name, stages, step_s in rows:
         step = "does not fit" if math.isinf(step_s) else f"step {step_s * 1e3:.2f} ms"
         body.append(text(10, y + 12, name, 12, bold=True))
         body.append(text(10, y + 26, step, 10, fill="#555"))
-        for k, (compute_s, comm_s) in enumerate(stages):
-            width_c = CHART_W * compute_s / top
-            tip = f"{name} stage {k}: compute {compute_s * 1e3:.3f} ms, comm {comm_s * 1e3:.3f} ms"
+        for k, (compute_s, comm_s, devices) in enumerate(stages):
+            width_c, width_t = CHART_W * compute_s / top, CHART_W * comm_s / top
+            tip = (
+                f"{name} stage {k} on {devices}: compute {compute_s * 1e3:.3f} ms, comm {comm_s * 1e3:.3f} ms"
+            )
             body.append(rect(LABEL_W, y, width_c, bar_h, stage_colour(k), tip))
-            body.append(rect(LABEL_W + width_c, y, CHART_W * comm_s / top, bar_h, "#bbbbbb", tip))
+            body.append(rect(LABEL_W + width_c, y, width_t, bar_h, "#bbbbbb", tip))
+            body.append(
+                text(LABEL_W + width_c + width_t + 4, y + 11, f"stage {k}: {devices}", 10, fill="#333")
+            )
             y += bar_h + 1
         y += max(gap, 32 - len(stages) * (bar_h + 1)) + gap
-    body += x_axis(LABEL_W, y, CHART_W, top, "ms busy per step (colour: compute, grey: cut transfers)", 1e3)
-    return svg(LABEL_W + CHART_W + 20, y + 34, body, "per-stage time of hetcc and each baseline")
+    body += x_axis(
+        LABEL_W,
+        y,
+        CHART_W,
+        top,
+        "ms busy per step (bar: compute, in the stage's colour; grey: cut transfers)",
+        1e3,
+    )
+    return svg(LABEL_W + CHART_W + LABEL_ROOM, y + 34, body, "per-stage time of hetcc and each baseline")
+
+
+def _devices_label(devices) -> str:
+    """A stage's devices as a bar label: the first and a count when there are many."""
+    devices = list(devices)
+    return ", ".join(devices) if len(devices) <= 2 else f"{devices[0]} +{len(devices) - 1} more"
 
 
 def _share(stage: dict, microbatches: int) -> int:

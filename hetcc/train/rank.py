@@ -66,17 +66,19 @@ class PipelineRank:
         seed: int = 0,
     ):
         self.directory = os.fspath(directory)
-        self.outline: PipelineOutline = read_outline(self.directory)  # pipeline.json: no other stage read
-        meta = self.outline.meta
-        self.microbatches, self.schedule = (
-            int(meta.get("microbatches", 1)),
-            schedule or meta.get("schedule", "1f1b"),
-        )
-        self.layout = RankLayout.from_meta(meta, len(self.outline.stages), self.microbatches)
+        try:  # what this rank reads: pipeline.json and its own stage's files
+            self.outline, self.stage = load_rank(self.directory, rank)
+            meta = self.outline.meta
+            self.microbatches = int(meta.get("microbatches", 1))
+            self.schedule = schedule or meta.get("schedule", "1f1b")
+            self.layout = RankLayout.from_meta(meta, len(self.outline.stages), self.microbatches)
+            failure = None
+        except HetccError as error:
+            failure = error
+        _agree_on_start(rank, failure)  # a rank that cannot start stops every rank, now, with its cause
         self.rank, self.placement = rank, self.layout.ranks[rank]
-        self.stage = load_stage(self.directory, self.placement.stage)
         self.device = torch.device(device)
-        self.training = meta.get("training", True)  # False: compiled for inference, forward only
+        self.training = self.outline.meta.get("training", True)  # False: compiled for inference
         self.owns_group = False
         self.substitute: dict | None = None  # under join: the device found in place of the planned one
         torch.manual_seed(seed + rank)  # the rank's own draws (dropout): runs repeat exactly
@@ -278,6 +280,22 @@ class PipelineRank:
             if stage == self.stage_index and min(group.stages) != self.stage_index
         }
         return [p.grad for p in self.executor.params if p.grad is not None and id(p) not in not_mine]
+
+
+def _agree_on_start(rank: int, failure: HetccError | None) -> None:
+    """Every rank says whether it could load what it runs (a collective, before any process group of
+    the pipeline is made): one that could not would leave its peers waiting for it until the timeout;
+    instead every rank raises at once, naming the ranks that failed and why."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, None if failure is None else f"{type(failure).__name__}: {failure}")
+    causes = [f"rank {r}: {cause}" for r, cause in enumerate(gathered) if cause is not None]
+    if not causes:
+        return
+    error = RuntimeFailure(
+        "the pipeline cannot start: " + "; ".join(causes),
+        hint="fix the files named (or save the pipeline again); every rank stopped before training",
+    )
+    raise error from failure
 
 
 def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, StageGraph]:

@@ -163,3 +163,15 @@ def test_an_edited_plan_is_a_plan_format_error_naming_the_field(dump, tmp_path, 
     (folder / "plan.json").write_text(json.dumps(plan))
     with pytest.raises(PlanFormatError, match=message):
         write_report(folder)
+
+
+def test_every_bar_of_the_baseline_chart_names_its_stage_and_devices(dump):
+    saved = load(dump)
+    page = render(saved)
+    chart = page.split("<h2>Per-stage time against each baseline</h2>", 1)[1].split("</svg>", 1)[0]
+    bars = sum(len(solution.stages) for solution in saved.baselines.values()) + len(saved.stages)
+    labels = re.findall(r">stage (\d+): ([^<]+)</text>", chart)
+    assert len(labels) == bars  # one label per bar, hetcc's and each baseline's
+    first = saved.stage_devices(saved.stages[0])[0]
+    assert labels[0][0] == "0" and labels[0][1].startswith(first)
+    assert "bar: compute, in the stage&#x27;s colour; grey: cut transfers" in chart  # what the colours mean

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,21 @@ def test_a_dead_rank_becomes_runtime_failure_on_the_others(monkeypatch):
     # rank 0 raised (it was not killed by the deadline), naming the dead peer and what it waited for
     assert "rank 0: RuntimeFailure: rank 0 failed waiting for" in message
     assert "rank 1" in message.split("rank 0: RuntimeFailure:")[1]
+
+
+def test_a_rank_whose_stage_files_are_damaged_stops_every_rank_at_once_naming_it(tmp_path):
+    """Under torchrun nothing supervises the ranks: rank 1 cannot load its stage, and rank 0, which
+    could, stops at start too (not at the communication timeout) with rank 1's cause."""
+    _, x, y, stages = _two_stage_mlp()
+    save_stages(stages, str(tmp_path), {"microbatches": 2, "loss": "mse_loss"}, inputs={"x": x}, targets=y)
+    (tmp_path / "stage1.graph.json").write_text("{")  # damaged
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "hetcc.launch", str(tmp_path), "--steps", "2"]  # fmt: skip
+    env = {**os.environ, "HETCC_COMM_TIMEOUT_S": "120", "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).parents[2])  # fmt: skip
+    assert done.returncode != 0 and time.monotonic() - started < 60  # well inside the 120 s timeout
+    for rank in (0, 1):
+        line = next(ln for ln in done.stderr.splitlines() if ln.startswith(f"hetcc.launch rank {rank}:"))
+        assert "the pipeline cannot start: rank 1: PlanFormatError" in line and "stage1.graph.json" in line
