@@ -3,8 +3,8 @@
 Each returns ``(model, example_inputs)`` for one training step's batch. Models are Hugging Face
 architectures built from configs (random weights, nothing downloaded).
 
-- ``gpt2_tiny`` / ``llama_tiny`` / ``gpt2_bytes`` have real (random) weights and labels: their build
-  folder runs with ``hetcc run`` on local CPU processes in seconds (``gpt2_bytes`` reads bytes: train it
+- ``gpt2_tiny`` / ``llama_tiny`` / ``gpt2_mini`` / ``gpt2_bytes`` have real (random) weights and labels:
+  their build folder runs with ``hetcc run`` on local CPU processes in seconds (``gpt2_bytes`` reads bytes: train it
   on a token folder from ``hetcc prepare-text``).
 - The others are built on the meta device, so planning a large model needs no memory for its weights;
   their build folder holds the plan only (``hetcc explain``, ``simulate`` and ``report`` work on it).
@@ -32,6 +32,18 @@ def gpt2_tiny(batch: int = 8, seq: int = 32):
     config = GPT2Config(
         n_layer=4, n_embd=64, n_head=4, vocab_size=512, n_positions=max(128, seq),
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config), _token_batch(config.vocab_size, batch, seq)
+
+
+def gpt2_mini(batch: int = 16, seq: int = 64):
+    """A 6-layer GPT-2 (hidden 128) with GPT-2's own 50257-word vocabulary and random weights: its
+    embedding and head are most of its FLOPs and parameters, so a mixed cluster gives it a pipeline
+    (the walkthrough's model); it still trains on CPU processes in seconds."""
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=6, n_embd=128, n_head=4, n_positions=max(128, seq),
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
     return GPT2LMHeadModel(config), _token_batch(config.vocab_size, batch, seq)
 

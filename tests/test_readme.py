@@ -48,6 +48,10 @@ def test_the_readme_walkthrough_runs_line_by_line(tmp_path):
         outputs[words[1]] = done.stdout
     build = tmp_path / "build" / "gpt2"
     assert "hetcc plan:" in outputs["explain"] and "simulated step" in outputs["simulate"]
+    stages = json.loads((build / "plan.json").read_text())["stages"]
+    assert len(stages) >= 2 and any(len(stage["devices"]) > 1 for stage in stages), outputs[
+        "explain"
+    ]  # a pipeline of groups
     losses = [float(line.split()[-1]) for line in outputs["run"].splitlines() if line.startswith("step ")]
     assert len(losses) == 3 and all(loss > 0 for loss in losses)
     assert (build / "report.html").exists()
