@@ -306,3 +306,40 @@ def monkeypatch_module():
 
 def _no_measuring(*args, **kwargs):
     raise hetcc.HetccError("measuring is not fuzzed")
+
+
+# ---- values passed in Python rather than read from a file ---------------------------------------------
+@FUZZ
+@given(
+    table=JSON_VALUES, field=st.sampled_from(["matmul_flops", "memory_bandwidth_bps", "host_op_s", "threads"])
+)
+def test_odd_calibration_and_device_type_values(table, field):
+    """A record converts a value only after it is checked: each odd one is a ClusterError naming it."""
+    from hetcc.hardware.presets import DeviceType
+
+    arguments = {"device_type": "cpu", "matmul_flops": {"fp32": 1e11}, "memory_bandwidth_bps": 2e10,
+                 "kernel_overhead_s": 1e-5, field: table}  # fmt: skip
+    _assert_no_escape(
+        "Calibration value", outcome("Calibration value", lambda: Calibration(**arguments)), table
+    )
+    made = outcome("DeviceType value", lambda: DeviceType("t", "nvidia", table, 2**30, 1e12))
+    _assert_no_escape("DeviceType value", made, table)
+
+
+@FEW
+@given(path=JSON_VALUES)
+def test_a_cluster_file_that_is_not_a_path(path):
+    _assert_no_escape("cluster path", outcome("cluster path", lambda: hetcc.Cluster.from_file(path)), path)
+
+
+def test_saving_onto_a_file_or_an_unwritable_place_is_a_hetcc_error(tmp_path):
+    from untrusted import FusedMLP
+
+    compiled = hetcc.compile(FusedMLP(), CLUSTERS / "cpu4.yaml", (torch.randn(4, 4),), microbatches=2)
+    a_file = tmp_path / "taken"
+    a_file.write_text("the user's")
+    unwritable = "/proc/hetcc-build"  # not even root can make a folder there (a read-only mount would do)
+    for place in (a_file, a_file / "below", unwritable, "nul\0"):
+        with pytest.raises(hetcc.HetccError, match="build folder"):
+            compiled.save(place)
+    assert a_file.read_text() == "the user's"

@@ -30,7 +30,7 @@ from hetcc.api.microbatches import batch_rows, first_microbatch, search_microbat
 from hetcc.dump import Dumper
 from hetcc.errors import AnalysisError, HetccError, PlanFormatError
 from hetcc.hardware.cluster import Cluster
-from hetcc.hardware.schema import short_repr
+from hetcc.hardware.schema import check_path, short_repr
 from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
 from hetcc.passes.codegen import codegen, stage_source
@@ -197,8 +197,7 @@ class Compiled:
         """Write ``plan.json``, ``problem.json``, ``explain.txt``, ``placement.json`` (rank -> stage,
         device, node, local GPU index: what ``hetcc launch`` prints torchrun commands from) and
         ``report.html`` (with the ``cluster.json`` it reads)."""
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = _writable_folder(folder)
         (folder / "placement.json").write_text(json.dumps(self.pipeline.meta.get("placement", []), indent=1))
         (folder / "plan.json").write_text(self.plan.to_json())
         (folder / "problem.json").write_text(self.problem.to_json())
@@ -220,6 +219,23 @@ class Compiled:
         return pipelining_schedule(
             self.pipeline.stages, rank, self.plan.microbatches, self.plan.schedule, loss_fn
         )
+
+
+def _writable_folder(folder: str | Path) -> Path:
+    """``folder``, made if missing; a HetccError naming it when it is a file or cannot be written."""
+    check_path(folder, "build folder", error=HetccError)
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".hetcc-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise HetccError(
+            f"cannot write the build folder {folder}: {error.strerror or error}",
+            hint="give a folder path you can write (not an existing file)",
+        ) from None
+    return folder
 
 
 def compile(  # noqa: A001 - the public API name

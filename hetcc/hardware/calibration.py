@@ -95,7 +95,10 @@ class Calibration:
     date: str = ""  # ISO 8601, UTC
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "matmul_flops", PeakTable(self.matmul_flops))
+        try:
+            object.__setattr__(self, "matmul_flops", PeakTable(self.matmul_flops))
+        except ValueError as error:
+            raise ClusterError(f"calibration of {self.device_type!r}: matmul_flops: {error}") from None
         for field, reason in self._problems():
             raise ClusterError(f"calibration of {self.device_type!r}: {field}: {reason}")
 

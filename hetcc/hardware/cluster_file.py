@@ -79,12 +79,14 @@ from hetcc.hardware.schema import (
     Table,
     Text,
     Where,
+    check_path,
     load_file,
 )
 
 
 def read_file(path: str | os.PathLike[str]) -> ClusterParts:
     """Read a ``.yaml``/``.yml``/``.json`` cluster file; relative calibration paths start at its folder."""
+    check_path(path, "cluster file")  # before anything treats it as a path
     path = pathlib.Path(path)
     return read_spec(load_file(path, "cluster file"), str(path), path.parent)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetcc.errors import ClusterError, did_you_mean
+from hetcc.hardware.schema import short_repr
 
 DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 VENDORS = ("nvidia", "amd", "cpu")
@@ -56,6 +57,12 @@ class PeakTable(Mapping[str, float]):
     __slots__ = ("_items",)
 
     def __init__(self, peaks: Mapping[str, float]):
+        """``ValueError`` naming what is wrong when ``peaks`` is not a mapping of names to numbers (the
+        records that hold one turn it into their own error, naming the field)."""
+        if not isinstance(peaks, Mapping) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in peaks.values()
+        ):
+            raise ValueError(f"expected a mapping of dtype key to FLOP/s; got {short_repr(peaks)}")
         order = {key: i for i, key in enumerate(DTYPE_KEYS)}
         items = ((str(k), float(v)) for k, v in peaks.items())
         self._items = tuple(sorted(items, key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
@@ -110,7 +117,10 @@ class DeviceType:
     host_fused_backward_op_s: float = 690e-6
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "peak_flops", PeakTable(self.peak_flops))
+        try:
+            object.__setattr__(self, "peak_flops", PeakTable(self.peak_flops))
+        except ValueError as error:
+            raise ClusterError(f"device type {self.name!r}: peak_flops: {error}") from None
         for reason in self._problems():
             raise ClusterError(f"device type {self.name!r}: {reason}")
 

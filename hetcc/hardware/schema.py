@@ -337,7 +337,7 @@ def check_path(path: object, what: str, *, error: type[HetccError] = ClusterErro
     if text is None or "\0" in text:
         raise error(
             f"the {what} path {short_repr(path)} is not a file path",
-            hint="give a path without NUL characters",
+            hint="give a str or os.PathLike path, without NUL characters",
         )
 
 

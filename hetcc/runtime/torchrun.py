@@ -77,6 +77,14 @@ def start_process_group(directory: str, meta: dict, num_stages: int, allow_subst
     """Join the job torchrun started: (rank, device, what a substituting rank found). Checks the world
     size against the plan's ranks and this rank's device against its placement first."""
     ranks = placements(meta, num_stages)  # replicas of a stage are ranks of their own
+    unset = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
+    if unset:
+        raise HetccError(
+            f"{' and '.join(unset)} {'is' if len(unset) == 1 else 'are'} not set: hetcc.launch runs in the "
+            "processes torchrun starts",
+            hint=f"start it with `torchrun --nproc-per-node {len(ranks)} -m hetcc.launch {directory}` (one node), "
+            f"or print every node's command with `hetcc launch {directory} --rdzv-endpoint HOST:PORT`",
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != len(ranks):
         raise PlanFormatError(

@@ -110,3 +110,13 @@ def test_launch_trains_on_the_data_it_is_given(tmp_path, capsys):
         assert abs(got - loss.item()) <= 1e-6 * loss.item()
     with pytest.raises(HetccError, match="runtime_models has no function 'nothing'"):
         launch.main([str(tmp_path), "--steps", "1", "--data", "runtime_models:nothing"])
+
+
+def test_launch_outside_torchrun_or_with_a_bad_step_count_is_one_clear_error(tmp_path, monkeypatch):
+    _saved_mlp(tmp_path, 1)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(HetccError, match="MASTER_ADDR and MASTER_PORT are not set: hetcc.launch runs in"):
+        launch.main([str(tmp_path)])
+    with pytest.raises(SystemExit):  # argparse's usage error, before anything starts
+        launch.main([str(tmp_path), "--steps", "-1"])
