@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     rank = PipelineRank.join(args.directory, loss_fn=loss_function(_loss_name(args.directory)),
                              allow_substitute=args.allow_substitute)  # fmt: skip
-    try:
+    try:  # every rank reaches the end, or the first failure ends the run
         if args.allow_substitute:
             _print_repricing(args.directory, rank.rank, rank.substitute)
         run, data, eval_data = settings(args, args.directory, rank.outline.meta, traced_seq_len(rank.outline),
@@ -54,8 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank.rank == 0:
             write_build_pointer(run.checkpoint_dir, args.directory)
         result = train(rank, data if data is not None else example_batch(args.directory), run, eval_data)
-    finally:
-        rank.close()
+    except BaseException:
+        rank.close(finished=False)
+        raise
+    rank.close()
     if args.stats_out:
         _write_json(os.path.join(args.stats_out, f"stats_rank{rank.rank}.json"), result["stats"])
     if rank.reports:

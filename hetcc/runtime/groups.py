@@ -127,6 +127,16 @@ class Links:
         self.wait(dist.all_reduce(tensor, op=reduce_op, async_op=True), what, None)
         return float(tensor.item())
 
+    def gather_world(self, value: float, what: str) -> list[float]:
+        """Every rank's ``value``, by rank (every rank must call it): a sum of one-hot vectors, a plain
+        tensor collective (an object gather just before the process group is destroyed has ended ranks
+        with "terminate called without an active exception" under torchrun)."""
+        device = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        values = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+        values[self.rank] = value
+        self.wait(dist.all_reduce(values, async_op=True), what, None)
+        return values.tolist()
+
     def _sum(self, tensor: torch.Tensor, group, backend: str, what: str) -> None:
         wire = tensor.cpu() if backend == "gloo" else tensor
         work = dist.all_reduce(wire, group=group, async_op=True)

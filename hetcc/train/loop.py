@@ -24,7 +24,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hetcc.errors import HetccError
 from hetcc.kernels import launch_stats, reset_launch_stats
@@ -163,9 +162,7 @@ def _summary(
     rank: PipelineRank, figures: RunFigures, step_times: list[float], busy: list[float]
 ) -> list[str]:
     """Every rank's median busy time gathered once; the reporting rank writes the summary."""
-    mine = statistics.median(busy) if busy else 0.0
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    gathered = rank.links.gather_world(statistics.median(busy) if busy else 0.0, "the ranks' busy times")
     if not rank.reports:
         return []
     return summary_lines(figures, step_times, gathered)

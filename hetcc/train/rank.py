@@ -245,9 +245,14 @@ class PipelineRank:
         self.steps_done = step
         return Resumed(step, dict(state.get("train") or {}))
 
-    def close(self) -> None:
-        """Leave the process group if ``join`` started it."""
+    def close(self, *, finished: bool = True) -> None:
+        """Leave the process group if ``join`` started it. ``finished`` (every rank got here): first wait
+        for every rank, so none tears its connections down while a peer still uses them (ranks exiting
+        at different times have ended in "terminate called without an active exception" under
+        torchrun); after a failure the peers may be gone, so no wait."""
         if self.owns_group and dist.is_initialized():
+            if finished:
+                self.links.wait(dist.barrier(async_op=True), "every rank at the end of the run", None)
             dist.destroy_process_group()
 
     # ---------------------------------------------------------------------------------- inside
