@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -80,18 +81,29 @@ def test_a_dead_rank_becomes_runtime_failure_on_the_others(monkeypatch):
 
 
 def test_a_rank_whose_stage_files_are_damaged_stops_every_rank_at_once_naming_it(tmp_path):
-    """Under torchrun nothing supervises the ranks: rank 1 cannot load its stage, and rank 0, which
-    could, stops at start too (not at the communication timeout) with rank 1's cause."""
+    """Two ranks as two nodes would start them (no torchrun agent to stop the survivor): rank 1 cannot
+    load its stage, and rank 0, which could, stops at start too (not at the 120 s communication
+    timeout), both naming rank 1's cause."""
     _, x, y, stages = _two_stage_mlp()
     save_stages(stages, str(tmp_path), {"microbatches": 2, "loss": "mse_loss"}, inputs={"x": x}, targets=y)
     (tmp_path / "stage1.graph.json").write_text("{")  # damaged
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "hetcc.launch", str(tmp_path), "--steps", "2"]  # fmt: skip
-    env = {**os.environ, "HETCC_COMM_TIMEOUT_S": "120", "OMP_NUM_THREADS": "1"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     started = time.monotonic()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parents[2])  # fmt: skip
-    assert done.returncode != 0 and time.monotonic() - started < 60  # well inside the 120 s timeout
-    for rank in (0, 1):
-        line = next(ln for ln in done.stderr.splitlines() if ln.startswith(f"hetcc.launch rank {rank}:"))
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": port, "HETCC_COMM_TIMEOUT_S": "120", "OMP_NUM_THREADS": "1"}  # fmt: skip
+        command = [sys.executable, "-m", "hetcc.launch", str(tmp_path), "--steps", "2"]
+        ranks.append(
+            subprocess.Popen(
+                command, env=env, cwd=Path(__file__).parents[2], stderr=subprocess.PIPE, text=True
+            )
+        )
+    errors = [process.communicate(timeout=300)[1] for process in ranks]
+    assert time.monotonic() - started < 60  # well inside the 120 s timeout
+    for rank, (process, stderr) in enumerate(zip(ranks, errors)):
+        assert process.returncode == 1, stderr[-2000:]
+        line = next(ln for ln in stderr.splitlines() if ln.startswith(f"hetcc.launch rank {rank}:"))
         assert "the pipeline cannot start: rank 1: PlanFormatError" in line and "stage1.graph.json" in line
