@@ -248,7 +248,7 @@ def test_odd_run_local_arguments(folders, scratch, argument, value):
         arguments[argument] = scratch / "no-folder" / value.replace("/", "_")[:20]
     from hetcc import api
 
-    checked = outcome("run_local argument", lambda: api._check_run_args(**{k: v for k, v in (
+    checked = outcome("run_local argument", lambda: api.checks.check_run_args(**{k: v for k, v in (
         {"loss_fn": None, "targets": None, "optimizer": None} | arguments).items()}))  # fmt: skip
     _assert_no_escape("run_local argument", checked, value)
 

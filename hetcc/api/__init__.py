@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import pickle
 import shutil
 import sys
 from collections.abc import Callable
@@ -25,12 +23,18 @@ import sympy
 import torch
 
 from hetcc import config, ir, verify
-from hetcc.api.checks import check_analyze_args, check_compile_args, check_examples, check_plan_space
+from hetcc.api.checks import (
+    check_analyze_args,
+    check_compile_args,
+    check_plan_space,
+    check_run_args,
+    writable_folder,
+)
 from hetcc.api.microbatches import batch_rows, first_microbatch, search_microbatches
 from hetcc.dump import Dumper
 from hetcc.errors import AnalysisError, HetccError, PlanFormatError
 from hetcc.hardware.cluster import Cluster
-from hetcc.hardware.schema import check_path, short_repr
+from hetcc.hardware.schema import short_repr
 from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
 from hetcc.passes.codegen import codegen, stage_source
@@ -197,7 +201,7 @@ class Compiled:
         """Write ``plan.json``, ``problem.json``, ``explain.txt``, ``placement.json`` (rank -> stage,
         device, node, local GPU index: what ``hetcc launch`` prints torchrun commands from) and
         ``report.html`` (with the ``cluster.json`` it reads)."""
-        folder = _writable_folder(folder)
+        folder = writable_folder(folder)
         (folder / "placement.json").write_text(json.dumps(self.pipeline.meta.get("placement", []), indent=1))
         (folder / "plan.json").write_text(self.plan.to_json())
         (folder / "problem.json").write_text(self.problem.to_json())
@@ -219,23 +223,6 @@ class Compiled:
         return pipelining_schedule(
             self.pipeline.stages, rank, self.plan.microbatches, self.plan.schedule, loss_fn
         )
-
-
-def _writable_folder(folder: str | Path) -> Path:
-    """``folder``, made if missing; a HetccError naming it when it is a file or cannot be written."""
-    check_path(folder, "build folder", error=HetccError)
-    folder = Path(folder)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / f".hetcc-write-check-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise HetccError(
-            f"cannot write the build folder {folder}: {error.strerror or error}",
-            hint="give a folder path you can write (not an existing file)",
-        ) from None
-    return folder
 
 
 def compile(  # noqa: A001 - the public API name
@@ -368,17 +355,12 @@ def run_local(
     log_dir: str | Path | None = None,
     progress: bool = False,
 ):
-    """Train ``steps`` steps with one local process per rank (gloo) and return ``RunResult``
-    (``.losses`` and ``.records`` per step, ``.outputs`` of the last step, ``.grads`` by the model's
-    parameter names, ``.stats`` per rank, ``.summary``: measured against simulated). ``data=`` (a
-    Dataset, DataLoader, iterable of global batches, or a factory returning one) gives step k its batch
-    k; ``inputs`` instead is one global batch trained at every step. Schedule and microbatches come from
-    the plan. The other options are ``hetcc.train.local.run_local``'s: an optimizer with weight decay,
-    ``lr_schedule`` (warmup, cosine), ``clip_grad_norm``, evaluation of ``eval_data`` every
-    ``eval_every`` steps, ``log_dir`` for metrics.jsonl (default ``checkpoint_dir``). ``checkpoint_dir``:
-    checkpoints every ``checkpoint_every`` steps and at the end, with the data position; ``resume=True``
-    continues from the newest complete one, with the settings given now."""
-    _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer, data)
+    """Train ``steps`` steps with one local process per rank (gloo); returns ``RunResult`` (losses,
+    per-step records, the last step's outputs, gradients by parameter name, counters, measured against
+    simulated). ``data`` (Dataset, DataLoader, iterable of global batches, or a factory) gives step k its
+    batch k; ``inputs`` instead is one batch trained at every step. The options are
+    ``hetcc.train.local.run_local``'s; schedule and microbatches are the plan's."""
+    check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer, data)
     pipeline = compiled_or_dir.pipeline if isinstance(compiled_or_dir, Compiled) else str(compiled_or_dir)
     return run_pipeline(
         pipeline, inputs, targets=targets, loss_fn=loss_fn, steps=steps, optimizer=optimizer,
@@ -460,50 +442,6 @@ def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:
         group = node.meta.get(FUSION_META_KEY)
         if group is not None:
             write_kernel(group, dumper.folder)
-
-
-# ------------------------------------------------------------------------------------ arguments
-# Checked first, so a wrong argument fails at once with its name instead of deep in a pass or a rank
-# (those of analyze and compile: hetcc.api.checks).
-def _check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer, data=None) -> None:
-    if not isinstance(compiled_or_dir, (Compiled, str, os.PathLike)):
-        raise HetccError(
-            f"run_local takes a Compiled or a saved folder, got {type(compiled_or_dir).__name__}",
-            hint="pass what hetcc.compile returned, or the folder Compiled.save wrote",
-        )
-    if inputs is None and data is not None:
-        inputs = {}
-    elif not isinstance(inputs, (dict, tuple, list)) or (
-        isinstance(inputs, dict) and not all(isinstance(k, str) for k in inputs)
-    ):
-        raise HetccError(
-            f"inputs must be a dict of input name -> tensor (or a tuple), got {short_repr(inputs)}",
-            hint="pass one step's batch, e.g. {'input_ids': ids}",
-        )
-    check_examples(
-        inputs if isinstance(inputs, (tuple, list)) else (),
-        inputs if isinstance(inputs, dict) else None,
-        name="inputs",
-    )
-    if targets is not None and not isinstance(targets, torch.Tensor):
-        raise HetccError(f"targets must be a tensor or None, got {type(targets).__name__}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise HetccError(f"steps must be a positive integer, got {short_repr(steps)}")
-    if optimizer is not None and not (isinstance(optimizer, dict) and isinstance(optimizer.get("name"), str)):
-        raise HetccError(
-            f"optimizer must be None or a dict with a 'name', got {short_repr(optimizer)}",
-            hint="e.g. {'name': 'adam', 'lr': 1e-4}",
-        )
-    if loss_fn is not None:
-        if not callable(loss_fn):
-            raise HetccError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-        try:
-            pickle.dumps(loss_fn)
-        except Exception:  # noqa: BLE001 - whatever pickling raises, the fix is the same
-            raise HetccError(
-                f"loss_fn {short_repr(loss_fn)} cannot be pickled, so it cannot reach the rank processes",
-                hint="use a function defined at module level (not a lambda or a local function)",
-            ) from None
 
 
 __all__ = ["Analysis", "Compiled", "analyze", "compile", "replan", "run_local"]

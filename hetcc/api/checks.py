@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 from pathlib import Path
 
 import torch
 
 from hetcc.errors import HetccError, did_you_mean
 from hetcc.hardware.cluster import Cluster
-from hetcc.hardware.schema import short_repr
+from hetcc.hardware.schema import check_path, short_repr
 from hetcc.passes.partition import PRECISIONS
 from hetcc.solver.schedules import SCHEDULES
 
@@ -106,3 +107,62 @@ def _check_dump_dir(dump_dir: object) -> None:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer, data=None) -> None:
+    """``run_local``'s arguments, before any process starts (a Compiled is known by its pipeline)."""
+    if not (isinstance(compiled_or_dir, (str, os.PathLike)) or hasattr(compiled_or_dir, "pipeline")):
+        raise HetccError(
+            f"run_local takes a Compiled or a saved folder, got {type(compiled_or_dir).__name__}",
+            hint="pass what hetcc.compile returned, or the folder Compiled.save wrote",
+        )
+    if inputs is None and data is not None:
+        inputs = {}
+    elif not isinstance(inputs, (dict, tuple, list)) or (
+        isinstance(inputs, dict) and not all(isinstance(k, str) for k in inputs)
+    ):
+        raise HetccError(
+            f"inputs must be a dict of input name -> tensor (or a tuple), got {short_repr(inputs)}",
+            hint="pass one step's batch, e.g. {'input_ids': ids}",
+        )
+    check_examples(
+        inputs if isinstance(inputs, (tuple, list)) else (),
+        inputs if isinstance(inputs, dict) else None,
+        name="inputs",
+    )
+    if targets is not None and not isinstance(targets, torch.Tensor):
+        raise HetccError(f"targets must be a tensor or None, got {type(targets).__name__}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise HetccError(f"steps must be a positive integer, got {short_repr(steps)}")
+    if optimizer is not None and not (isinstance(optimizer, dict) and isinstance(optimizer.get("name"), str)):
+        raise HetccError(
+            f"optimizer must be None or a dict with a 'name', got {short_repr(optimizer)}",
+            hint="e.g. {'name': 'adam', 'lr': 1e-4}",
+        )
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise HetccError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        try:
+            pickle.dumps(loss_fn)
+        except Exception:  # noqa: BLE001 - whatever pickling raises, the fix is the same
+            raise HetccError(
+                f"loss_fn {short_repr(loss_fn)} cannot be pickled, so it cannot reach the rank processes",
+                hint="use a function defined at module level (not a lambda or a local function)",
+            ) from None
+
+
+def writable_folder(folder: str | Path) -> Path:
+    """``folder``, made if missing; a HetccError naming it when it is a file or cannot be written."""
+    check_path(folder, "build folder", error=HetccError)
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".hetcc-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise HetccError(
+            f"cannot write the build folder {folder}: {error.strerror or error}",
+            hint="give a folder path you can write (not an existing file)",
+        ) from None
+    return folder
