@@ -290,17 +290,47 @@ class PipelineRank:
 def _agree_on_start(rank: int, failure: HetccError | None) -> None:
     """Every rank says whether it could load what it runs (a collective, before any process group of
     the pipeline is made): one that could not would leave its peers waiting for it until the timeout;
-    instead every rank raises at once, naming the ranks that failed and why."""
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, None if failure is None else f"{type(failure).__name__}: {failure}")
-    causes = [f"rank {r}: {cause}" for r, cause in enumerate(gathered) if cause is not None]
+    instead every rank raises at once, naming the ranks that failed and why. The messages travel as
+    bytes in a plain tensor all-reduce, and on a failure every rank leaves the process group together
+    (ranks tearing it down at different times have ended in "terminate called without an active
+    exception")."""
+    causes = [
+        f"rank {r}: {cause}"
+        for r, cause in enumerate(
+            _gather_texts(None if failure is None else f"{type(failure).__name__}: {failure}")
+        )
+        if cause is not None
+    ]
     if not causes:
         return
+    dist.barrier()
+    dist.destroy_process_group()
     error = RuntimeFailure(
         "the pipeline cannot start: " + "; ".join(causes),
         hint="fix the files named (or save the pipeline again); every rank stopped before training",
     )
     raise error from failure
+
+
+_TEXT_BYTES = 4096  # of each rank's start-up error that every rank sees
+
+
+def _gather_texts(text: str | None) -> list[str | None]:
+    """Every rank's ``text`` (None: nothing to say), by rank: each fills its own row of a byte tensor,
+    and the sum of the rows is all of them."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    rows = torch.zeros(world, _TEXT_BYTES + 1, dtype=torch.uint8)
+    if text is not None:
+        data = text.encode()[:_TEXT_BYTES]
+        rows[rank, 0] = 1
+        rows[rank, 1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    rows = rows.to(device)
+    dist.all_reduce(rows)
+    return [
+        bytes(row[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace") if row[0] else None
+        for row in rows
+    ]
 
 
 def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, StageGraph]:
