@@ -144,7 +144,7 @@ def _run(args: argparse.Namespace) -> None:
         )
     import tempfile
 
-    from hetcc.launch import example_batch, loss_function, traced_seq_len
+    from hetcc.launch import example_batch, loss_function
     from hetcc.runtime.recorder import TRACE_DIR_ENV
     from hetcc.runtime.store import read_outline
     from hetcc.train.local import run_local
@@ -152,9 +152,7 @@ def _run(args: argparse.Namespace) -> None:
     from hetcc.train.options import settings
 
     outline = read_outline(str(build))
-    run, data, eval_data = settings(
-        args, str(build), outline.meta, traced_seq_len(outline), sys.stderr.isatty()
-    )
+    run, data, eval_data = settings(args, str(build), outline.meta, outline.seq_len, sys.stderr.isatty())
     loss_fn = loss_function(args.loss or outline.meta.get("loss"))
     with tempfile.TemporaryDirectory(prefix="hetcc-trace-") as scratch:
         if args.trace:

@@ -32,7 +32,7 @@ from hetcc.errors import HetccError, PlanFormatError
 from hetcc.runtime.graph_json import resolve_function
 from hetcc.runtime.placement import torchrun_commands
 from hetcc.runtime.reprice import repricing_lines
-from hetcc.runtime.store import PipelineOutline, load_inputs
+from hetcc.runtime.store import load_inputs
 from hetcc.train.checkpoint import write_build_pointer
 from hetcc.train.data import TARGET_KEYS
 from hetcc.train.local import Repeated
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:  # every rank reaches the end, or the first failure ends the run
         if args.allow_substitute:
             _print_repricing(args.directory, rank.rank, rank.substitute)
-        run, data, eval_data = settings(args, args.directory, rank.outline.meta, traced_seq_len(rank.outline),
+        run, data, eval_data = settings(args, args.directory, rank.outline.meta, rank.seq_len,
                                         progress=rank.reports and sys.stderr.isatty())  # fmt: skip
         if rank.rank == 0:
             write_build_pointer(run.checkpoint_dir, args.directory)
@@ -74,13 +74,6 @@ def example_batch(directory: str) -> Repeated:
     if targets is not None:
         inputs[TARGET_KEYS[0]] = targets
     return Repeated(inputs)
-
-
-def traced_seq_len(outline: PipelineOutline) -> int:
-    """The sequence length the build was traced with: dim 1 of its first two-dimensional input (a token
-    folder's windows are that long); 0 when there is none."""
-    shapes = (shape for stage in outline.stages for shape in stage.input_shapes.values())
-    return next((int(s[1]) for s in shapes if len(s) == 2 and isinstance(s[1], int)), 0)
 
 
 def _loss_name(directory: str) -> str | None:

@@ -117,6 +117,13 @@ class PipelineOutline:
     stages: tuple[StageOutline, ...]
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def seq_len(self) -> int:
+        """The sequence length the pipeline was traced with: dim 1 of its first two-dimensional input (a
+        token folder's windows are that long); 0 when there is none."""
+        shapes = (shape for stage in self.stages for shape in stage.input_shapes.values())
+        return next((int(s[1]) for s in shapes if len(s) == 2 and isinstance(s[1], int)), 0)
+
 
 def read_outline(directory: str) -> PipelineOutline:
     """The outline of a saved pipeline folder: pipeline.json is read and checked, nothing else."""

@@ -146,8 +146,7 @@ def _checkpoint_due(settings: TrainSettings, done: int, last: bool) -> bool:
 def _figures(rank: PipelineRank) -> RunFigures:
     """Tokens and samples per global batch (from the traced first model input) and the plan's FLOPs."""
     needs = rank.needs
-    first = next((s for stage in rank.outline.stages for s in stage.input_shapes.values() if s), ())
-    tokens = needs.batch_rows * int(first[1]) if len(first) == 2 and isinstance(first[1], int) else 0
+    tokens = needs.batch_rows * rank.seq_len
     types = [entry.get("type") for entry in rank.outline.meta.get("placement") or []]
     return RunFigures.of(rank.directory, rank.layout, types, rank.device.type == "cpu", tokens,
                          needs.batch_rows, rank.training)  # fmt: skip

@@ -132,9 +132,8 @@ class PipelineRank:
 
     @property
     def seq_len(self) -> int:
-        """The sequence length the pipeline was traced with (dim 1 of its first 2-d input; 0: none)."""
-        shapes = (shape for stage in self.outline.stages for shape in stage.input_shapes.values())
-        return next((int(s[1]) for s in shapes if len(s) == 2 and isinstance(s[1], int)), 0)
+        """The sequence length the pipeline was traced with (``PipelineOutline.seq_len``)."""
+        return self.outline.seq_len
 
     @property
     def reports(self) -> bool:
