@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from collections import Counter
 
+import torch
 import torch.fx
 
 from hetcc.errors import AnalysisError
 from hetcc.ir import info
+from hetcc.runtime import ops  # noqa: F401 - registers torch.ops.hetcc.send / recv
 
 _COMPUTE = ("call_function", "call_method", "call_module")
+_COMM = {torch.ops.hetcc.send.default: "send", torch.ops.hetcc.recv.default: "recv"}
 
 
 def check_graph(gm: torch.fx.GraphModule, after: str, annotated: bool = True) -> None:
@@ -48,7 +51,9 @@ def check_stages(gm: torch.fx.GraphModule, plan) -> None:
 
 
 def check_pipeline(stages) -> None:
-    """Every send has exactly one matching recv on its peer, with the same shape and dtype."""
+    """Every send has exactly one matching recv on its peer, with the same shape and dtype, and each stage
+    posts its sends to a peer, and its recvs from a peer, in ascending tag order (messages pair up in the
+    order they are posted: nccl ignores tags)."""
     sends = Counter((e.tag, e.src, e.dst, tuple(e.shape), e.dtype) for s in stages for e in s.sends)
     recvs = Counter((e.tag, e.src, e.dst, tuple(e.shape), e.dtype) for s in stages for e in s.recvs)
     for edge in (sends - recvs) + (recvs - sends):
@@ -57,3 +62,20 @@ def check_pipeline(stages) -> None:
         raise AnalysisError(
             f"stage split: {side} tag {tag} between stages {src} -> {dst} ({dtype}{list(shape)}) has no partner"
         )
+    for stage in stages:
+        _check_message_order(stage)
+
+
+def _check_message_order(stage) -> None:
+    last: dict[tuple[str, int], int] = {}  # (send or recv, peer stage) -> the tag posted last
+    for node in stage.module.graph.nodes:
+        kind = _COMM.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        peer, tag = node.args[1], node.args[2]
+        if tag < last.get((kind, peer), -1):
+            raise AnalysisError(
+                f"stage split: stage {stage.index} posts its {kind} of tag {tag} after tag {last[kind, peer]} "
+                f"({'to' if kind == 'send' else 'from'} stage {peer}); the peer posts them in tag order"
+            )
+        last[kind, peer] = tag

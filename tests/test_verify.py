@@ -33,6 +33,7 @@ def test_a_send_without_its_recv_is_caught():
     class Stage:
         def __init__(self, sends, recvs):
             self.sends, self.recvs = sends, recvs
+            self.module = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
 
     edge = CommEdge(7, 0, 1, "relu", (3, 16), torch.float32)
     verify.check_pipeline([Stage((edge,), ()), Stage((), (edge,))])

@@ -18,6 +18,11 @@ mapping node name -> stage. Rules, in the order they apply:
   cheaply from model inputs and constants alone (a mask, position ids, rotary tables:
   ``passes.remat``), which the block chain does not charge to any cut either.
 - Only the last stage has the model's outputs; every other stage returns its send tokens.
+- The tensors one stage sends another cross in ascending tag order, the order messages pair up in on the
+  wire (nccl ignores tags): tags are numbered in the order the consuming stages first use the tensors, so
+  a stage's recvs are in tag order as created, and each send goes right after its tensor, or right after
+  the previous send to the same stage where that comes later (a consumer that uses its inputs in another
+  order than they are made delays the producer's sends, never its own receives).
 """
 
 from __future__ import annotations
@@ -319,6 +324,7 @@ class _StageBuilder:
 
     def finish(self, tied: tuple[TiedGroup, ...]) -> StageGraph:
         self._hoist_inputs()
+        self._order_sends()
         sends = sorted(self.sends, key=lambda pair: pair[0].tag)
         result = tuple(self._outputs) if self.index == self.num_stages - 1 else tuple(t for _, t in sends)
         self.graph.output(result)
@@ -333,6 +339,18 @@ class _StageBuilder:
             self.index, self.num_stages, module, inputs, tuple(self.recvs), tuple(e for e, _ in sends),
             self._param_names(), tied, self.num_outputs, shapes, dtypes,
         )  # fmt: skip
+
+    def _order_sends(self) -> None:
+        """Sends to one stage in tag order: a send that comes before an earlier-tagged send to the same
+        stage moves to right after it (see the module docstring)."""
+        position = {node: i for i, node in enumerate(self.graph.nodes)}
+        previous: dict[int, fx.Node] = {}  # destination stage -> its send with the highest tag so far
+        for edge, token in sorted(self.sends, key=lambda pair: pair[0].tag):
+            before = previous.get(edge.dst)
+            if before is not None and position[before] > position[token]:
+                before.append(token)
+                position = {node: i for i, node in enumerate(self.graph.nodes)}
+            previous[edge.dst] = token
 
     def _hoist_inputs(self) -> None:
         """Placeholders are created on first use; move them to the top in the model's input order."""

@@ -6,10 +6,11 @@ interprets the actions of ``hetcc.solver.schedules.stage_actions``:
 
 - ``F m``: run the module on microbatch ``m``: its recvs block (with the timeout) and its sends start
   non-blocking. A non-last stage keeps the send tokens; the last stage computes the loss.
-- ``B m``: autograd backward from the tokens (each with gradient 1), whose ops receive the gradients of
-  what was sent and send back the gradients of what was received; the last stage starts from
-  ``loss_m / M``, so gradients are the mean over microbatches: full-batch gradients when the loss is a
-  mean over equal microbatches. Then the transport settles the gradients autograd did not move.
+- ``B m``: autograd backward from the tokens (each with gradient 1), whose ops take the gradients of
+  what was sent from the transport and hand it the gradients of what was received; the last stage
+  starts from ``loss_m / M``, so gradients are the mean over microbatches: full-batch gradients when the
+  loss is a mean over equal microbatches. Then the transport sends the gradients back, in the order the
+  plan fixes, and receives those no op asked for (``LinkTransport.settle_gradients``).
 
 A replicated stage runs on several ranks, each with the actions of the microbatches routed to it
 (``RankLayout.actions``). After the last action the sends are waited for, the replicas' gradients are
@@ -79,9 +80,8 @@ class StageExecutor:
         self.precision = layout.precision if layout is not None else "fp32"
         self.scaler = LossScaler(**layout.loss_scale) if self.precision == "fp16-mixed" else None
         self.transport = LinkTransport(
-            links, stage, microbatches, layout, announce_dtypes=self.precision != "fp32",
-            keep_received=self.recompute,
-        )  # fmt: skip
+            links, stage, layout, mixed_precision=self.precision != "fp32", keep_received=self.recompute
+        )
         self.params = _unique_parameters(self.module)
         self.roots: dict[int, list[torch.Tensor]] = {}  # microbatch -> where its backward starts
         self.recorder = ActionRecorder(links.rank)

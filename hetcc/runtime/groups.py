@@ -5,6 +5,11 @@ tensors talks over the backend its two devices share: ``nccl`` between GPUs of o
 to the same name on AMD), ``gloo`` across vendors and whenever a CPU is involved; so do the replicas of
 a stage when they sum their gradients. Every wait goes through ``Work.wait(timeout)``; a timeout or a
 lost peer becomes ``RuntimeFailure`` naming the peer and what this rank waited for.
+
+Point-to-point messages between two ranks pair up in the order they are posted, on every backend: nccl
+ignores tags, and gloo, which matches by tag, is given each message's position in its rank pair's
+sequence as the tag. A CPU run therefore pairs messages exactly as a GPU run does, and the senders and
+receivers above (``hetcc.runtime.transport``) must post each pair's messages in one agreed order.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch.distributed as dist
 from hetcc.errors import RuntimeFailure
 
 GPU_VENDORS = ("nvidia", "amd")
+_TAG_WRAP = 1 << 30  # gloo tags count messages per rank pair and direction, modulo this
 
 
 def link_backend(vendor_a: str, vendor_b: str) -> str:
@@ -80,19 +86,23 @@ class Links:
             if backend == "gloo" and self.rank in (i, j)
         }
         self.pending: list[tuple[object, torch.Tensor, str]] = []
+        self.sent_count: dict[int, int] = {}  # peer rank -> messages posted to it
+        self.received_count: dict[int, int] = {}  # peer rank -> messages posted from it
 
     def group(self, peer: int):
         return self.pairs.get((min(self.rank, peer), max(self.rank, peer)))
 
-    def isend(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
+    def isend(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         """Start sending; the work is waited for (with the timeout) in ``wait_sends``."""
         tensor = tensor.detach().to(self._wire_device(peer)).contiguous()
-        work = dist.isend(tensor, dst=peer, group=self.group(peer), tag=tag)
+        work = dist.isend(tensor, dst=peer, group=self.group(peer), tag=_next(self.sent_count, peer))
         self.pending.append((work, tensor, f"{what} to rank {peer}"))
 
-    def recv(self, peer: int, tag: int, shape, dtype: torch.dtype, what: str) -> torch.Tensor:
+    def recv(self, peer: int, shape, dtype: torch.dtype, what: str) -> torch.Tensor:
+        """The next message from ``peer``, which must hold ``shape`` x ``dtype`` (nothing on the wire says
+        what a message holds: the caller checks that)."""
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self._wire_device(peer))
-        work = dist.irecv(buffer, src=peer, group=self.group(peer), tag=tag)
+        work = dist.irecv(buffer, src=peer, group=self.group(peer), tag=_next(self.received_count, peer))
         self.wait(work, f"{what} from rank {peer}", peer)
         return buffer.to(self.device)
 
@@ -156,3 +166,11 @@ class Links:
                 hint=f"check that {f'rank {peer}' if peer is not None else 'every peer'} is alive; "
                 f"waits time out after hetcc.config.comm_timeout_s = {self.timeout_s:g} s",
             ) from error
+
+
+def _next(counts: dict[int, int], peer: int) -> int:
+    """The position of the next message with ``peer`` in one direction: gloo's tag for it (nccl ignores
+    tags and pairs messages in this order anyway). Wraps long before a 32-bit tag would."""
+    position = counts.get(peer, 0)
+    counts[peer] = (position + 1) % _TAG_WRAP
+    return position

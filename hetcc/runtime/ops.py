@@ -31,7 +31,8 @@ ANCHOR_NAME = "hetcc_anchor"
 
 
 class Transport(Protocol):
-    """Moves one tensor per (tag, direction); ``grad`` marks the backward direction.
+    """Moves one tensor per (tag, direction); ``grad`` marks the backward direction. A ``recv`` fails
+    unless what arrives is the shape and dtype it records (``fits_spec``).
 
     ``replaying``: a recomputed forward is running (activation checkpointing): its ``recv`` returns
     what the first forward received and its ``send`` moves nothing; the ops count those as replayed."""
@@ -123,14 +124,36 @@ class LocalTransport:
         self.mailbox.setdefault((tag, grad), []).append(tensor.detach().clone())
 
     def recv(self, peer: int, tag: int, shape: list[int], dtype: torch.dtype, *, grad: bool) -> torch.Tensor:
+        kind = "gradient" if grad else "activation"
         queue = self.mailbox.get((tag, grad))
         if not queue:
-            kind = "gradient" if grad else "activation"
             raise RuntimeFailure(
                 f"recv of {kind} tag {tag} from stage {peer}: nothing was sent",
                 hint="run stages in pipeline order (forward 0..K-1, backward K-1..0)",
             )
-        return queue.pop(0)
+        tensor = queue.pop(0)
+        if not fits_spec(tensor.shape, tensor.dtype, shape, dtype, mixed_precision=False):
+            raise RuntimeFailure(
+                f"recv of {kind} tag {tag} from stage {peer}: received {describe_spec(tensor.shape, tensor.dtype)}, "
+                f"but the recv records {describe_spec(shape, dtype)}",
+                hint="run stages of one split together, on inputs of the microbatch shape they were traced with",
+            )
+        return tensor
+
+
+def fits_spec(
+    shape, dtype: torch.dtype, recorded_shape, recorded_dtype: torch.dtype, mixed_precision: bool
+) -> bool:
+    """Whether a tensor of ``shape`` x ``dtype`` is what a send or recv that records ``recorded_shape`` x
+    ``recorded_dtype`` moves: the same shape and dtype; under mixed precision any floating-point dtype for
+    a floating-point one (autocast's, which the fp32 trace does not record)."""
+    floats = dtype.is_floating_point and recorded_dtype.is_floating_point
+    return tuple(shape) == tuple(recorded_shape) and (dtype == recorded_dtype or (mixed_precision and floats))
+
+
+def describe_spec(shape, dtype: torch.dtype) -> str:
+    """``float32[4, 8]``, as error messages name a tensor's dtype and shape."""
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)}"
 
 
 @torch.library.custom_op("hetcc::send", mutates_args=())

@@ -2,20 +2,29 @@
 
 A stage's ops name their edge (tag) and peer *stage*, but not the microbatch or the peer *rank*: the
 executor sets ``microbatch`` before it runs a forward or backward, and the rank layout says which
-replica of the peer stage runs that microbatch (``RankLayout.rank_running``). The wire tag is unique per
-(edge, direction, microbatch) within a step. Sends are non-blocking and waited for, with the timeout,
-at the end of the step (``Links.wait_sends``): a blocking gloo send waits for its recv, and 1F1B would
-deadlock. Receives block with the timeout; a failure is a ``RuntimeFailure`` naming the peer and the
-tensor.
+replica of the peer stage runs that microbatch (``RankLayout.rank_running``). Sends are non-blocking and
+waited for, with the timeout, at the end of the step (``Links.wait_sends``): a blocking gloo send waits
+for its recv, and 1F1B would deadlock. Receives block with the timeout; a failure is a
+``RuntimeFailure`` naming the peer and the tensor.
 
-Gradients cross exactly the differentiable edges (``CommEdge.requires_grad``): each peer waits for
-those and no others. Which gradients the ops' backward moves is decided by autograd at run time, so
-``settle_gradients`` makes up the difference after each backward.
+Order: messages between two ranks pair up in the order they are posted (``Links``; nccl ignores tags),
+so both ends post them in one order derived from the plan. Every stage runs its forwards, and its
+backwards, in microbatch order. Within a forward, the stage's graph posts its sends to a peer and its
+recvs from it in ascending tag order (``passes.comm``). A backward runs the ops' backwards in whatever
+order autograd picks on each side, so they do not touch the wire: ``recv``'s backward hands its gradient
+to the transport, which sends the microbatch's gradients after the backward (``settle_gradients``), in
+tag order, zeros where autograd produced none (say, the tensor only fed a comparison); ``send``'s
+backward takes its gradient from the transport, which receives all of that peer stage's gradients of
+the microbatch, in tag order, when the first is asked for, and after the backward receives and drops
+those of a peer no op asked for (a sent tensor that needed no gradient). Gradients cross exactly the
+differentiable edges (``CommEdge.requires_grad``).
 
-Mixed precision (``announce_dtypes``): a tensor crosses in the dtype autocast produced, which the graph
-(traced in fp32) does not record, so the first time an edge carries a tensor between two ranks the
-sender announces its dtype in a one-element message; later tensors of that edge and pair, and the
-gradients coming back (a gradient has its tensor's dtype), use it without a header.
+What a message holds: nothing on the wire says, so the first time an edge carries a tensor between two
+ranks the sender announces its shape and dtype in a small header, which the receiver checks against
+what its ``recv`` records; the sender checks every tensor against what its ``send`` records. Either
+failure names the stage, the tensor and both shapes. Under mixed precision a floating-point tensor
+crosses in the dtype autocast produced, which the graph (traced in fp32) does not record: the announced
+dtype is what that edge carries between those two ranks from then on, and its gradients come back in it.
 
 Recomputation (``keep_received``): a stage whose forward runs again during backward
 (``torch.utils.checkpoint``) keeps what it received for each microbatch; while ``replaying``, a
@@ -26,16 +35,22 @@ from __future__ import annotations
 
 import torch
 
-from hetcc.passes.comm import StageGraph
+from hetcc.errors import RuntimeFailure
+from hetcc.passes.comm import CommEdge, StageGraph
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
-from hetcc.runtime.ops import count_settled_gradient
+from hetcc.runtime.ops import count_settled_gradient, describe_spec, fits_spec
 
-# The dtypes a dtype header can name (its code is the index).
+# The dtypes a header can name (its code is the index; new ones go at the end).
 WIRE_DTYPES = (
     torch.float32, torch.bfloat16, torch.float16, torch.float64,
     torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.complex64, torch.complex128, torch.uint16, torch.uint32, torch.uint64,
+    torch.float8_e4m3fn, torch.float8_e5m2,
 )  # fmt: skip
+# A header is int64[2 + HEADER_DIMS]: dtype code, rank, then the sizes (padded with -1); one size for
+# every message, so a header never pairs with a buffer of another size.
+HEADER_DIMS = 16
 
 
 class LinkTransport:
@@ -46,19 +61,20 @@ class LinkTransport:
         self,
         links: Links,
         stage: StageGraph,
-        microbatches: int,
         layout: RankLayout | None = None,
         *,
-        announce_dtypes: bool = False,
+        mixed_precision: bool = False,
         keep_received: bool = False,
     ):
-        self.links, self.microbatches, self.microbatch = links, microbatches, 0
-        self.layout, self.announce_dtypes, self.keep_received = layout, announce_dtypes, keep_received
+        self.links, self.index, self.microbatch = links, stage.index, 0
+        self.layout, self.mixed_precision, self.keep_received = layout, mixed_precision, keep_received
         self.edges = {edge.tag: edge for edge in (*stage.recvs, *stage.sends)}
-        self.grad_recvs = [edge for edge in stage.recvs if edge.requires_grad]
-        self.grad_sends = [edge for edge in stage.sends if edge.requires_grad]
-        self.gradients_moved: set[tuple[int, int]] = set()  # (tag, microbatch)
-        self.wire_dtypes: dict[tuple[int, int], torch.dtype] = {}  # (tag, peer rank) -> dtype on the wire
+        self.grads_out = _by_tag(e for e in stage.recvs if e.requires_grad)  # gradients this stage sends
+        self.grads_in = _by_tag(e for e in stage.sends if e.requires_grad)  # ... and receives
+        self.computed: dict[int, torch.Tensor] = {}  # tag -> gradient recv's backward gave (this microbatch)
+        self.arrived: dict[int, torch.Tensor] = {}  # tag -> gradient received, not yet taken by an op
+        self.asked: set[int] = set()  # peer stages whose gradients of this microbatch were received
+        self.wire_dtypes: dict[tuple[int, int], torch.dtype] = {}  # (tag, peer rank) -> announced dtype
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (tag, microbatch), kept for replay
         self.replaying = False
 
@@ -70,77 +86,105 @@ class LinkTransport:
         return peer_stage if self.layout is None else self.layout.rank_running(peer_stage, self.microbatch)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, *, grad: bool) -> None:
-        if self.replaying and not grad:
+        if grad:  # recv's backward: sent with the microbatch's other gradients by ``settle_gradients``
+            self.computed[tag] = tensor.detach()
+            return
+        if self.replaying:
             return  # a recomputed forward: the tensor was sent by the first forward
-        m, name, rank = self.microbatch, self.edges[tag].value, self.peer_rank(peer)
-        what = f"B{m} grad of {name}" if grad else f"F{m} {name}"
-        if self.announce_dtypes:
-            tensor = tensor.to(self._wire_dtype(tensor, rank, tag, grad, what))
-        self.links.isend(tensor, rank, self.wire_tag(tag, grad), what)
-        if grad:
-            self.gradients_moved.add((tag, m))
+        edge, rank = self.edges[tag], self.peer_rank(peer)
+        if not fits_spec(tensor.shape, tensor.dtype, edge.shape, edge.dtype, self.mixed_precision):
+            raise RuntimeFailure(
+                f"stage {self.index} computed {edge.value} (tag {edge.tag}) for stage {peer} as "
+                f"{describe_spec(tensor.shape, tensor.dtype)}, but the plan records "
+                f"{describe_spec(edge.shape, edge.dtype)}",
+                hint="run the pipeline on inputs of the microbatch shape it was compiled for, or compile "
+                "it again for the shapes you run",
+            )
+        what = f"F{self.microbatch} {edge.value}"
+        if (tag, rank) not in self.wire_dtypes:
+            self.wire_dtypes[(tag, rank)] = tensor.dtype
+            self.links.isend(_header(tensor), rank, f"shape and dtype of {what}")
+        self.links.isend(tensor.to(self.wire_dtypes[(tag, rank)]), rank, what)
 
     def recv(self, peer: int, tag: int, shape: list[int], dtype: torch.dtype, *, grad: bool) -> torch.Tensor:
-        m, name = self.microbatch, self.edges[tag].value
-        if self.replaying and not grad:
+        if grad:  # send's backward
+            if peer not in self.asked:
+                self._receive_gradients(peer)
+            return self.arrived.pop(tag)
+        m, edge = self.microbatch, self.edges[tag]
+        if self.replaying:
             return self.received[(tag, m)].detach()
         rank = self.peer_rank(peer)
-        what = f"{'B' if grad else 'F'}{m} {'grad of ' if grad else ''}{name} (stage {peer})"
-        if self.announce_dtypes:
-            dtype = self._announced_dtype(rank, tag, grad, dtype, what)
-        tensor = self.links.recv(rank, self.wire_tag(tag, grad), shape, dtype, what)
-        if grad:
-            self.gradients_moved.add((tag, m))
-        elif self.keep_received:
+        what = f"F{m} {edge.value} (stage {peer})"
+        if (tag, rank) not in self.wire_dtypes:
+            header = self.links.recv(rank, [2 + HEADER_DIMS], torch.int64, f"shape and dtype of {what}")
+            self.wire_dtypes[(tag, rank)] = self._check_header(header, edge, peer, shape, dtype)
+        tensor = self.links.recv(rank, shape, self.wire_dtypes[(tag, rank)], what)
+        if self.keep_received:
             self.received[(tag, m)] = tensor
         return tensor
-
-    def wire_tag(self, tag: int, grad: bool) -> int:
-        """Unique per (edge, direction, microbatch) within a step."""
-        return (tag * 2 + int(grad)) * self.microbatches + self.microbatch
 
     def forget(self, microbatch: int) -> None:
         """Drop what was kept for replaying ``microbatch`` (its backward is done)."""
         self.received = {key: value for key, value in self.received.items() if key[1] != microbatch}
 
     def settle_gradients(self) -> None:
-        """After the backward of the current microbatch, exchange the gradients of differentiable edges
-        that the ops did not, so every peer's wait is matched: zeros for a received tensor whose gradient
-        never reached ``recv``'s backward (say, it only fed a comparison), and receive and drop the
-        gradient of a sent tensor that needed none (its token did not require grad)."""
+        """After the backward of the current microbatch: send the gradient of every received tensor, in
+        tag order (zeros where autograd produced none), then receive the gradients of peers no op asked,
+        and drop those no op took."""
         m = self.microbatch
-        for edge in self.grad_recvs:
-            if (edge.tag, m) not in self.gradients_moved:
-                self.send(torch.zeros(edge.shape, dtype=edge.dtype), edge.src, edge.tag, grad=True)
+        for edge in self.grads_out:
+            rank = self.peer_rank(edge.src)
+            grad = self.computed.pop(edge.tag, None)
+            if grad is None:
+                grad = torch.zeros(edge.shape)
                 count_settled_gradient(sent=True)
-        for edge in self.grad_sends:
-            if (edge.tag, m) not in self.gradients_moved:
-                self.recv(edge.dst, edge.tag, list(edge.shape), edge.dtype, grad=True)
-                count_settled_gradient(sent=False)
-        self.gradients_moved = {moved for moved in self.gradients_moved if moved[1] != m}
+            self.links.isend(grad.to(self.wire_dtypes[(edge.tag, rank)]), rank, f"B{m} grad of {edge.value}")
+        for peer in sorted({edge.dst for edge in self.grads_in} - self.asked):
+            self._receive_gradients(peer)
+        for _ in self.arrived:
+            count_settled_gradient(sent=False)
+        self.computed, self.arrived, self.asked = {}, {}, set()
 
-    def _wire_dtype(self, tensor: torch.Tensor, rank: int, tag: int, grad: bool, what: str) -> torch.dtype:
-        """The sender's side: announce the dtype of an edge's first tensor to this peer rank; a gradient
-        travels in the dtype its tensor was received in (the receiver of the tensor sends it)."""
-        key = (tag, rank)
-        if key not in self.wire_dtypes:
-            self.wire_dtypes[key] = tensor.dtype
-            if not grad:
-                code = torch.tensor([WIRE_DTYPES.index(tensor.dtype)], dtype=torch.int64)
-                self.links.isend(code, rank, self._header_tag(tag), f"dtype of {what}")
-        return self.wire_dtypes[key]
+    def _receive_gradients(self, peer: int) -> None:
+        """Every gradient ``peer`` sends back for the current microbatch, in tag order."""
+        self.asked.add(peer)
+        rank = self.peer_rank(peer)
+        for edge in (e for e in self.grads_in if e.dst == peer):
+            what = f"B{self.microbatch} grad of {edge.value} (stage {peer})"
+            dtype = self.wire_dtypes[(edge.tag, rank)]  # the tensor's, announced when it was sent
+            self.arrived[edge.tag] = self.links.recv(rank, edge.shape, dtype, what)
 
-    def _announced_dtype(
-        self, rank: int, tag: int, grad: bool, traced: torch.dtype, what: str
+    def _check_header(
+        self, header: torch.Tensor, edge: CommEdge, peer: int, shape: list[int], dtype: torch.dtype
     ) -> torch.dtype:
-        key = (tag, rank)
-        if key not in self.wire_dtypes:
-            if grad:  # gradient of a tensor this rank sent: its dtype was announced when it was sent
-                return traced
-            code = self.links.recv(rank, self._header_tag(tag), [1], torch.int64, f"dtype of {what}")
-            self.wire_dtypes[key] = WIRE_DTYPES[int(code.item())]
-        return self.wire_dtypes[key]
+        """The dtype announced for ``edge``, once checked against what this stage's recv records."""
+        code, rank, *sizes = header.tolist()
+        sent_dtype = WIRE_DTYPES[code] if 0 <= code < len(WIRE_DTYPES) else None
+        sent_shape = sizes[: max(rank, 0)]
+        if sent_dtype is None or not fits_spec(sent_shape, sent_dtype, shape, dtype, self.mixed_precision):
+            sent = describe_spec(sent_shape, sent_dtype) if sent_dtype else f"dtype code {code}{sent_shape}"
+            raise RuntimeFailure(
+                f"stage {self.index} received {sent} from stage {peer} where its recv of {edge.value} "
+                f"(tag {edge.tag}) records {describe_spec(shape, dtype)}",
+                hint="the two stages disagree on what crosses their cut, or in which order: run the stage "
+                "files of one compile together (compile and save the pipeline again rather than mixing or "
+                "editing its files); if they are, report it as a hetcc bug with both stage<k>.py files",
+            )
+        return sent_dtype
 
-    def _header_tag(self, tag: int) -> int:
-        """A tag no data transfer uses: data wire tags stay below 2 * edges * M, far below 2**24."""
-        return (1 << 24) + tag * self.microbatches + self.microbatch
+
+def _by_tag(edges) -> list[CommEdge]:
+    return sorted(edges, key=lambda edge: edge.tag)
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    """What the first message of an edge between two ranks announces: its dtype and shape."""
+    if tensor.dtype not in WIRE_DTYPES or tensor.dim() > HEADER_DIMS:
+        raise RuntimeFailure(
+            f"cannot send a {describe_spec(tensor.shape, tensor.dtype)} tensor between stages",
+            hint=f"send tensors of at most {HEADER_DIMS} dimensions and one of the dtypes "
+            f"{', '.join(str(d).removeprefix('torch.') for d in WIRE_DTYPES)}",
+        )
+    sizes = list(tensor.shape) + [-1] * (HEADER_DIMS - tensor.dim())
+    return torch.tensor([WIRE_DTYPES.index(tensor.dtype), tensor.dim(), *sizes], dtype=torch.int64)

@@ -71,6 +71,43 @@ class GatedMLP(torch.nn.Module):
         return self.head(*self.body(x))
 
 
+class CrossedBody(torch.nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.a = torch.nn.Linear(width, width)
+        self.b = torch.nn.Linear(width, 6)
+        self.c = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        a = torch.tanh(self.a(x))
+        b = torch.tanh(self.b(a))
+        return a, b, torch.tanh(self.c(b))
+
+
+class CrossedHead(torch.nn.Module):
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.c = torch.nn.Linear(4, width)
+        self.b = torch.nn.Linear(6, width)
+        self.a = torch.nn.Linear(width, width)
+
+    def forward(self, a, b, c):
+        return (self.c(c) + self.b(b)) * self.a(a)  # c first, a last
+
+
+class CrossedMLP(torch.nn.Module):
+    """Three tensors cross one cut, each of its own shape: the body produces ``a, b, c`` in that order and
+    the head uses them the other way round (``c`` first), so a stage pair whose sends and receives are
+    not posted in one agreed order mixes them up where messages pair by order (nccl)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.body, self.head = CrossedBody(width), CrossedHead(width)
+
+    def forward(self, x):
+        return self.head(*self.body(x))
+
+
 def tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -104,6 +141,7 @@ def stages_by_module(gm: torch.fx.GraphModule, rules: list[tuple[str, int]]) -> 
 MLP_RULES = [("a", 0), ("b", 1), ("c", 2)]
 CNN_RULES = [("conv", 0), ("bn", 0), ("fc", 1)]
 GATED_RULES = [("body", 0), ("head", 1)]
+CROSSED_RULES = [("body", 0), ("head", 1)]
 GPT2_RULES = [
     ("transformer.wte", 0), ("transformer.wpe", 0), ("transformer.drop", 0), ("transformer.h.0", 0),
     ("transformer.h.1", 1), ("transformer.ln_f", 2), ("lm_head", 2),
