@@ -92,9 +92,10 @@ def _same_split(small, plan) -> object:
         n.name: block_stage[info(n).block] for n in gm.graph.nodes if info(n) is not None and info(n).block
     }
     stages = codegen(split_stages(gm, stage_of, len(plan.stages)))
-    scalar = ("schedule", "microbatches", "optimizer", "loss", "inputs", "precision")  # not per-stage lists
-    meta = {k: v for k, v in small.pipeline.meta.items() if k in scalar}  # one CPU rank per stage
-    meta["recompute"] = [bool(getattr(s, "recompute", False)) for s in plan.stages]
+    meta = dataclasses.replace(  # the small plan's settings, one CPU rank per stage of the big plan's split
+        small.pipeline.meta, num_stages=len(plan.stages), placement=(), routing=(),
+        recompute=[s.recompute for s in plan.stages],
+    )  # fmt: skip
     return dataclasses.replace(small, pipeline=Pipeline(stages, meta))
 
 

@@ -9,6 +9,7 @@ dict (keyword arguments) holding one step's batch.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hetcc.errors import HetccError
+from hetcc.plan import PRECISIONS
 from hetcc.train.options import add_train_options, passthrough
 
 FACTORY_FORM = "pkg.module:factory or path/to/file.py:factory"  # as hetcc.train.sources reads it
@@ -85,25 +87,10 @@ def _compile(args: argparse.Namespace) -> None:
     print(f"\nwritten to {out}/: {note}\nreport: {report} (open it in a browser)")
 
 
-def _read_plan(folder: str):
-    from hetcc.plan import Plan
-    from hetcc.report.data import read_saved
-
-    path = Path(folder) / "plan.json"
-    text = read_saved(path, "plan file")  # UTF-8, not huge
-    try:
-        return Plan.from_json(text)
-    except HetccError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a plan.json hetcc did not write, whatever breaks first
-        raise HetccError(
-            f"{path} is not a plan hetcc wrote ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})",
-            hint="compile again with `hetcc compile ... --out DIR`",
-        ) from None
-
-
 def _explain(args: argparse.Namespace) -> None:
-    print(_read_plan(args.build).explain())
+    from hetcc.plan import read_plan
+
+    print(read_plan(args.build).explain())
 
 
 def _simulate(args: argparse.Namespace) -> None:
@@ -114,9 +101,9 @@ def _simulate(args: argparse.Namespace) -> None:
     if saved.simulation is None:
         raise HetccError(f"cannot replay the plan in {args.build}: {saved.simulation_error}")
     result, problem = saved.simulation, saved.problem
-    formula = saved.plan.get("objective_s", saved.plan.get("step_time_s", float("nan")))
+    formula = saved.plan.objective_s if not math.isnan(saved.plan.objective_s) else saved.plan.step_time_s
     print(f"simulated step {result.step_time_s * 1e3:.2f} ms (the search's formula: {formula * 1e3:.2f} ms)")
-    devices = [", ".join(saved.stage_devices(s)) for s in saved.stages]
+    devices = [", ".join(s.devices) for s in saved.stages]
     for k, (busy, bubble) in enumerate(zip(result.busy_s, result.bubble_fraction)):
         print(f"  stage {k} on {devices[k]}: busy {busy * 1e3:.2f} ms, bubble {bubble:.0%}")
     print(
@@ -153,7 +140,7 @@ def _run(args: argparse.Namespace) -> None:
 
     outline = read_outline(str(build))
     run, data, eval_data = settings(args, str(build), outline.meta, outline.seq_len, sys.stderr.isatty())
-    loss_fn = loss_function(args.loss or outline.meta.get("loss"))
+    loss_fn = loss_function(args.loss or outline.meta.loss)
     with tempfile.TemporaryDirectory(prefix="hetcc-trace-") as scratch:
         if args.trace:
             os.environ[TRACE_DIR_ENV] = scratch  # the spawned ranks inherit it
@@ -174,16 +161,11 @@ def _run(args: argparse.Namespace) -> None:
 
 
 def _write_measured_trace(build: Path, scratch: str, out: str) -> None:
-    import json
-
     from hetcc.report import measured_trace, write_trace
+    from hetcc.runtime.store import pipeline_meta
 
-    pipeline = json.loads((build / "pipeline.json").read_text())
-    stages = json.loads((build / "plan.json").read_text()).get("stages", [])
-    placement = pipeline.get("meta", {}).get("placement") or [
-        {"stage": k, "replica": 0, "device": s.get("device", "?")} for k, s in enumerate(stages)
-    ]
-    ranks = [(int(p["stage"]), int(p.get("replica", 0)), str(p.get("device", "?"))) for p in placement]
+    placement = pipeline_meta(str(build)).placement
+    ranks = [(p.stage, p.replica, p.device or f"rank {p.rank}") for p in placement]
     path = write_trace(measured_trace(scratch, ranks), out)
     print(f"trace: {path} (measured on this machine; open in https://ui.perfetto.dev or chrome://tracing)")
 
@@ -367,7 +349,7 @@ def _add_compile(commands) -> None:
     compile_cmd.add_argument("--microbatches", type=_microbatches, default="auto", metavar="M",
                              help="split each step's batch into M equal microbatches along dim 0, or 'auto': "
                              "try every divisor of the batch from one trace and keep the fastest (default auto)")  # fmt: skip
-    compile_cmd.add_argument("--precision", choices=("fp32", "bf16-mixed", "fp16-mixed"), default="fp32",
+    compile_cmd.add_argument("--precision", choices=tuple(PRECISIONS), default="fp32",
                              help="training precision, priced at each device's peak for it (default fp32)")  # fmt: skip
     compile_cmd.add_argument("--recompute", choices=("auto", "always", "never"), default="auto",
                              help="recompute stage activations in backward: where memory needs it, in every "

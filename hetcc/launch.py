@@ -3,14 +3,14 @@
     torchrun --standalone --nproc-per-node K -m hetcc.launch build/ --steps 10 --data tokens/
 
 Each process joins as ``hetcc.train.PipelineRank.join`` does: rank k runs the stage (and replica)
-``meta["placement"]`` gives it, on its planned device, checked at start (vendor, and type by name and
+``PipelineMeta.placement`` gives it, on its planned device, checked at start (vendor, and type by name and
 memory); ``--allow-substitute`` runs on whatever it found, says so, and rank 0 prints the plan re-priced
 for the devices found (``hetcc.runtime.reprice``). Every rank then runs the built-in loop
 (``hetcc.train.loop``) with the training options (``hetcc.train.options``): ``--data`` (a token folder or
 a factory; default: ``inputs.safetensors``, the example batch, at every step), learning rate and
 schedule, clipping, evaluation, checkpoints (``--checkpoint-dir``, default ``DIR/checkpoints``, where
 the trained weights are saved at the end; ``--resume``) and metrics. Schedule, microbatches, optimizer
-and loss come from ``pipeline.json``'s ``meta``. Each rank reads only ``pipeline.json``, its own stage's
+and loss come from ``pipeline.json``'s ``meta`` (``hetcc.runtime.contract.PipelineMeta``). Each rank reads only ``pipeline.json``, its own stage's
 files and its share of the data. The reporting rank (the last stage's first replica) prints one
 ``step <i> loss <value>`` line per step, numbered on from a resumed checkpoint's step, the measured step
 against the simulated one, and where the weights went (and writes the losses to ``--losses-out``); with
@@ -29,10 +29,11 @@ import sys
 import torch.distributed as dist
 
 from hetcc.errors import HetccError, PlanFormatError
+from hetcc.runtime.contract import RECOMPILE, read_placement_file
 from hetcc.runtime.graph_json import resolve_function
-from hetcc.runtime.placement import torchrun_commands
+from hetcc.runtime.placement import RankPlacement, torchrun_commands
 from hetcc.runtime.reprice import repricing_lines
-from hetcc.runtime.store import load_inputs
+from hetcc.runtime.store import load_inputs, pipeline_meta
 from hetcc.train.checkpoint import write_build_pointer
 from hetcc.train.data import TARGET_KEYS
 from hetcc.train.local import Repeated
@@ -76,10 +77,8 @@ def example_batch(directory: str) -> Repeated:
     return Repeated(inputs)
 
 
-def _loss_name(directory: str) -> str | None:
-    from hetcc.runtime.store import pipeline_meta
-
-    return pipeline_meta(directory).get("loss")
+def _loss_name(directory: str) -> str:
+    return pipeline_meta(directory).loss
 
 
 def _write_json(path: str, value) -> None:
@@ -113,28 +112,37 @@ def loss_function(name: str | None):
     return resolve_function(f"torch.nn.functional.{name}", "pipeline.json meta.loss")
 
 
-def read_placement(directory: str) -> list[dict]:
-    """The saved placement: ``placement.json`` (every compiled folder) or ``pipeline.json``'s meta."""
-    for name, pick in (
-        ("placement.json", lambda d: d),
-        ("pipeline.json", lambda d: d.get("meta", {}).get("placement")),
-    ):
-        path = os.path.join(directory, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                entries = pick(json.load(f))
-            if entries:
-                return entries
-    raise PlanFormatError(
-        f"{directory} holds no placement (placement.json or pipeline.json meta.placement)",
-        hint="compile again with this hetcc: `hetcc compile ... --out DIR` saves the placement",
-    )
+def read_placement(directory: str) -> tuple[RankPlacement, ...]:
+    """The saved placement: ``pipeline.json``'s (what the ranks run), which ``placement.json`` must repeat
+    where both are saved; ``placement.json`` alone in a folder with only a plan."""
+    listed = os.path.join(directory, "placement.json")
+    if not os.path.exists(os.path.join(directory, "pipeline.json")):
+        if not os.path.exists(listed):
+            raise PlanFormatError(
+                f"{directory} holds no placement (placement.json or pipeline.json)",
+                hint="compile again with this hetcc: `hetcc compile ... --out DIR` saves the placement",
+            )
+        return read_placement_file(listed)
+    ranks = pipeline_meta(directory).placement
+    if os.path.exists(listed) and read_placement_file(listed) != ranks:
+        raise PlanFormatError(
+            f"{listed} and {directory}/pipeline.json's meta.placement place the ranks differently",
+            hint=f"{RECOMPILE}; the ranks run what pipeline.json says",
+        )
+    return ranks
 
 
 def node_commands(directory: str, endpoint: str, passthrough: list[str]) -> list[tuple[str, str]]:
     """``(node, command)`` for every node of the folder's placement (``placement.torchrun_commands``)."""
+    ranks = read_placement(directory)
+    if ranks[0].node_rank is None:  # then on no rank: a pipeline split by hand, not placed on a cluster
+        raise PlanFormatError(
+            f"{directory}'s placement puts no rank on a node (no node_rank / local_rank)",
+            hint=f"start it on one node with `torchrun --nproc-per-node {len(ranks)} -m hetcc.launch {directory}`, "
+            "or compile the model for a cluster (`hetcc compile ... --cluster FILE --out DIR`)",
+        )
     try:
-        return torchrun_commands(read_placement(directory), directory, endpoint, passthrough)
+        return torchrun_commands(ranks, directory, endpoint, passthrough)
     except ValueError as error:
         raise HetccError(
             str(error), hint="pass --rdzv-endpoint HOST:PORT of node 0, reachable from every node"

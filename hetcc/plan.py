@@ -6,11 +6,19 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from hetcc.errors import PlanFormatError, format_bytes
+from hetcc.hardware.schema import read_text
 from hetcc.solver.schedules import SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
+PLAN_FILE = "plan.json"
+MAX_PLAN_BYTES = 64 * 2**20  # plan.json / problem.json: a 70B model's are a few MB
+# The precisions a plan runs in -> the half format autocast computes matmuls in (None: fp32 throughout),
+# which is also the key of their FLOP/s peak. The one list: the compiler, the runtime, the CLI and the
+# run's figures read it.
+PRECISIONS: dict[str, str | None] = {"fp32": None, "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -100,11 +108,13 @@ class Plan:
             unknown = set(data) - {f.name for f in fields(cls)}
             if unknown:
                 raise ValueError(f"unknown plan fields {sorted(unknown)}")
-            stages = tuple(_stage_from_dict(s) for s in data.pop("stages"))
-            search = tuple((int(m), float(t)) for m, t in data.pop("microbatch_search", ()))
-            plan = cls(
-                stages=stages, **{**data, "notes": tuple(data.get("notes", ()))}, microbatch_search=search
-            )
+            lists = {key: data.pop(key, []) for key in ("stages", "notes", "microbatch_search")}
+            for key, value in lists.items():
+                if not isinstance(value, list):
+                    raise TypeError(f"{key} must be a list, got {type(value).__name__}")
+            stages = tuple(_stage_from_dict(s) for s in lists["stages"])
+            search = tuple((m, t) for m, t in lists["microbatch_search"])
+            plan = cls(stages=stages, **data, notes=tuple(lists["notes"]), microbatch_search=search)
             _check_plan(plan)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise PlanFormatError(f"not a hetcc plan: {exc}", hint="write plans with Plan.to_json()") from exc
@@ -114,6 +124,28 @@ class Plan:
         return explain(self)
 
 
+def read_plan(folder: str | Path) -> Plan:
+    """``folder/plan.json`` as ``Plan``: the one reader of a saved plan (``hetcc explain``, the report, a
+    run's figures, re-pricing). Errors name the file and the field."""
+    path = Path(folder) / PLAN_FILE
+    text = read_saved(path, "plan file")
+    try:
+        return Plan.from_json(text)
+    except PlanFormatError as error:
+        message = str(error).partition("\n")[0]
+        raise PlanFormatError(
+            f"{path}: {message}",
+            hint="compile the model again (`hetcc compile ... --out DIR`, or hetcc.compile(...).save(DIR))",
+        ) from None
+
+
+def read_saved(path: Path, what: str) -> str:
+    """The text of a file ``hetcc compile`` wrote: it must exist, be UTF-8 and at most MAX_PLAN_BYTES."""
+    if not path.exists():
+        raise PlanFormatError(f"{path} does not exist", hint="run `hetcc compile ... --out DIR` first")
+    return read_text(path, what, error=PlanFormatError, max_bytes=MAX_PLAN_BYTES)
+
+
 def _stage_from_dict(data: dict) -> PlanStage:
     if not isinstance(data, dict):
         raise TypeError(f"a stage must be a JSON object, got {type(data).__name__}")
@@ -121,7 +153,15 @@ def _stage_from_dict(data: dict) -> PlanStage:
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"unknown stage fields {sorted(unknown)}")
-    tuples = {k: tuple(data[k]) for k in ("blocks", "nodes", "devices", "shares") if k in data}
+    lists = [k for k in ("blocks", "nodes", "devices", "shares") if k in data]
+    for key in lists:
+        if not isinstance(data[key], list):
+            raise TypeError(
+                f"stage {data.get('index')}'s {key} must be a list, got {type(data[key]).__name__}"
+            )
+    if not isinstance(data.get("memory"), dict):
+        raise TypeError(f"stage {data.get('index')}'s memory must be a JSON object of byte counts")
+    tuples = {k: tuple(data[k]) for k in lists}
     return PlanStage(**{**data, **tuples, "memory": MemoryBreakdown(**data["memory"])})
 
 
@@ -129,41 +169,78 @@ def _number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _figure(value: object, infinite: bool = False) -> bool:
+    """A time, count or size: a number >= 0, finite unless ``infinite`` (a baseline that does not fit)."""
+    return _number(value) and value >= 0 and (infinite or math.isfinite(value))
+
+
+def _count(value: object, minimum: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _fail(field_name: str, why: str) -> PlanFormatError:
+    return PlanFormatError(f"plan field {field_name!r}: {why}", hint="write plans with Plan.to_json()")
+
+
 def _check_plan(plan: Plan) -> None:
-    """Values a plan file may hold, so a bad one fails here and not in arithmetic later."""
-
-    def fail(field_name: str, why: str) -> PlanFormatError:
-        return PlanFormatError(f"plan field {field_name!r}: {why}", hint="write plans with Plan.to_json()")
-
-    if isinstance(plan.microbatches, bool) or not isinstance(plan.microbatches, int) or plan.microbatches < 1:
-        raise fail("microbatches", f"must be a positive integer, got {plan.microbatches!r}")
+    """Values a plan file may hold, so a bad one fails here and not in arithmetic or a printed table later:
+    every time, FLOP count and byte count is a finite number >= 0 (a baseline may be inf: does not fit)."""
+    if not _count(plan.microbatches, 1):
+        raise _fail("microbatches", f"must be a positive integer, got {plan.microbatches!r}")
     if plan.schedule not in SCHEDULES:
-        raise fail("schedule", f"unknown schedule {plan.schedule!r}; use one of {', '.join(SCHEDULES)}")
+        raise _fail("schedule", f"unknown schedule {plan.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if plan.precision not in PRECISIONS:
+        raise _fail("precision", f"unknown precision {plan.precision!r}; use one of {', '.join(PRECISIONS)}")
     for name in ("step_time_s", "lower_bound_s"):
+        if not (_figure(getattr(plan, name)) and getattr(plan, name) > 0):
+            raise _fail(name, f"must be a positive number of seconds, got {getattr(plan, name)!r}")
+    for name in ("simulated_step_s", "objective_s"):  # NaN: not recorded
         value = getattr(plan, name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
-            raise fail(name, f"must be a positive number of seconds, got {value!r}")
+        if not (_figure(value) or (_number(value) and math.isnan(value))):
+            raise _fail(name, f"must be a number of seconds >= 0 (or NaN), got {value!r}")
+    if not _number(plan.gap) or not math.isfinite(plan.gap):
+        raise _fail("gap", f"must be a finite number, got {plan.gap!r}")
+    if not _count(plan.microbatch_rows):
+        raise _fail("microbatch_rows", f"must be a row count >= 0, got {plan.microbatch_rows!r}")
+    if not all(_count(m, 1) and _figure(t, infinite=True) for m, t in plan.microbatch_search):
+        raise _fail("microbatch_search", "must list [microbatches >= 1, seconds >= 0] pairs")
+    if not all(isinstance(note, str) for note in plan.notes):
+        raise _fail("notes", "must be a list of text lines")
+    if not all(isinstance(getattr(plan, name), bool) for name in ("training", "exact")):
+        raise _fail(
+            "training", f"training and exact must be true or false, got {plan.training!r}, {plan.exact!r}"
+        )
+    if not isinstance(plan.baselines, dict) or not all(_figure(v, True) for v in plan.baselines.values()):
+        raise _fail("baselines", "must map a baseline name to seconds >= 0 (inf: does not fit)")
     if not plan.stages or [s.index for s in plan.stages] != list(range(len(plan.stages))):
-        raise fail("stages", "must be a non-empty list indexed 0, 1, ... in order")
-    if not isinstance(plan.baselines, dict) or not all(_number(v) for v in plan.baselines.values()):
-        raise fail("baselines", "must map a baseline name to seconds")
+        raise _fail("stages", "must be a non-empty list indexed 0, 1, ... in order")
     for stage in plan.stages:
-        if not stage.devices or not all(isinstance(d, str) for d in (stage.device, *stage.devices)):
-            raise fail("stages", f"stage {stage.index} names no devices")
-        if not all(isinstance(b, str) for b in (*stage.blocks, *stage.nodes)):
-            raise fail("stages", f"stage {stage.index}: blocks and nodes must be lists of names")
-        numbers = [getattr(stage, f.name) for f in fields(PlanStage) if f.type in ("float", "int")]
-        numbers += [getattr(stage.memory, f.name) for f in fields(MemoryBreakdown)]
-        if not all(_number(v) for v in numbers):
-            raise fail("stages", f"stage {stage.index}: a time, count or size is not a number")
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in stage.shares):
-            raise fail("stages", f"stage {stage.index}: shares must be microbatch counts")
-        if stage.shares and (
-            len(stage.shares) != len(stage.devices) or sum(stage.shares) != plan.microbatches
-        ):
-            raise fail(
-                "stages", f"stage {stage.index}: shares {list(stage.shares)} do not cover the microbatches"
-            )
+        _check_stage(stage, plan.microbatches)
+
+
+def _check_stage(stage: PlanStage, microbatches: int) -> None:
+    at = f"stages[{stage.index}]"
+    if not stage.devices or not all(isinstance(d, str) for d in (stage.device, *stage.devices)):
+        raise _fail("stages", f"stage {stage.index} names no devices")
+    if not all(isinstance(b, str) for b in (*stage.blocks, *stage.nodes)) or not stage.blocks:
+        raise _fail("stages", f"stage {stage.index}: blocks and nodes must be lists of names")
+    if not isinstance(stage.recompute, bool) or not isinstance(stage.device_type, str):
+        raise _fail(at, "recompute must be true or false, device_type a name")
+    if stage.precision not in PRECISIONS:
+        raise _fail(f"{at}.precision", f"unknown precision {stage.precision!r}")
+    numbers = {f.name: getattr(stage, f.name) for f in fields(PlanStage) if f.type in ("float", "int")}
+    numbers |= {f"memory.{f.name}": getattr(stage.memory, f.name) for f in fields(MemoryBreakdown)}
+    for name, value in numbers.items():
+        if not _figure(value):
+            raise _fail(f"{at}.{name}", f"must be a finite number >= 0, got {value!r}")
+    if stage.bubble > 1:
+        raise _fail(f"{at}.bubble", f"a share of the step, got {stage.bubble!r}")
+    if not all(_count(n) for n in stage.shares):
+        raise _fail("stages", f"stage {stage.index}: shares must be microbatch counts")
+    if stage.shares and (len(stage.shares) != len(stage.devices) or sum(stage.shares) != microbatches):
+        raise _fail(
+            "stages", f"stage {stage.index}: shares {list(stage.shares)} do not cover the microbatches"
+        )
 
 
 def _block_range(blocks: tuple[str, ...]) -> str:

@@ -5,8 +5,10 @@ and what escaped (tests/untrusted.py)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
+import math
 import os
 import random
 
@@ -32,7 +34,9 @@ import hetcc
 from hetcc.cli import main
 from hetcc.hardware.calibration import Calibration
 from hetcc.plan import Plan
-from hetcc.runtime.store import load_inputs, load_pipeline
+from hetcc.runtime.layout import RankLayout
+from hetcc.runtime.placement import torchrun_commands
+from hetcc.runtime.store import load_inputs, load_pipeline, read_outline
 from hetcc.solver.problem import PartitionProblem
 
 # HETCC_FUZZ_EXAMPLES=500 explores further with fresh random examples; the suite's run is fixed and short.
@@ -176,7 +180,79 @@ def test_corrupted_weights(folders, scratch, data, which, action):
     _assert_no_escape("weights file", outcome("weights file", read), (path.name, action, at))
 
 
+# ---- the pipeline meta (hetcc.runtime.contract): refused, or whole --------------------------------------
+def _as_version_1(meta: dict, num_stages: int) -> dict:
+    """The meta as hetcc wrote it before the record (version 1): each stage's vendor beside the placement."""
+    old = {k: v for k, v in meta.items() if k not in ("plan_space", "loss_scale", "state_dict")}
+    return old | {"vendors": ["cpu"] * num_stages}
+
+
+def _check_whole(meta, num_stages: int) -> None:
+    """What every reader of an accepted record relies on: one entry per stage, rank and microbatch, ranks in
+    order, each stage's replicas 0..R-1, no negative count or size, and the runtime's views work."""
+    assert meta.num_stages == num_stages and [p.rank for p in meta.placement] == list(
+        range(len(meta.placement))
+    )
+    replicas = [sorted(p.replica for p in meta.placement if p.stage == k) for k in range(num_stages)]
+    assert all(r == list(range(len(r))) and r for r in replicas)
+    assert sum(map(len, replicas)) == len(meta.placement) and len(meta.recompute) == num_stages
+    assert len(meta.routing) == num_stages
+    assert all(len(row) == meta.microbatches and all(0 <= r < len(replicas[k]) for r in row)
+               for k, row in enumerate(meta.routing))  # fmt: skip
+    assert all(p.memory_bytes >= 0 and (p.local_index or 0) >= 0 for p in meta.placement)
+    layout = RankLayout.from_meta(meta)
+    for rank in range(layout.num_ranks):
+        layout.actions(meta.schedule, rank, training=meta.training)
+    if meta.placement[0].node_rank is not None:
+        torchrun_commands(meta.placement, "build", "10.0.0.1:29500")
+
+
+@FUZZ
+@given(data=st.data(), which=st.sampled_from(["compiled", "split"]), version=st.sampled_from([1, 2]))
+def test_mutated_pipeline_meta(folders, scratch, data, which, version):
+    """pipeline.json's meta mutated, in this format and the previous one: every folder is refused with a
+    HetccError or read into a record that is whole (a failed check of ``_check_whole`` escapes)."""
+    folder = copy_folder(folders[which], scratch / "meta")
+    document = read_json(folder / "pipeline.json")
+    meta = document["meta"] if version == 2 else _as_version_1(document["meta"], document["num_stages"])
+    document.update(version=version, meta=mutate(data, meta, rounds=3))
+    write_json(folder / "pipeline.json", document)
+    read = lambda: _check_whole(read_outline(str(folder)).meta, document["num_stages"])  # noqa: E731
+    _assert_no_escape("pipeline meta", outcome("pipeline meta", read), document["meta"])
+
+
+@FUZZ
+@given(data=st.data())
+def test_mutated_placement_json(folders, scratch, data):
+    """A folder with only a plan: ``hetcc launch`` prints its torchrun commands from placement.json."""
+    from hetcc.launch import node_commands
+
+    folder = copy_folder(folders["compiled"], scratch / "placement")
+    (folder / "pipeline.json").unlink()
+    write_json(folder / "placement.json", mutate(data, read_json(folder / "placement.json"), rounds=2))
+    run = lambda: node_commands(str(folder), "10.0.0.1:29500", [])  # noqa: E731
+    _assert_no_escape("placement.json", outcome("placement.json", run), read_json(folder / "placement.json"))
+
+
 # ---- plan and problem JSON (hetcc.plan and hetcc.solver.problem) ----------------------------------------
+@FUZZ
+@given(data=st.data())
+def test_an_accepted_plan_has_no_negative_or_infinite_figure(folders, data):
+    """plan.json mutated: refused, or every time, FLOP count and byte count is a finite number >= 0 (a
+    negative size was once accepted and printed by ``hetcc explain`` and the report)."""
+    document = mutate(data, read_json(folders["compiled"] / "plan.json"), rounds=2)
+
+    def read():
+        for stage in Plan.from_json(json.dumps(document)).stages:
+            figures = [
+                getattr(stage, f.name) for f in dataclasses.fields(stage) if f.type in ("float", "int")
+            ]
+            figures += list(dataclasses.asdict(stage.memory).values())
+            assert all(math.isfinite(v) and v >= 0 for v in figures), stage
+
+    _assert_no_escape("plan figures", outcome("plan figures", read), document)
+
+
 @FUZZ
 @given(data=st.data(), which=st.sampled_from(["plan.json", "problem.json"]))
 def test_mutated_plan_and_problem_json(folders, data, which):

@@ -133,7 +133,7 @@ def _edit_pipeline(folder, change) -> None:
         (lambda d: d["stages"][1]["recvs"][0].update(shape={"a": 1}), "recvs[0].shape: expected a list"),
         (lambda d: d["stages"][1]["recvs"][0].update(dtype="__class__"), "unknown dtype"),
         (lambda d: d["stages"].__setitem__(0, [1, 2]), "stages[0]: expected a mapping"),
-        (lambda d: d.update(meta={"schedule": "zigzag"}), "meta.schedule: unknown schedule"),
+        (lambda d: d["meta"].update(schedule="zigzag"), "meta.schedule: unknown schedule"),
     ],
 )
 def test_a_tampered_pipeline_json_names_the_file_and_the_field(folders, tmp_path, change, message):
@@ -148,8 +148,99 @@ def test_a_tampered_pipeline_json_names_the_file_and_the_field(folders, tmp_path
 def test_pipeline_json_of_the_wrong_type(folders, tmp_path, document):
     folder = _tampered(folders, tmp_path)
     write_json(folder / "pipeline.json", document)
-    with pytest.raises(PlanFormatError, match="not a hetcc-pipeline v1 file"):
+    with pytest.raises(PlanFormatError, match="not a hetcc-pipeline v1 or v2 file"):
         load_pipeline(str(folder))
+
+
+# ---- the pipeline meta: the compiler -> runtime record (hetcc.runtime.contract) -----------------------
+def _two_ranks(d) -> list:
+    return d["meta"]["placement"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [  # the compiled folder: one stage on two replicas (ranks 0 and 1), two microbatches routed 0, 1
+        (lambda d: _two_ranks(d).pop(), "meta.routing[0]: names a replica outside 0..0"),
+        (lambda d: d["meta"]["routing"][0].pop(), "meta.routing[0]: 1 entries; expected one per microbatch (2)"),
+        (lambda d: d["meta"]["routing"].append([0, 0]), "meta.routing: 2 entries for 1 stages"),
+        (lambda d: d["meta"].update(recompute=[]), "meta.recompute: expected a non-empty list"),
+        (lambda d: d["meta"].update(recompute=[False, True]), "meta.recompute: 2 entries for 1 stages"),
+        (lambda d: _two_ranks(d)[1].update(rank=5), "meta.placement[1].rank: rank 5 at position 1, but ranks are in order"),
+        (lambda d: _two_ranks(d)[1].update(stage=1), "meta.placement[1].stage: stage 1 of a 1-stage"),
+        (lambda d: _two_ranks(d)[1].update(replica=0), "meta.placement: stage 0 has replicas [0, 0]"),
+        (lambda d: _two_ranks(d)[1].update(memory_bytes=-1), "placement[1].memory_bytes: expected an integer >= 0"),
+        (lambda d: _two_ranks(d)[1].update(local_rank=0), "two ranks share one node rank and local rank"),
+        (lambda d: _two_ranks(d)[1].update(node_rank=None), "placement[1]: no node_rank or local_rank"),
+        (lambda d: d["meta"].update(loss_scale={"init_scale": -1}), "loss_scale.init_scale: expected a finite"),
+        (lambda d: d["meta"].update(loss_scale={"backoff_factor": 2}), "loss_scale.backoff_factor: expected a"),
+        (lambda d: d["meta"].update(microbatches=0), "meta.microbatches: expected a positive integer"),
+        (lambda d: d["meta"].update(precision="bf16"), "meta.precision: unknown precision 'bf16'"),
+        (lambda d: d["meta"].update(plan_space={"recompute": "sometimes"}), "meta.plan_space.recompute"),
+        (lambda d: d["meta"].update(vendors=["cpu"]), "meta.vendors: unknown key"),  # a version-1 key
+        (lambda d: d["meta"].pop("routing"), "meta: missing required key 'routing'"),  # written by every v2
+        (lambda d: d.pop("meta"), "missing required key 'meta'"),
+    ],
+)  # fmt: skip
+def test_a_pipeline_meta_that_disagrees_with_itself_is_refused_naming_the_field(
+    folders, tmp_path, change, message
+):
+    """Every list of the record has one entry per stage, rank or microbatch, every count and size is a
+    number >= 0, and each says which field is wrong and to compile again, before any rank starts."""
+    folder = _tampered(folders, tmp_path, "compiled")
+    _edit_pipeline(folder, change)
+    with pytest.raises(PlanFormatError, match="pipeline.json") as info:
+        hetcc.run_local(str(folder), {"x": torch.randn(4, 4)})
+    assert message in str(info.value)
+    assert "hint: " in str(info.value)
+
+
+def _as_version_1(document: dict, **meta) -> None:
+    """What hetcc wrote before the record: version 1, each stage's vendor beside the placement, no
+    plan space, loss scale or routing when they had their defaults."""
+    old = {k: v for k, v in document["meta"].items() if k not in ("plan_space", "loss_scale", "state_dict")}
+    document.update(version=1, meta={**old, "vendors": ["cpu"] * document["num_stages"], **meta})
+
+
+def test_a_folder_of_the_previous_format_loads_with_the_defaults_it_was_written_for(folders, tmp_path):
+    from hetcc.runtime.contract import PlanSpace
+    from hetcc.runtime.store import pipeline_meta
+
+    folder = _tampered(folders, tmp_path, "compiled")
+    new = pipeline_meta(str(folder))
+    _edit_pipeline(folder, _as_version_1)
+    old = pipeline_meta(str(folder))
+    assert old.placement == new.placement and old.routing == new.routing and old.inputs == new.inputs
+    assert old.plan_space == PlanSpace() and old.loss_scale == {} and old.state_dict is None
+    split = _tampered(folders, tmp_path, "split")  # three stages, saved without a meta: one CPU rank each
+    _edit_pipeline(split, lambda d: d.update(version=1, meta={"vendors": ["cpu", "nvidia", "cpu"]}))
+    meta = pipeline_meta(str(split))
+    assert [(p.rank, p.stage, p.vendor) for p in meta.placement] == [
+        (0, 0, "cpu"),
+        (1, 1, "nvidia"),
+        (2, 2, "cpu"),
+    ]
+    assert meta.routing == ((0,), (0,), (0,)) and meta.recompute == (False,) * 3 and meta.precision == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("which", "change", "message"),
+    [
+        ("split", lambda d: d.update(version=1, meta={"vendors": ["cpu"]}), "meta.vendors: 1 vendors for 3 stages"),
+        ("compiled", lambda d: _as_version_1(d, vendors=["nvidia"]),
+         "meta.vendors[0]: stage 0 on 'nvidia', but placement[0] (its first rank) says 'cpu'"),
+        ("compiled", lambda d: _as_version_1(d, routing=[[0, 1, 1]]), "meta.routing[0]: 3 entries"),
+        ("split", lambda d: d.update(version=3), "not a hetcc-pipeline v1 or v2 file"),
+        ("split", lambda d: d.update(version=0), "not a hetcc-pipeline v1 or v2 file"),
+    ],
+)  # fmt: skip
+def test_a_folder_of_another_format_is_refused_saying_to_compile_again(
+    folders, tmp_path, which, change, message
+):
+    folder = _tampered(folders, tmp_path, which)
+    _edit_pipeline(folder, change)
+    with pytest.raises(PlanFormatError, match="pipeline.json") as info:
+        load_pipeline(str(folder))
+    assert message in str(info.value) and "compile the model again" in str(info.value)
 
 
 def test_a_link_out_of_the_folder_is_refused(folders, tmp_path):
@@ -330,6 +421,8 @@ def test_strings_fx_would_write_into_code_must_be_plain_names(folders, tmp_path,
         lambda g: _relu(g).update(args=[{"node": 3}]),
         lambda g: _relu(g).update(args={"tuple": [{"dtype": "__builtins__"}]}),
         lambda g: _relu(g).update(op="call_module", target="a"),
+        lambda g: g.pop("modules"),  # every section graph_to_json writes is required
+        lambda g: g.pop("libraries"),
     ],
 )
 def test_malformed_stage_graphs_name_the_file(folders, tmp_path, change):
@@ -440,6 +533,47 @@ def test_run_local_arguments_are_checked_before_any_process_starts(folders, kwar
     arguments = {"compiled_or_dir": folders["compiled"], "inputs": {"x": BATCH[:4]}, "loss_fn": loss} | kwargs
     with pytest.raises(HetccError, match=message):
         hetcc.run_local(**arguments)
+
+
+# ---- plan.json: one reader (hetcc.plan.read_plan) for hetcc explain, the report, metrics, re-pricing -------
+def _first_stage(plan: dict) -> dict:
+    return plan["stages"][0]
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [  # every time, FLOP count and byte count is a finite number >= 0
+        (lambda p: _first_stage(p)["memory"].update(params_bytes=-1e9), "stages[0].memory.params_bytes"),
+        (lambda p: _first_stage(p)["memory"].update(activations_bytes=float("inf")), "memory.activations_bytes"),
+        (lambda p: _first_stage(p).update(device_memory_bytes=-1), "stages[0].device_memory_bytes"),
+        (lambda p: _first_stage(p).update(fwd_flops=-5), "stages[0].fwd_flops"),
+        (lambda p: _first_stage(p).update(comm_s=float("nan")), "stages[0].comm_s"),
+        (lambda p: _first_stage(p).update(inflight=-1), "stages[0].inflight"),
+        (lambda p: _first_stage(p).update(bubble=2.0), "stages[0].bubble"),
+        (lambda p: _first_stage(p).update(precision="bf16"), "stages[0].precision"),
+        (lambda p: _first_stage(p).update(blocks="abc"), "blocks must be a list"),
+        (lambda p: p["baselines"].update(uniform=-0.5), "baselines"),
+        (lambda p: p.update(microbatch_rows=-3), "microbatch_rows"),
+        (lambda p: p.update(precision="fp8"), "precision"),
+        (lambda p: p.update(notes="one note"), "notes must be a list"),
+    ],
+)  # fmt: skip
+def test_a_plan_json_with_a_negative_or_odd_figure_is_refused_by_every_reader(
+    folders, tmp_path, capsys, change, field
+):
+    from hetcc.plan import read_plan
+    from hetcc.report import write_report
+
+    folder = _tampered(folders, tmp_path, "compiled")
+    plan = read_json(folder / "plan.json")
+    change(plan)
+    write_json(folder / "plan.json", plan)
+    for read in (read_plan, write_report):
+        with pytest.raises(PlanFormatError, match="plan.json") as info:
+            read(folder)
+        assert field in str(info.value) and "compile the model again" in str(info.value)
+    assert main(["explain", str(folder)]) == 2  # a HetccError: not printed
+    assert field in capsys.readouterr().err
 
 
 # ---- the command line ----------------------------------------------------------------------------------

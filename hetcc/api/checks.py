@@ -14,7 +14,7 @@ import torch
 from hetcc.errors import HetccError, did_you_mean
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.schema import check_path, short_repr
-from hetcc.passes.partition import PRECISIONS
+from hetcc.plan import PRECISIONS
 from hetcc.solver.schedules import SCHEDULES
 
 

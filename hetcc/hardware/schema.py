@@ -1,7 +1,7 @@
 """The one schema layer of hetcc's YAML/JSON files (cluster and calibration files, saved pipelines).
 
 A file format is declared as a ``Record``: a table of keys whose values are kinds (``Text``, ``Quantity``,
-``Fraction``, ``Count``, ``Nullable``, ``Choice``, ``ListOf``, ``Table`` or another ``Record``; any
+``Fraction``, ``Count``, ``Number``, ``Nullable``, ``Choice``, ``ListOf``, ``Table`` or another ``Record``; any
 function ``(value, where) -> result`` is a kind too). Calling a format on a parsed file checks and converts it in
 one walk. Every error names the file, the field path (``nodes[1].devices[0].memory``) and the reason,
 for a misspelt name the closest valid one, and a hint of what to write.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import math
 import os
 import pathlib
 import reprlib
@@ -50,17 +51,19 @@ class Where:
     source: str
     path: str = ""
     error: type[HetccError] = ClusterError  # what ``fail`` raises
+    hint: str | None = None  # the next step where a failure names none (say, "compile again")
 
     def at(self, *steps: str | int) -> Where:
         """The place ``steps`` below this one: a key (``.name``) or a list index (``[3]``)."""
         path = self.path
         for step in steps:
             path = f"{path}[{step}]" if isinstance(step, int) else f"{path}.{step}" if path else step
-        return Where(self.source, path, self.error)
+        return Where(self.source, path, self.error, self.hint)
 
     def fail(self, reason: str, hint: str | None = None) -> NoReturn:
         """Raise ``error`` reading ``<source>: <path>: <reason>``, with ``hint`` as the next step."""
-        raise self.error(f"{self.source}: {self.path + ': ' if self.path else ''}{reason}", hint=hint)
+        message = f"{self.source}: {self.path + ': ' if self.path else ''}{reason}"
+        raise self.error(message, hint=hint or self.hint)
 
     @contextlib.contextmanager
     def blame(self) -> Iterator[None]:
@@ -126,6 +129,21 @@ class Count:
             where.fail(f"expected {what}; got {short_repr(value)}")
         if self.maximum is not None and value > self.maximum:
             where.fail(f"{short_repr(value)} is more than hetcc handles here (at most {self.maximum})")
+        return value
+
+
+@dataclass(frozen=True)
+class Number:
+    """A finite number (not a bool) >= 0, or > 0 when ``positive``: a size, a time, a factor."""
+
+    positive: bool = False
+
+    def __call__(self, value: object, where: Where) -> float:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and (value > 0 if self.positive else value >= 0)):
+            where.fail(
+                f"expected a finite number {'> 0' if self.positive else '>= 0'}; got {short_repr(value)}"
+            )
         return value
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from hetcc.errors import format_bytes
-from hetcc.report.data import SavedPlan, number
+from hetcc.plan import PlanStage
+from hetcc.report.data import SavedPlan
 from hetcc.report.svg import (
     IDLE,
     KIND_COLOURS,
@@ -59,7 +60,7 @@ def chain_chart(saved: SavedPlan) -> str:
     blocks = saved.problem.blocks
     stage_of = []
     for stage in saved.stages:
-        stage_of += [stage["index"]] * len(stage["blocks"])
+        stage_of += [stage.index] * len(stage.blocks)
     cell = CHART_W / max(len(blocks), 1)
     body, x = [], 10.0
     for i, name in enumerate(blocks):
@@ -72,11 +73,11 @@ def chain_chart(saved: SavedPlan) -> str:
             )  # staggered
         x += cell
     for stage in saved.stages:
-        first = sum(len(s["blocks"]) for s in saved.stages if s["index"] < stage["index"])
-        middle = 10 + cell * (first + len(stage["blocks"]) / 2)
-        low = 12 if stage["index"] % 2 and cell * len(stage["blocks"]) < 60 else 0  # narrow stages alternate
-        body.append(text(middle, 74 + low, f"stage {stage['index']}", 10, "middle"))
-        body.append(text(middle, 86 + low, f"{len(stage['blocks'])} blocks", 9, "middle", "#555"))
+        first = sum(len(s.blocks) for s in saved.stages if s.index < stage.index)
+        middle = 10 + cell * (first + len(stage.blocks) / 2)
+        low = 12 if stage.index % 2 and cell * len(stage.blocks) < 60 else 0  # narrow stages alternate
+        body.append(text(middle, 74 + low, f"stage {stage.index}", 10, "middle"))
+        body.append(text(middle, 86 + low, f"{len(stage.blocks)} blocks", 9, "middle", "#555"))
     return svg(
         CHART_W + 20, 104, body, "block chain with the cuts between stages (numbers: stages either side)"
     )
@@ -91,13 +92,12 @@ def baseline_chart(saved: SavedPlan) -> str:
     Each bar is labelled with its stage and devices; its colour is the stage's, as in the other charts."""
     m = saved.problem.microbatches
     names = [d.name for d in saved.problem.devices]
-    rows = [("hetcc", [(number(s.get("compute_s")) * _share(s, m), number(s.get("comm_s")) * m,
-                        _devices_label(saved.stage_devices(s))) for s in saved.stages],
-             number(saved.plan.get("step_time_s")))]  # fmt: skip
+    rows = [("hetcc", [(s.compute_s * _share(s, m), s.comm_s * m, _devices_label(s.devices))
+                       for s in saved.stages], saved.plan.step_time_s)]  # fmt: skip
     for name, solution in saved.baselines.items():
         stages = [(s.compute_s * m, s.comm_s * m, _devices_label([names[d] for d in s.devices or (s.device,)]))
                   for s in solution.stages]  # fmt: skip
-        rows.append((name, stages, number(saved.plan.get("baselines", {}).get(name), solution.step_time_s)))
+        rows.append((name, stages, saved.plan.baselines.get(name, solution.step_time_s)))
     finite = [c + m for _, stages, _ in rows for c, m, _ in stages if math.isfinite(c + m)]
     top = axis_top(max(finite, default=1e-3))
     bar_h, gap = 14, 4
@@ -135,10 +135,9 @@ def _devices_label(devices) -> str:
     return ", ".join(devices) if len(devices) <= 2 else f"{devices[0]} +{len(devices) - 1} more"
 
 
-def _share(stage: dict, microbatches: int) -> int:
+def _share(stage: PlanStage, microbatches: int) -> int:
     """Microbatches the stage's busiest replica runs in a step (all of them without replicas)."""
-    shares = stage.get("shares") or ()
-    return max(shares) if shares else microbatches
+    return max(stage.shares) if stage.shares else microbatches
 
 
 def memory_chart(saved: SavedPlan) -> str:
@@ -147,20 +146,18 @@ def memory_chart(saved: SavedPlan) -> str:
              ("optimizer_bytes", "#edc948", "optimizer"), ("activations_bytes", "#e15759", "activations"))  # fmt: skip
     bar_h, body, y = 18, [], 10.0
     for stage in saved.stages:
-        capacity = number(stage.get("device_memory_bytes"), 0.0)
-        memory = stage.get("memory") or {}
-        used = sum(number(memory.get(key), 0.0) for key, _, _ in parts)
-        label = ", ".join(saved.stage_devices(stage))
-        body.append(text(10, y + 13, f"stage {stage['index']}: {label}"[:30], 11))
+        capacity = stage.device_memory_bytes
+        memory = {key: getattr(stage.memory, key) for key, _, _ in parts}
+        used = stage.memory.total_bytes
+        label = ", ".join(stage.devices)
+        body.append(text(10, y + 13, f"stage {stage.index}: {label}"[:30], 11))
         body.append(
             rect(LABEL_W, y, CHART_W, bar_h, IDLE, f"capacity {format_bytes(capacity)}", stroke="#999")
         )
         x = LABEL_W
         for key, colour, name in parts:
-            width = CHART_W * number(memory.get(key), 0.0) / capacity if capacity else 0.0
-            body.append(
-                rect(x, y, width, bar_h, colour, f"{name} {format_bytes(number(memory.get(key), 0))}")
-            )
+            width = CHART_W * memory[key] / capacity if capacity else 0.0
+            body.append(rect(x, y, width, bar_h, colour, f"{name} {format_bytes(memory[key])}"))
             x += width
         share = f"{used / capacity:.1%}" if capacity else "-"
         body.append(text(LABEL_W + CHART_W + 4, y + 13, "", 10))
@@ -222,14 +219,13 @@ def _gantt_event(event, y: float, top: float, row_h: float, send_h: float) -> li
 def bound_chart(saved: SavedPlan) -> str:
     """Step times side by side: the lower bound, hetcc's prediction and simulation, the baselines."""
     plan = saved.plan
-    rows = [("lower bound", number(plan.get("lower_bound_s")), "#999999"),
-            ("hetcc (plan)", number(plan.get("step_time_s")), "#4e79a7")]  # fmt: skip
-    simulated = number(plan.get("simulated_step_s"))
+    rows = [("lower bound", plan.lower_bound_s, "#999999"), ("hetcc (plan)", plan.step_time_s, "#4e79a7")]
+    simulated = plan.simulated_step_s
     if math.isnan(simulated) and saved.simulation is not None:
         simulated = saved.simulation.step_time_s
     if not math.isnan(simulated):
         rows.append(("hetcc (simulated)", simulated, "#76b7b2"))
-    rows += [(name, number(t), "#f28e2b") for name, t in (plan.get("baselines") or {}).items()]
+    rows += [(name, t, "#f28e2b") for name, t in plan.baselines.items()]
     finite = [t for _, t, _ in rows if math.isfinite(t)]
     top = axis_top(max(finite, default=1e-3))
     body, y = [], 10.0
@@ -243,7 +239,7 @@ def bound_chart(saved: SavedPlan) -> str:
         else:
             body.append(text(LABEL_W, y + 13, "does not fit in memory", 10, fill="#e15759"))
         y += 24
-    bound = number(plan.get("lower_bound_s"))
+    bound = plan.lower_bound_s
     if math.isfinite(bound):
         x = LABEL_W + CHART_W * bound / top
         body.append(line(x, 6, x, y, "#555", 1, dash=True))

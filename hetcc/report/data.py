@@ -1,25 +1,24 @@
-"""What a report or a timeline needs, read from a saved folder (``plan.json``, ``problem.json``,
-``cluster.json``) as plain data.
+"""What a report or a timeline needs, read from a saved folder (``plan.json`` through ``read_plan``,
+``problem.json``, ``cluster.json``).
 
-The plan is read as a dict rather than through ``Plan.from_json`` so that a report can show folders
-written by older or newer hetcc versions: fields a version lacks (replica groups, recompute, precision,
-the simulated step) are simply not shown.
+Plans of older hetcc versions read as ``Plan.from_json`` reads them: fields a version lacks (replica
+groups, recompute, precision, the simulated step) take their defaults and are simply not shown.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hetcc.errors import HetccError, PlanFormatError
-from hetcc.hardware.schema import read_text
+from hetcc.plan import Plan, PlanStage, read_plan, read_saved
 from hetcc.solver.problem import PartitionProblem
 
 CLUSTER_FILE = "cluster.json"  # the cluster the plan was made for, as Cluster.to_spec() writes it
-MAX_PLAN_BYTES = 64 * 2**20  # plan.json / problem.json: a 70B model's are a few MB
 
 
 @dataclass
@@ -27,7 +26,7 @@ class SavedPlan:
     """A build or dump folder's plan, the problem it solved, and (when saved) the cluster."""
 
     folder: Path
-    plan: dict[str, Any]
+    plan: Plan
     problem: PartitionProblem
     cluster: dict[str, Any] | None = None
     simulation: Any = None  # hetcc.solver.simulate.Simulation, or None when it could not be replayed
@@ -35,29 +34,24 @@ class SavedPlan:
     baselines: dict[str, Any] = field(default_factory=dict)  # name -> PartitionSolution
 
     @property
-    def stages(self) -> list[dict[str, Any]]:
-        return self.plan.get("stages", [])
-
-    def stage_devices(self, stage: dict[str, Any]) -> tuple[str, ...]:
-        """The device names of a stage: its replica group where the plan has one, else its device."""
-        return tuple(stage.get("devices") or (stage["device"],))
+    def stages(self) -> tuple[PlanStage, ...]:
+        return self.plan.stages
 
     @property
     def rows(self) -> dict[tuple[int, int], str]:
         """(stage, replica) -> device name: one timeline row each."""
-        return {(s["index"], r): name for s in self.stages for r, name in enumerate(self.stage_devices(s))}
+        return {(s.index, r): name for s in self.stages for r, name in enumerate(s.devices)}
 
     @property
     def used_devices(self) -> dict[str, int]:
         """Device name -> the stage it runs."""
-        return {name: s["index"] for s in self.stages for name in self.stage_devices(s)}
+        return {name: s.index for s in self.stages for name in s.devices}
 
 
 def load(folder: str | Path) -> SavedPlan:
     """Read a folder written by ``hetcc compile`` (build folder or dump folder)."""
     folder = Path(folder)
-    plan = _read_json(folder / "plan.json")
-    _check_plan(plan, folder / "plan.json")
+    plan = read_plan(folder)
     problem = read_problem(folder)
     cluster_path = folder / CLUSTER_FILE
     cluster = _read_json(cluster_path) if cluster_path.exists() else None
@@ -75,36 +69,28 @@ def load(folder: str | Path) -> SavedPlan:
     return saved
 
 
-def simulate_plan(plan: dict[str, Any], problem: PartitionProblem):
+def simulate_plan(plan: Plan, problem: PartitionProblem):
     """The event-driven replay (``hetcc.solver.simulate``) of a saved plan's stages: each on its replica
     group, recomputing where the plan says so."""
     from hetcc.solver.simulate import simulate
 
-    return simulate(problem, *plan_layout(plan["stages"], problem))
+    return simulate(problem, *plan_layout(plan.stages, problem))
 
 
-def plan_layout(stages: list[dict[str, Any]], problem: PartitionProblem):
-    """(boundaries, replica groups as device indices, recompute flags) of a saved plan's stages (as
-    dicts: ``blocks``, ``devices`` or ``device``, ``recompute``) on ``problem``'s devices."""
+def plan_layout(stages: Sequence[PlanStage], problem: PartitionProblem):
+    """(boundaries, replica groups as device indices, recompute flags) of a plan's stages on
+    ``problem``'s devices."""
     boundaries = [0]
     for stage in stages:
-        boundaries.append(boundaries[-1] + len(stage["blocks"]))
+        boundaries.append(boundaries[-1] + len(stage.blocks))
     names = [d.name for d in problem.devices]
     groups: list[tuple[int, ...]] = []
     for stage in stages:
-        group = list(stage.get("devices") or [stage["device"]])
-        missing = [name for name in group if name not in names]
+        missing = [name for name in stage.devices if name not in names]
         if missing:
-            raise PlanFormatError(f"stage {stage['index']}'s devices {missing} are not in problem.json")
-        groups.append(tuple(names.index(name) for name in group))
-    return boundaries, groups, [bool(s.get("recompute")) for s in stages]
-
-
-def read_saved(path: Path, what: str) -> str:
-    """The text of a file ``hetcc compile`` wrote: it must exist, be UTF-8 and at most MAX_PLAN_BYTES."""
-    if not path.exists():
-        raise PlanFormatError(f"{path} does not exist", hint="run `hetcc compile ... --out DIR` first")
-    return read_text(path, what, error=PlanFormatError, max_bytes=MAX_PLAN_BYTES)
+            raise PlanFormatError(f"stage {stage.index}'s devices {missing} are not in problem.json")
+        groups.append(tuple(names.index(name) for name in stage.devices))
+    return boundaries, groups, [stage.recompute for stage in stages]
 
 
 def read_problem(folder: Path) -> PartitionProblem:
@@ -120,28 +106,6 @@ def number(value: Any, default: float = math.nan) -> float:
         return float(value)
     except (TypeError, ValueError):
         return default
-
-
-def _check_plan(plan: Any, path: Path) -> None:
-    """The shape the report relies on (other fields are read with defaults): stages in order, each with
-    its device(s) and blocks as strings."""
-
-    def strings(value: Any) -> bool:
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-
-    stages = plan.get("stages") if isinstance(plan, dict) else None
-    problem = None if isinstance(stages, list) and stages else "no stages"
-    for k, stage in enumerate(stages if problem is None else []):
-        if not isinstance(stage, dict) or stage.get("index") != k or not isinstance(stage.get("device"), str):
-            problem = f"stage {k} has no index {k} or no device name"
-        elif not strings(stage.get("blocks")) or not stage["blocks"]:
-            problem = f"stage {k}'s blocks are not a list of block names"
-        elif "devices" in stage and not strings(stage["devices"]):
-            problem = f"stage {k}'s devices are not a list of device names"
-        if problem:
-            break
-    if problem:
-        raise PlanFormatError(f"{path}: {problem}", hint="compile the model again with `hetcc compile`")
 
 
 def _read_json(path: Path) -> dict[str, Any]:

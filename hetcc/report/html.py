@@ -12,7 +12,6 @@ import json
 import math
 from html import escape
 from pathlib import Path
-from typing import Any
 
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.report import charts
@@ -72,23 +71,21 @@ def render(saved: SavedPlan) -> str:
 
 def _summary(saved: SavedPlan) -> str:
     plan = saved.plan
-    step, bound = number(plan.get("step_time_s")), number(plan.get("lower_bound_s"))
-    simulated = number(plan.get("simulated_step_s"))
+    step, bound = plan.step_time_s, plan.lower_bound_s
+    simulated = plan.simulated_step_s
     if math.isnan(simulated) and saved.simulation is not None:
         simulated = saved.simulation.step_time_s
     cards = [
         ("step time (plan)", _ms(step)),
         ("simulated step", _ms(simulated)),
-        ("search formula", _ms(number(plan.get("objective_s")))),
+        ("search formula", _ms(plan.objective_s)),
         ("lower bound", _ms(bound)),
-        ("gap to the bound", f"{number(plan.get('gap')):.1%}"),
+        ("gap to the bound", f"{plan.gap:.1%}"),
         ("stages", str(len(saved.stages))),
-        ("schedule", f"{plan.get('schedule', '?')}, {plan.get('microbatches', '?')} microbatches"),
+        ("schedule", f"{plan.schedule}, {plan.microbatches} microbatches"),
+        ("precision", plan.precision),
     ]
-    if plan.get("precision"):
-        cards.append(("precision", str(plan["precision"])))
-    for name, seconds in (plan.get("baselines") or {}).items():
-        seconds = number(seconds)
+    for name, seconds in plan.baselines.items():
         versus = (
             "does not fit" if math.isinf(seconds) else f"{seconds / step:.2f}x hetcc's step" if step else "-"
         )
@@ -96,8 +93,8 @@ def _summary(saved: SavedPlan) -> str:
     html = '<div class="cards">' + "".join(
         f'<div class="card">{escape(label)}<b>{escape(value)}</b></div>' for label, value in cards
     )
-    notes = "".join(f"<li>{escape(str(note))}</li>" for note in plan.get("notes", []))
-    mode = "training" if plan.get("training", True) else "inference"
+    notes = "".join(f"<li>{escape(note)}</li>" for note in plan.notes)
+    mode = "training" if plan.training else "inference"
     html += f'</div><p class="note">{mode}; times are per step unless a column says per microbatch.</p>'
     return html + (f"<ul class='note'>{notes}</ul>" if notes else "")
 
@@ -126,26 +123,21 @@ def _links_table(saved: SavedPlan) -> str:
 
 
 def _stage_table(saved: SavedPlan) -> str:
-    optional = [key for key in ("recompute", "precision") if any(key in s for s in saved.stages)]
+    shown = {"recompute": any(s.recompute for s in saved.stages),  # columns shown when a stage uses them
+             "precision": any(s.precision != "fp32" for s in saved.stages)}  # fmt: skip
+    optional = [key for key, used in shown.items() if used]
     head = ["stage", "devices", "type", "blocks", "fwd ms/mb", "bwd ms/mb", "compute ms/mb", "comm ms/mb",
             "in flight", "peak memory", "of capacity", "bubble"] + optional  # fmt: skip
     rows = []
     for s in saved.stages:
-        capacity, peak = number(s.get("device_memory_bytes"), 0.0), _peak(s)
-        blocks = s.get("blocks") or []
-        span = (
-            blocks[0]
-            if len(blocks) == 1
-            else f"{blocks[0]} .. {blocks[-1]} ({len(blocks)})"
-            if blocks
-            else "-"
-        )
-        cells = [str(s.get("index")), ", ".join(saved.stage_devices(s)), str(s.get("device_type", "")), span,
-                 *(f"{number(s.get(k)) * 1e3:.3f}" for k in ("fwd_s", "bwd_s", "compute_s", "comm_s")),
-                 str(s.get("inflight", "")), format_bytes(peak),
-                 f"{peak / capacity:.1%}" if capacity else "-", f"{number(s.get('bubble'), 0.0):.0%}",
-                 *(str(s.get(k, "")) for k in optional)]  # fmt: skip
-        colour = charts.stage_colour(int(s.get("index", 0)))
+        capacity, peak = s.device_memory_bytes, s.peak_memory_bytes
+        blocks = s.blocks
+        span = blocks[0] if len(blocks) == 1 else f"{blocks[0]} .. {blocks[-1]} ({len(blocks)})"
+        cells = [str(s.index), ", ".join(s.devices), s.device_type, span,
+                 *(f"{getattr(s, k) * 1e3:.3f}" for k in ("fwd_s", "bwd_s", "compute_s", "comm_s")),
+                 str(s.inflight), format_bytes(peak), f"{peak / capacity:.1%}" if capacity else "-",
+                 f"{s.bubble:.0%}", *(str(getattr(s, k)) for k in optional)]  # fmt: skip
+        colour = charts.stage_colour(s.index)
         cells[0] = f'<span class="swatch" style="background:{colour}"></span> {escape(cells[0])}'
         rows.append(
             "<tr>" + "".join(f"<td>{c if i == 0 else escape(c)}</td>" for i, c in enumerate(cells)) + "</tr>"
@@ -168,11 +160,6 @@ def _gantt(saved: SavedPlan) -> str:
         '<p class="note">From hetcc.solver.simulate: one step, every microbatch; '
         "a send belongs to the stage that issues it.</p>"
     )
-
-
-def _peak(stage: dict[str, Any]) -> float:
-    memory = stage.get("memory") or {}
-    return sum(number(v, 0.0) for v in memory.values())
 
 
 def _ms(seconds: float) -> str:

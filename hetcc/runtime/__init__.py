@@ -1,5 +1,5 @@
 """hetcc's runtime: send/recv ops and their transports, process groups, the schedule executor, placement,
-saved pipelines.
+saved pipelines and the record of how they run (``PipelineMeta``).
 
 Names are imported on first use: ``hetcc.passes.comm`` imports ``hetcc.runtime.ops`` while the
 executor imports the pass, so eager imports here would be circular.
@@ -11,6 +11,7 @@ import importlib
 
 _EXPORTS = {
     "Pipeline": "hetcc.runtime.store",
+    "PipelineMeta": "hetcc.runtime.contract",
     "save_stages": "hetcc.runtime.store",
     "load_stages": "hetcc.runtime.store",
     "load_pipeline": "hetcc.runtime.store",

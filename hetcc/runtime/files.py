@@ -28,10 +28,9 @@ from hetcc.hardware.schema import (
     load_file,
     short_repr,
 )
-from hetcc.solver.schedules import SCHEDULES
+from hetcc.runtime.contract import READABLE_VERSIONS, RECOMPILE, read_meta
 
 FORMAT = "hetcc-pipeline"
-VERSION = 1
 MAX_JSON_BYTES = 256 * 2**20  # pipeline.json or one stage's graph.json (a 70B model's is a few MB)
 MAX_HEADER_BYTES = 16 * 2**20  # a safetensors header: names, dtypes, shapes and offsets of the tensors
 
@@ -68,15 +67,8 @@ _STAGE = Record(
     required=("index", "inputs", "recvs", "sends", "num_outputs", "param_names", "aliases", "graph", "weights"),
     open=True,
 )  # fmt: skip
-_META = Record(
-    {"schedule": Choice(SCHEDULES, "schedule"), "microbatches": Count(), "loss": Text(),
-     "optimizer": Record({"name": Text()}, required=("name",), open=True), "vendors": ListOf(Text()),
-     "state_dict": Table(None, Text(), "state_dict key to the first key of its tensor"),  # hetcc.export's keys
-     "training": Flag()},  # False: compiled for inference (runs forward only)
-    open=True,
-)  # fmt: skip
 _PIPELINE = Record(
-    {"format": Text(), "version": Count(), "num_stages": Count(), "meta": _META,
+    {"format": Text(), "version": Count(), "num_stages": Count(), "meta": lambda value, where: value,
      "tied": ListOf(Record({"name": Text(), "members": ListOf(_member)}, required=("name", "members"))),
      "stages": ListOf(_STAGE, nonempty=True)},
     required=("format", "version", "num_stages", "tied", "stages"),
@@ -86,18 +78,22 @@ _PIPELINE = Record(
 
 def read_document(directory: str) -> dict[str, Any]:
     """pipeline.json, checked: its format and version, every field's type, and that the stages, edges
-    and tied groups agree with one another."""
+    and tied groups agree with one another. Its ``meta`` is a ``PipelineMeta`` (``contract.read_meta``)."""
     check_path(directory, "pipeline folder", error=PlanFormatError)
     path = os.path.join(directory, "pipeline.json")
     data = load_file(
         path, "pipeline file", error=PlanFormatError, max_bytes=MAX_JSON_BYTES, suffixes=(".json",)
     )
-    if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("version") != VERSION:
-        raise PlanFormatError(
-            f"{directory}/pipeline.json: not a {FORMAT} v{VERSION} file",
-            hint="save the pipeline again with this version of hetcc",
-        )
-    where = Where(path, error=PlanFormatError)
+    versions = " or ".join(f"v{v}" for v in READABLE_VERSIONS)
+    if (
+        not isinstance(data, dict)
+        or data.get("format") != FORMAT
+        or data.get("version") not in READABLE_VERSIONS
+    ):
+        raise PlanFormatError(f"{directory}/pipeline.json: not a {FORMAT} {versions} file", hint=RECOMPILE)
+    where = Where(path, error=PlanFormatError, hint=RECOMPILE)
+    if data["version"] >= 2 and "meta" not in data:
+        where.fail("missing required key 'meta'", RECOMPILE)
     document = _PIPELINE(data, where)
     count = document["num_stages"]
     if count != len(document["stages"]):
@@ -117,6 +113,7 @@ def read_document(directory: str) -> dict[str, Any]:
     for i, group in enumerate(document["tied"]):
         if any(stage >= count for stage, _ in group["members"]):
             where.at("tied", i).fail(f"a member in a stage beyond the {count} stages")
+    document["meta"] = read_meta(document.get("meta", {}), count, where.at("meta"), document["version"])
     return document
 
 

@@ -127,7 +127,8 @@ _NODE = Record(
 _GRAPH = Record(
     {"nodes": ListOf(_NODE, nonempty=True), "modules": Table(None, _any, "module name to layer"),
      "libraries": Table(None, Text(), "operator namespace to module")},
-    required=("nodes",),
+    required=("nodes", "modules", "libraries"),  # every section graph_to_json writes
+    missing_hint="save the pipeline again",
 )  # fmt: skip
 
 
@@ -136,7 +137,7 @@ def graph_from_json(data: object, where: str) -> tuple[fx.Graph, dict[str, torch
     ``graph_to_json``; anything else raises PlanFormatError naming ``where`` and the node."""
     data = _GRAPH(data, Where(where, error=PlanFormatError))
     graph, env = fx.Graph(), {}
-    libraries = data.get("libraries") or {}
+    libraries = data["libraries"]
     for namespace, module in libraries.items():
         import_library(namespace, module, where)
     allowed = (*_TORCH_NAMESPACES, *libraries)
@@ -153,8 +154,7 @@ def graph_from_json(data: object, where: str) -> tuple[fx.Graph, dict[str, torch
     if next(iter(reversed(graph.nodes))).op != "output":
         raise PlanFormatError(f"{where}: the graph has no output node last", hint="re-save the plan")
     layers = {
-        name: _layer_from_json(spec, f"{where}: module {name!r}")
-        for name, spec in (data.get("modules") or {}).items()
+        name: _layer_from_json(spec, f"{where}: module {name!r}") for name, spec in data["modules"].items()
     }
     try:
         graph.lint()

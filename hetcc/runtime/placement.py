@@ -1,11 +1,13 @@
-"""Where every rank of a plan runs, the torchrun command per node that puts it there, and the check
-each rank makes at start that it got the device the plan was made for.
+"""Where every rank of a plan runs (``RankPlacement``, the one record of a rank), the torchrun command
+per node that puts it there, and the check each rank makes at start that it got the device the plan was
+made for.
 
-The placement is a list of ranks, saved in ``pipeline.json``'s ``meta.placement``, one per rank of
-the pipeline (``rank`` = the process-group rank, stage order, replicas of a stage next to each other)::
+The placement is a list of ranks (``PipelineMeta.placement``, saved in ``pipeline.json``'s
+``meta.placement`` and in ``placement.json``), one per rank of the pipeline (``rank`` = the process-group
+rank, stage order, replicas of a stage next to each other)::
 
-    {"rank": 2, "stage": 2, "replica": 0, "device": "t4-1", "node": "node1", "node_rank": 1,
-     "local_rank": 0, "local_index": 1, "type": "T4", "vendor": "nvidia", "memory_bytes": 16106127360}
+    {"rank": 2, "stage": 2, "replica": 0, "vendor": "nvidia", "device": "t4-1", "node": "node1",
+     "local_index": 1, "type": "T4", "memory_bytes": 16106127360, "node_rank": 1, "local_rank": 0}
 
 torchrun starts ``--nproc-per-node`` processes per node (``--node-rank`` under its static rendezvous,
 the default); the process with ``GROUP_RANK`` n and ``LOCAL_RANK`` l is the rank whose ``node_rank`` is n
@@ -17,53 +19,75 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 GIB = 1024**3
 
 
-def placement(stage_devices: Sequence[Sequence[Any]]) -> list[dict[str, Any]]:
+@dataclass(frozen=True)
+class RankPlacement:
+    """One rank: the stage and replica it runs and the device the plan put it on. A pipeline split by
+    hand (``save_stages`` without a plan) knows only the stage, the replica and the vendor."""
+
+    rank: int
+    stage: int
+    replica: int = 0
+    vendor: str = "cpu"
+    device: str | None = None  # the cluster's device name
+    node: str | None = None  # the host
+    local_index: int | None = None  # device ordinal on that host
+    type: str | None = None  # the device type; None: the rank's device is not checked at start
+    memory_bytes: int = 0  # of that device (0: unknown)
+    node_rank: int | None = None  # torchrun's GROUP_RANK of the node
+    local_rank: int | None = None  # torchrun's LOCAL_RANK on that node
+
+
+def placement(stage_devices: Sequence[Sequence[Any]]) -> tuple[RankPlacement, ...]:
     """Ranks for stages whose replicas run on ``stage_devices[k]`` (``hetcc.hardware`` Device records,
     in the cluster's order), with each rank's node rank and local rank for torchrun."""
     ranks = [
-        {
-            "rank": rank,
-            "stage": stage,
-            "replica": replica,
-            "device": device.name,
-            "node": device.node,
-            "local_index": device.local_index,
-            "type": device.type.name,
-            "vendor": device.vendor,
-            "memory_bytes": int(device.memory_bytes),
-            "_order": device.index,
-        }  # fmt: skip
-        for rank, (stage, replica, device) in enumerate(
-            (stage, replica, device)
-            for stage, devices in enumerate(stage_devices)
-            for replica, device in enumerate(devices)
-        )
+        (stage, replica, device)
+        for stage, devices in enumerate(stage_devices)
+        for replica, device in enumerate(devices)
     ]
-    nodes = list(dict.fromkeys(e["node"] for e in sorted(ranks, key=lambda e: e["_order"])))
+    by_order = sorted(range(len(ranks)), key=lambda rank: ranks[rank][2].index)
+    nodes = list(dict.fromkeys(ranks[rank][2].node for rank in by_order))
+    position = {}  # rank -> (node rank, local rank)
     for node_rank, node in enumerate(nodes):
-        on_node = sorted((e for e in ranks if e["node"] == node), key=lambda e: e["_order"])
-        for local_rank, entry in enumerate(on_node):
-            entry.update(node_rank=node_rank, local_rank=local_rank)
-    for entry in ranks:
-        del entry["_order"]
-    return ranks
+        on_node = [rank for rank in by_order if ranks[rank][2].node == node]
+        position.update({rank: (node_rank, local_rank) for local_rank, rank in enumerate(on_node)})
+    return tuple(
+        _rank(rank, stage, replica, device, *position[rank])
+        for rank, (stage, replica, device) in enumerate(ranks)
+    )
 
 
-def rank_at(ranks: Sequence[Mapping[str, Any]], node_rank: int, local_rank: int) -> Mapping[str, Any]:
-    """The placement entry of the process torchrun started as (GROUP_RANK, LOCAL_RANK)."""
+def ranks_for(replicas: Sequence[int], vendor: str = "cpu") -> tuple[RankPlacement, ...]:
+    """A placement without devices (a pipeline split by hand): ``replicas[k]`` ranks for stage k, in
+    stage order, on ``vendor``."""
+    stages = [(stage, replica) for stage, count in enumerate(replicas) for replica in range(count)]
+    return tuple(RankPlacement(rank, stage, replica, vendor) for rank, (stage, replica) in enumerate(stages))
+
+
+def _rank(rank: int, stage: int, replica: int, device: Any, node_rank: int, local_rank: int) -> RankPlacement:
+    return RankPlacement(
+        rank, stage, replica, vendor=device.vendor, device=device.name, node=device.node,
+        local_index=device.local_index, type=device.type.name, memory_bytes=int(device.memory_bytes),
+        node_rank=node_rank, local_rank=local_rank,
+    )  # fmt: skip
+
+
+def rank_at(ranks: Sequence[RankPlacement], node_rank: int, local_rank: int) -> RankPlacement:
+    """The placement of the process torchrun started as (GROUP_RANK, LOCAL_RANK)."""
     for entry in ranks:
-        if entry["node_rank"] == node_rank and entry["local_rank"] == local_rank:
+        if entry.node_rank == node_rank and entry.local_rank == local_rank:
             return entry
     raise LookupError(f"the placement has no rank at node rank {node_rank}, local rank {local_rank}")
 
 
 def torchrun_commands(
-    ranks: Sequence[Mapping[str, Any]], directory: str, endpoint: str, extra: Sequence[str] = ()
+    ranks: Sequence[RankPlacement], directory: str, endpoint: str, extra: Sequence[str] = ()
 ) -> list[tuple[str, str]]:
     """One ``(node, command)`` per node: torchrun with the static rendezvous at ``endpoint`` (``HOST:PORT``,
     reachable from every node), the node's rank and its process count, preceded by a comment line
@@ -71,46 +95,43 @@ def torchrun_commands(
     host, _, port = endpoint.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"rendezvous endpoint {endpoint!r} is not HOST:PORT")
-    nodes = sorted({(e["node_rank"], e["node"]) for e in ranks})
+    nodes = sorted({(e.node_rank, e.node) for e in ranks})
     commands = []
     for node_rank, node in nodes:
-        entries = sorted((e for e in ranks if e["node_rank"] == node_rank), key=lambda e: e["local_rank"])
+        entries = sorted((e for e in ranks if e.node_rank == node_rank), key=lambda e: e.local_rank)
         words = [
             "torchrun", f"--nnodes={len(nodes)}", f"--node-rank={node_rank}",
             f"--nproc-per-node={len(entries)}", f"--master-addr={host}", f"--master-port={port}",
             "-m", "hetcc.launch", directory, *extra,
         ]  # fmt: skip
         layout = ", ".join(
-            f"rank {e['rank']} = stage {e['stage']}{_replica(e, ranks)} on {e['device']} "
-            f"({e['type']}{_gpu_index(e)})"
+            f"rank {e.rank} = stage {e.stage}{_replica(e, ranks)} on {e.device} ({e.type}{_gpu_index(e)})"
             for e in entries
         )
         commands.append((node, f"# node {node_rank} ({node}): {layout}\n{shlex.join(words)}"))
     return commands
 
 
-def _gpu_index(entry: Mapping[str, Any]) -> str:
-    return "" if entry["vendor"] == "cpu" else f", GPU {entry['local_index']}"
+def _gpu_index(entry: RankPlacement) -> str:
+    return "" if entry.vendor == "cpu" else f", GPU {entry.local_index}"
 
 
-def _replica(entry: Mapping[str, Any], ranks: Sequence[Mapping[str, Any]]) -> str:
-    replicas = sum(1 for e in ranks if e["stage"] == entry["stage"])
-    return f" replica {entry['replica']}/{replicas}" if replicas > 1 else ""
+def _replica(entry: RankPlacement, ranks: Sequence[RankPlacement]) -> str:
+    replicas = sum(1 for e in ranks if e.stage == entry.stage)
+    return f" replica {entry.replica}/{replicas}" if replicas > 1 else ""
 
 
-def device_mismatch(entry: Mapping[str, Any], found: Mapping[str, Any]) -> str | None:
+def device_mismatch(entry: RankPlacement, found: Mapping[str, Any]) -> str | None:
     """Why the device a rank found (``{"vendor", "name", "memory_bytes"}``) is not the one the plan has
     for it, or None. The type matches when its family is in the driver's name ("A100" in "NVIDIA
     A100-SXM4-80GB", "RTX4090" in "NVIDIA GeForce RTX 4090") and the memory is within 15%."""
-    planned, got = float(entry["memory_bytes"]), float(found.get("memory_bytes") or 0)
-    where = (
-        f"rank {entry['rank']} (stage {entry['stage']}) was planned on {entry['device']}, a {entry['type']}"
-    )
-    if found["vendor"] != entry["vendor"]:
-        return f"{where} ({entry['vendor']}), but found {found['name']} ({found['vendor']})"
-    if entry["vendor"] == "cpu":
+    planned, got = float(entry.memory_bytes), float(found.get("memory_bytes") or 0)
+    where = f"rank {entry.rank} (stage {entry.stage}) was planned on {entry.device}, a {entry.type}"
+    if found["vendor"] != entry.vendor:
+        return f"{where} ({entry.vendor}), but found {found['name']} ({found['vendor']})"
+    if entry.vendor == "cpu":
         return None
-    family_ok = _family(entry["type"]) in _key(found["name"])
+    family_ok = _family(entry.type or "") in _key(found["name"])
     memory_ok = not planned or abs(got - planned) <= 0.15 * max(planned, got)
     if family_ok and memory_ok:
         return None

@@ -20,12 +20,15 @@ from collections.abc import Iterable
 
 import torch
 
-AUTOCAST_DTYPES = {"fp32": None, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
+from hetcc.plan import PRECISIONS
+
+HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # a precision's half format as a torch dtype
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The dtype autocast computes in under ``precision`` (None: plain fp32)."""
-    return AUTOCAST_DTYPES[precision]
+    half = PRECISIONS[precision]
+    return HALF_DTYPES[half] if half is not None else None
 
 
 def forward_context(precision: str, device: torch.device):

@@ -23,8 +23,8 @@ from hetcc.errors import ClusterError, HetccError, PlanFormatError, format_bytes
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.measure import preset_for_device_name
 from hetcc.hardware.presets import PRESETS, flops_key, type_key
-from hetcc.plan import Plan
-from hetcc.report.data import CLUSTER_FILE, plan_layout, read_problem, read_saved
+from hetcc.plan import Plan, read_plan
+from hetcc.report.data import CLUSTER_FILE, plan_layout, read_problem
 from hetcc.solver.objective import replica_seconds, stage_costs
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.simulate import simulate
@@ -90,7 +90,7 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
     substituted = problem
     for rank, pricing in priced.items():
         substituted = _substitute(substituted, ranks[rank][2], pricing)
-    boundaries, groups, recompute = plan_layout([dataclasses.asdict(s) for s in plan.stages], problem)
+    boundaries, groups, recompute = plan_layout(plan.stages, problem)
     subs = tuple(
         _describe(
             problem, substituted, ranks[rank], rank, found[rank], priced[rank], boundaries, groups, recompute
@@ -150,7 +150,7 @@ def _change(slowdown: float) -> str:
 
 def _read(folder: Path) -> tuple[Plan, PartitionProblem, Cluster]:
     """The plan, the problem it solved and the cluster it was made for, as ``hetcc compile`` saved them."""
-    plan = Plan.from_json(read_saved(folder / "plan.json", "plan file"))
+    plan = read_plan(folder)
     problem = read_problem(folder)
     if not (folder / CLUSTER_FILE).is_file():
         raise PlanFormatError(

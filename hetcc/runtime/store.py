@@ -2,7 +2,8 @@
 
 Folder layout::
 
-    pipeline.json           stage count, per-stage inputs / recvs / sends / peers, tied groups, run meta
+    pipeline.json           stage count, per-stage inputs / recvs / sends / peers, tied groups, and how
+                            it runs (``meta``: hetcc.runtime.contract.PipelineMeta)
     stage<k>.py             readable source of stage k (for people; never read back)
     stage<k>.graph.json     stage k's graph (hetcc.runtime.graph_json)
     stage<k>.safetensors    stage k's parameters and persistent buffers (aliases stored once)
@@ -28,10 +29,10 @@ from hetcc.kernels import FUSION_META_KEY, load_groups, write_kernel
 from hetcc.kernels.op import registered_group
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.comm import CommEdge, StageGraph, TiedGroup
+from hetcc.runtime.contract import VERSION, PipelineMeta
 from hetcc.runtime.files import (
     FORMAT,
     MAX_JSON_BYTES,
-    VERSION,
     file_sha256,
     folder_file,
     read_document,
@@ -43,28 +44,37 @@ from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor, new_anchor
 
 @dataclass
 class Pipeline:
-    """Split stages plus how to run them (``meta``: schedule, microbatches, optimizer, vendors ...)."""
+    """Split stages plus how to run them (``meta``; None: one CPU rank per stage, the defaults)."""
 
     stages: list[StageGraph]
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: PipelineMeta | None = None
+
+    def __post_init__(self):
+        self.meta = self.meta if self.meta is not None else PipelineMeta(len(self.stages))
+        if not isinstance(self.meta, PipelineMeta) or self.meta.num_stages != len(self.stages):
+            raise HetccError(
+                f"the pipeline has {len(self.stages)} stages, but its meta is {short_repr(self.meta)}",
+                hint=f"pass a hetcc.runtime.contract.PipelineMeta({len(self.stages)}, ...), or none (the defaults)",
+            )
 
 
 def save_stages(
     stages: list[StageGraph],
     directory: str,
-    meta: dict[str, Any] | None = None,
+    meta: PipelineMeta | None = None,
     inputs: dict[str, torch.Tensor] | None = None,
     targets: torch.Tensor | None = None,
 ) -> str:
     """Write the pipeline folder (see the module docstring); returns the path of pipeline.json."""
+    meta = Pipeline(stages, meta).meta  # checked against the stages; None: the defaults
     os.makedirs(directory, exist_ok=True)
     for stage in stages:
-        _save_stage(stage, directory, meta or {})
+        _save_stage(stage, directory, meta)
     document = {
         "format": FORMAT,
         "version": VERSION,
         "num_stages": len(stages),
-        "meta": dict(meta or {}),
+        "meta": meta.to_json(),
         "tied": [{"name": g.name, "members": [list(m) for m in g.members]} for g in stages[0].tied],
         "stages": [_stage_entry(stage) for stage in stages],
     }
@@ -91,7 +101,7 @@ def load_pipeline(directory: str) -> Pipeline:
     num_stages = document["num_stages"]
     load_groups(directory)  # fused kernels the stage graphs call (JSON descriptions, not code)
     stages = [_load_stage(entry, directory, num_stages, tied) for entry in document["stages"]]
-    return Pipeline(stages, document.get("meta", {}))
+    return Pipeline(stages, document["meta"])
 
 
 @dataclass(frozen=True)
@@ -115,7 +125,7 @@ class PipelineOutline:
     it does not run (their model inputs; the meta with placement and routing) without loading them."""
 
     stages: tuple[StageOutline, ...]
-    meta: dict[str, Any] = field(default_factory=dict)
+    meta: PipelineMeta
 
     @property
     def seq_len(self) -> int:
@@ -138,7 +148,7 @@ def read_outline(directory: str) -> PipelineOutline:
         )  # fmt: skip
         for entry in document["stages"]
     )
-    return PipelineOutline(stages, document.get("meta", {}))
+    return PipelineOutline(stages, document["meta"])
 
 
 def load_stage(directory: str, index: int) -> StageGraph:
@@ -153,9 +163,9 @@ def load_stage(directory: str, index: int) -> StageGraph:
     return _load_stage(document["stages"][index], directory, document["num_stages"], tied)
 
 
-def pipeline_meta(directory: str) -> dict[str, Any]:
+def pipeline_meta(directory: str) -> PipelineMeta:
     """How a saved pipeline runs (schedule, microbatches, optimizer ...) without rebuilding its stages."""
-    return read_document(directory).get("meta", {})
+    return read_document(directory)["meta"]
 
 
 def load_stages(directory: str) -> list[StageGraph]:
@@ -261,11 +271,10 @@ def _aliases(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _save_stage(stage: StageGraph, directory: str, meta: dict[str, Any]) -> None:
+def _save_stage(stage: StageGraph, directory: str, meta: PipelineMeta) -> None:
     prefix = os.path.join(directory, f"stage{stage.index}")
-    recompute = bool((meta.get("recompute") or [False] * stage.num_stages)[stage.index])
     with open(f"{prefix}.py", "w") as f:
-        f.write(stage_source(stage, recompute=recompute, precision=meta.get("precision") or "fp32"))
+        f.write(stage_source(stage, recompute=meta.recompute[stage.index], precision=meta.precision))
     with open(f"{prefix}.graph.json", "w") as f:
         json.dump(graph_to_json(stage.module), f, indent=1)
     aliases = _aliases(stage.module)

@@ -16,18 +16,18 @@ import torch.distributed as dist
 
 from hetcc import config
 from hetcc.errors import HetccError, PlanFormatError
+from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.groups import GPU_VENDORS, world_backend
-from hetcc.runtime.layout import placements
 from hetcc.runtime.placement import device_mismatch, rank_at
 
 
-def this_rank(meta: dict) -> int:
+def this_rank(meta: PipelineMeta) -> int:
     """This process's pipeline rank: the placement entry of its (node rank, local rank), else RANK."""
-    entries = meta.get("placement") or []
-    if entries and all("node_rank" in e for e in entries) and "GROUP_RANK" in os.environ:
+    entries = meta.placement
+    if entries[0].node_rank is not None and "GROUP_RANK" in os.environ:  # on every rank, or on none
         node_rank, local_rank = int(os.environ["GROUP_RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
         try:
-            return int(rank_at(entries, node_rank, local_rank)["rank"])
+            return rank_at(entries, node_rank, local_rank).rank
         except LookupError as error:
             raise PlanFormatError(
                 str(error), hint="start each node with the command `hetcc launch DIR` prints"
@@ -35,11 +35,11 @@ def this_rank(meta: dict) -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def planned_device(vendor: str, meta: dict, rank: int) -> torch.device:
+def planned_device(meta: PipelineMeta, rank: int) -> torch.device:
     """The planned GPU of this node (``local_index``), else cuda:LOCAL_RANK, else the CPU."""
-    if vendor.lower() in GPU_VENDORS and torch.cuda.is_available():
-        entries = meta.get("placement") or []
-        local = entries[rank].get("local_index") if entries else None
+    entry = meta.placement[rank]
+    if entry.vendor.lower() in GPU_VENDORS and torch.cuda.is_available():
+        local = entry.local_index
         return torch.device("cuda", int(local if local is not None else os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -53,14 +53,14 @@ def found_device(device: torch.device) -> dict:
     return {"vendor": vendor, "name": props.name, "memory_bytes": props.total_memory}
 
 
-def check_device(meta: dict, rank: int, device: torch.device, allow_substitute: bool) -> dict | None:
+def check_device(meta: PipelineMeta, rank: int, device: torch.device, allow_substitute: bool) -> dict | None:
     """Stop if this rank's device is not the plan's, unless substitutes are allowed; then return what it
-    found (``found_device``). None: the planned device (or a plan without placement types)."""
-    entries = meta.get("placement") or []
-    if not entries or "type" not in entries[rank]:
+    found (``found_device``). None: the planned device (or a placement without device types)."""
+    entry = meta.placement[rank]
+    if entry.type is None:
         return None
     found = found_device(device)
-    problem = device_mismatch(entries[rank], found)
+    problem = device_mismatch(entry, found)
     if problem is None:
         return None
     if not allow_substitute:
@@ -73,10 +73,11 @@ def check_device(meta: dict, rank: int, device: torch.device, allow_substitute: 
     return found
 
 
-def start_process_group(directory: str, meta: dict, num_stages: int, allow_substitute: bool):
+def start_process_group(directory: str, meta: PipelineMeta, allow_substitute: bool):
     """Join the job torchrun started: (rank, device, what a substituting rank found). Checks the world
     size against the plan's ranks and this rank's device against its placement first."""
-    ranks = placements(meta, num_stages)  # replicas of a stage are ranks of their own
+    ranks = meta.placement  # replicas of a stage are ranks of their own
+    num_stages = meta.num_stages
     unset = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(name)]
     if unset:
         raise HetccError(
@@ -91,9 +92,9 @@ def start_process_group(directory: str, meta: dict, num_stages: int, allow_subst
             f"{directory} has {len(ranks)} ranks ({num_stages} stages) but WORLD_SIZE is {world}",
             hint=f"start torchrun with {len(ranks)} processes in all (--nproc-per-node times the node count)",
         )
-    vendors = [placement.vendor for placement in ranks]
+    vendors = list(meta.vendors)
     rank = this_rank(meta)
-    device = planned_device(vendors[rank], meta, rank)
+    device = planned_device(meta, rank)
     substitute = check_device(meta, rank, device, allow_substitute)
     if not torch.cuda.is_available():  # a GPU plan on CPU hosts (allowed above): every link is gloo
         vendors = ["cpu"] * len(ranks)

@@ -35,7 +35,7 @@ def export(source: str | os.PathLike, path: str | os.PathLike | None = None) -> 
     """
     document, held, aliases = _stage_weights(Path(source))
     every_name = {**held, **{alias: held[name] for alias, name in aliases.items()}}
-    keys = document.get("meta", {}).get("state_dict")
+    keys = document["meta"].state_dict
     if keys is None:
         if path is not None:
             _write(path, held, {"format": "hetcc-export", "hetcc.aliases": json.dumps(aliases)})

@@ -28,8 +28,8 @@ from hetcc import config
 from hetcc.errors import HetccError, PlanFormatError
 from hetcc.hardware.schema import short_repr
 from hetcc.passes.comm import StageGraph
+from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.groups import GPU_VENDORS
-from hetcc.runtime.layout import placements
 from hetcc.runtime.store import Pipeline, PipelineOutline, load_pipeline, read_outline, save_stages
 from hetcc.runtime.supervisor import error_report, failure_error, spawn_ranks, start_heartbeat, write_report
 from hetcc.solver.schedules import stage_actions
@@ -60,7 +60,7 @@ class RunResult:
     - ``grads_filled`` / ``grads_dropped``: gradients exchanged outside the ops so every peer's wait is
       matched: zeros sent for a received tensor autograd never differentiated, a gradient received and
       dropped for a sent tensor that needed none (``LinkTransport.settle_gradients``).
-    - ``replayed``: forward sends and recvs of a recomputed forward (``meta["recompute"]``), which
+    - ``replayed``: forward sends and recvs of a recomputed forward (``PipelineMeta.recompute``), which
       move nothing: the recv returns what the first forward received, the send is skipped.
     - ``fused_triton`` / ``fused_interpreter`` / ``fused_eager``: fused-group forwards by backend:
       generated kernel on a GPU, generated kernel through ``TRITON_INTERPRET=1``, original ops.
@@ -133,18 +133,18 @@ def run_local(
         load_pipeline(directory)  # every file checked once, here; each rank then reads only its own stage
         outline = read_outline(directory)
         if data is None:
-            data = _repeated(outline, inputs, targets, int(outline.meta.get("microbatches", 1)))
+            data = _repeated(outline, inputs, targets, outline.meta.microbatches)
         if resume and ckpt.latest_complete_step(checkpoint_dir, len(outline.stages)) is None:
             raise HetccError(
                 f"{checkpoint_dir} holds no complete checkpoint to resume from",
                 hint="run without resume=True first, with checkpoint_dir= and checkpoint_every=",
             )
-        if settings.optimizer is None and outline.meta.get("optimizer"):
-            settings = replace(settings, optimizer=dict(outline.meta["optimizer"]))
+        if settings.optimizer is None and outline.meta.optimizer:
+            settings = replace(settings, optimizer=dict(outline.meta.optimizer))
         _say_where_it_runs(outline)
         job = dict(directory=directory, data=data, eval_data=eval_data, loss_fn=loss_fn, settings=settings,
                    timeout_s=config.comm_timeout_s, port=_free_port(), results=scratch)  # fmt: skip
-        reports, failures = spawn_ranks(len(placements(outline.meta, len(outline.stages))), _worker, job)
+        reports, failures = spawn_ranks(len(outline.meta.placement), _worker, job)
         if failures:
             raise failure_error(failures)
         return _collect(reports, settings.checkpoint_dir)
@@ -177,7 +177,7 @@ def _named_inputs(outline: PipelineOutline, inputs: Mapping[str, Any] | tuple | 
     """Model inputs by placeholder name; positional inputs follow the model's placeholder order."""
     if isinstance(inputs, Mapping):
         return dict(inputs)
-    names = outline.meta.get("inputs")
+    names = list(outline.meta.inputs)
     if not names:
         names = list(dict.fromkeys(name for stage in outline.stages for name in stage.inputs))
     if len(inputs) != len(names):
@@ -206,7 +206,7 @@ def _check_microbatch_shapes(outline: PipelineOutline, microbatch: dict[str, Any
 def _check_inputs_taken(outline: PipelineOutline, inputs: Mapping[str, Any]) -> None:
     """A tensor input the model was not traced with would be ignored silently (say, ``labels`` given
     to a plan compiled without them, whose model then returns logits, not a loss): refuse it."""
-    taken = set(outline.meta.get("inputs") or ()) | {n for stage in outline.stages for n in stage.inputs}
+    taken = set(outline.meta.inputs) | {n for stage in outline.stages for n in stage.inputs}
     unknown = sorted(k for k, v in inputs.items() if isinstance(v, torch.Tensor) and k not in taken)
     if unknown:
         raise HetccError(
@@ -227,15 +227,21 @@ def _pipeline_folder(stages_or_dir, scratch: str, checkpoint_dir, schedule, micr
         if checkpoint_dir is not None:
             ckpt.write_build_pointer(checkpoint_dir, stages_or_dir)
         return os.fspath(stages_or_dir)
-    if isinstance(stages_or_dir, Pipeline):
-        stages, meta = stages_or_dir.stages, dict(stages_or_dir.meta)
-    else:
-        stages, meta = list(stages_or_dir), {}
-    meta.update({k: v for k, v in (("schedule", schedule), ("microbatches", microbatches)) if v is not None})
-    stage_actions(meta.get("schedule", "1f1b"), 1, meta.get("microbatches", 1))  # checks them early
+    pipeline = stages_or_dir if isinstance(stages_or_dir, Pipeline) else Pipeline(list(stages_or_dir))
+    stages, meta = pipeline.stages, _run_meta(pipeline.meta, schedule, microbatches)
     folder = os.path.join(checkpoint_dir if checkpoint_dir is not None else scratch, "pipeline")
     save_stages(stages, folder, meta)
     return folder
+
+
+def _run_meta(meta: PipelineMeta, schedule: str | None, microbatches: int | None) -> PipelineMeta:
+    """``meta`` with the schedule and microbatches given; a routing left at its default (replica 0) is
+    made again for the new microbatch count."""
+    stage_actions(schedule or meta.schedule, 1, meta.microbatches if microbatches is None else microbatches)
+    changes = {k: v for k, v in (("schedule", schedule), ("microbatches", microbatches)) if v is not None}
+    if microbatches is not None and not any(any(row) for row in meta.routing):
+        changes["routing"] = ()
+    return replace(meta, **changes)
 
 
 def _check_picklable(*values) -> None:
@@ -254,10 +260,9 @@ def _check_picklable(*values) -> None:
 
 def _say_where_it_runs(outline: PipelineOutline) -> None:
     """Once per run: a plan made for GPUs runs here on local CPU processes over gloo."""
-    vendors = outline.meta.get("vendors") or []
-    if any(str(v).lower() in GPU_VENDORS for v in vendors):
-        placement = outline.meta.get("placement") or []
-        kinds = {str(p.get("type") or p.get("vendor")) for p in placement} or set(map(str, vendors))
+    placement = outline.meta.placement
+    if any(p.vendor.lower() in GPU_VENDORS for p in placement):
+        kinds = {p.type or p.vendor for p in placement}
         print(
             f"hetcc.run_local: the plan is for {', '.join(sorted(kinds))} devices; every stage runs here as a "
             "local CPU process over gloo (fused kernels on their CPU path)",

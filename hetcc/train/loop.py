@@ -147,7 +147,7 @@ def _figures(rank: PipelineRank) -> RunFigures:
     """Tokens and samples per global batch (from the traced first model input) and the plan's FLOPs."""
     needs = rank.needs
     tokens = needs.batch_rows * rank.seq_len
-    types = [entry.get("type") for entry in rank.outline.meta.get("placement") or []]
+    types = [entry.type for entry in rank.outline.meta.placement]
     return RunFigures.of(rank.directory, rank.layout, types, rank.device.type == "cpu", tokens,
                          needs.batch_rows, rank.training)  # fmt: skip
 

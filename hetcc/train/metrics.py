@@ -24,12 +24,10 @@ from typing import Any
 
 from hetcc.errors import ClusterError, HetccError
 from hetcc.hardware.presets import get_preset
-from hetcc.hardware.schema import read_text
-from hetcc.plan import Plan
+from hetcc.plan import PLAN_FILE, PRECISIONS, Plan, read_plan
 from hetcc.runtime.layout import RankLayout
 
 METRICS_FILE = "metrics.jsonl"
-PEAK_KEYS = {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ class RunFigures:
         plan = _read_plan(directory)
         if plan is None or len(plan.stages) != len(layout.routing):  # no plan, or another split's
             return cls((), None, tokens, samples)
-        key = PEAK_KEYS.get(plan.precision, "fp32")
+        key = PRECISIONS[plan.precision] or "fp32"  # the FLOP/s peak of the run's matmuls
         work = []
         for rank, placement in enumerate(layout.ranks):
             stage = plan.stages[placement.stage]
@@ -187,10 +185,7 @@ def _tensorboard(folder: Path):
 
 
 def _read_plan(directory: str) -> Plan | None:
-    path = Path(directory) / "plan.json"
-    if not path.exists():
-        return None
-    return Plan.from_json(read_text(path, "plan file"))
+    return read_plan(directory) if (Path(directory) / PLAN_FILE).exists() else None
 
 
 def _peak(device_type: str, key: str) -> float | None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+
+from hetcc.runtime.contract import PipelineMeta
 
 DECAYS = ("constant", "linear", "cosine")
 
@@ -69,12 +70,12 @@ def passthrough(args: argparse.Namespace) -> list[str]:
     return words + ["--resume"] * bool(args.resume)
 
 
-def settings(args: argparse.Namespace, build: str, meta: dict[str, Any], seq_len: int, progress: bool):
+def settings(args: argparse.Namespace, build: str, meta: PipelineMeta, seq_len: int, progress: bool):
     """``(TrainSettings, data, eval_data)`` from the options; data are ``DataSpec``s each rank resolves."""
     from hetcc.train.loop import TrainSettings
     from hetcc.train.sources import DataSpec, check_spec, is_token_folder
 
-    optimizer = dict(meta.get("optimizer") or {"name": "adam"})
+    optimizer = dict(meta.optimizer or {"name": "adam"})
     optimizer.update(
         {k: v for k, v in (("lr", args.lr), ("weight_decay", args.weight_decay)) if v is not None}
     )

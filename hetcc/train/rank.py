@@ -35,7 +35,7 @@ from hetcc.errors import HetccError, RuntimeFailure
 from hetcc.passes.comm import StageGraph
 from hetcc.runtime.executor import StageExecutor, StepResult
 from hetcc.runtime.groups import Links
-from hetcc.runtime.layout import RankLayout, placements
+from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.store import PipelineOutline, load_stage, read_outline
 from hetcc.runtime.torchrun import start_process_group
 from hetcc.train import checkpoint as ckpt
@@ -69,16 +69,15 @@ class PipelineRank:
         try:  # what this rank reads: pipeline.json and its own stage's files
             self.outline, self.stage = load_rank(self.directory, rank)
             meta = self.outline.meta
-            self.microbatches = int(meta.get("microbatches", 1))
-            self.schedule = schedule or meta.get("schedule", "1f1b")
-            self.layout = RankLayout.from_meta(meta, len(self.outline.stages), self.microbatches)
+            self.microbatches, self.schedule = meta.microbatches, schedule or meta.schedule
+            self.layout = RankLayout.from_meta(meta)
             failure = None
         except HetccError as error:
             failure = error
         _agree_on_start(rank, failure)  # a rank that cannot start stops every rank, now, with its cause
         self.rank, self.placement = rank, self.layout.ranks[rank]
         self.device = torch.device(device)
-        self.training = self.outline.meta.get("training", True)  # False: compiled for inference
+        self.training = self.outline.meta.training  # False: compiled for inference
         self.owns_group = False
         self.substitute: dict | None = None  # under join: the device found in place of the planned one
         torch.manual_seed(seed + rank)  # the rank's own draws (dropout): runs repeat exactly
@@ -101,9 +100,7 @@ class PipelineRank:
         """This process's rank of the job torchrun started: its rank from the placement, its planned
         device (checked against what it found), and the process group, then the rank itself."""
         outline = read_outline(os.fspath(directory))
-        rank, device, substitute = start_process_group(
-            os.fspath(directory), outline.meta, len(outline.stages), allow_substitute
-        )
+        rank, device, substitute = start_process_group(os.fspath(directory), outline.meta, allow_substitute)
         joined = cls(directory, rank, device=device, loss_fn=loss_fn, seed=seed)
         joined.owns_group, joined.substitute = True, substitute
         return joined
@@ -336,7 +333,10 @@ def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, StageGraph]:
     """What ``rank`` runs: the folder's outline (pipeline.json) and its own stage, the only graph and
     weights it reads (a damaged file of another stage fails that stage's ranks, not this one)."""
     outline = read_outline(directory)
-    return outline, load_stage(directory, placements(outline.meta, len(outline.stages))[rank].stage)
+    ranks = outline.meta.placement
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(ranks):
+        raise HetccError(f"{directory}: no rank {rank!r}; the pipeline has ranks 0..{len(ranks) - 1}")
+    return outline, load_stage(directory, ranks[rank].stage)
 
 
 def rank_inputs(outline: PipelineOutline, layout: RankLayout, rank: int, loss_fn: bool) -> RankInputs:

@@ -72,13 +72,16 @@ def test_the_report_shows_replica_groups_recompute_and_precision_when_the_plan_h
     folder = tmp_path / "newer"
     shutil.copytree(dump, folder)
     plan = json.loads((folder / "plan.json").read_text())
-    plan["precision"] = "bf16"
+    plan["precision"] = "bf16-mixed"
     for stage in plan["stages"]:
-        stage.update(devices=[stage["device"], "replica-x"], recompute=True, precision="bf16")
+        shares = [plan["microbatches"] - 1, 1]
+        stage.update(
+            devices=[stage["device"], "replica-x"], shares=shares, recompute=True, precision="bf16-mixed"
+        )
     (folder / "plan.json").write_text(json.dumps(plan))
     page = (write_report(folder)).read_text()
     assert "<th>recompute</th>" in page and "<th>precision</th>" in page and "replica-x" in page
-    assert "precision<b>bf16</b>" in page
+    assert "precision<b>bf16-mixed</b>" in page
 
 
 def test_a_folder_without_a_plan_names_the_file_and_the_command(tmp_path):
@@ -149,10 +152,11 @@ def test_headless_chromium_renders_the_report_without_console_errors(dump, tmp_p
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda plan: plan["stages"][0].update(blocks=7), "stage 0's blocks are not a list"),
-        (lambda plan: plan["stages"][0].update(devices=[1, 2]), "stage 0's devices are not a list"),
-        (lambda plan: plan.update(stages=[]), "no stages"),
-        (lambda plan: plan["stages"][0].update(memory="lots"), "a field the report cannot read"),
+        (lambda plan: plan["stages"][0].update(blocks=7), "stage 0's blocks must be a list"),
+        (lambda plan: plan["stages"][0].update(devices=[1, 2]), "stage 0 names no devices"),
+        (lambda plan: plan.update(stages=[]), "'stages': must be a non-empty list"),
+        (lambda plan: plan["stages"][0].update(memory="lots"), "stage 0's memory must be a JSON object"),
+        (lambda plan: plan["stages"][0]["memory"].update(grads_bytes=-1), r"stages\[0\].memory.grads_bytes"),
     ],
 )
 def test_an_edited_plan_is_a_plan_format_error_naming_the_field(dump, tmp_path, edit, message):
@@ -172,6 +176,6 @@ def test_every_bar_of_the_baseline_chart_names_its_stage_and_devices(dump):
     bars = sum(len(solution.stages) for solution in saved.baselines.values()) + len(saved.stages)
     labels = re.findall(r">stage (\d+): ([^<]+)</text>", chart)
     assert len(labels) == bars  # one label per bar, hetcc's and each baseline's
-    first = saved.stage_devices(saved.stages[0])[0]
+    first = saved.stages[0].devices[0]
     assert labels[0][0] == "0" and labels[0][1].startswith(first)
     assert "bar: compute, in the stage&#x27;s colour; grey: cut transfers" in chart  # what the colours mean

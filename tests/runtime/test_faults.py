@@ -26,6 +26,8 @@ import hetcc
 from hetcc import config
 from hetcc.errors import HetccError, RuntimeFailure
 from hetcc.passes.comm import split_stages
+from hetcc.runtime.contract import PipelineMeta
+from hetcc.runtime.placement import RankPlacement
 from hetcc.runtime.store import Pipeline
 from hetcc.train.local import run_local
 
@@ -100,8 +102,8 @@ def test_a_killed_rank_is_reported_killed_and_first():
 @pytest.mark.slow
 def test_a_raising_loss_comes_first_with_its_own_exception(capsys):
     stages, _, _ = _three_stage_mlp()
-    placement = [{"stage": k, "replica": 0, "vendor": "nvidia", "type": "A100-80GB"} for k in range(3)]
-    gpu_plan = Pipeline(stages, {"vendors": ["nvidia"] * 3, "placement": placement})
+    placement = [RankPlacement(k, k, 0, "nvidia", type="A100-80GB") for k in range(3)]
+    gpu_plan = Pipeline(stages, PipelineMeta(3, placement=placement))
     error, elapsed = _failing_run(raising_loss, gpu_plan)
     assert elapsed < TIMEOUT_S + SLACK_S, elapsed
     assert error.failures[0].rank == 2

@@ -25,6 +25,7 @@ from runtime_models import (
 from hetcc import config
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.comm import split_stages
+from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.executor import FAULT_ENV
 from hetcc.runtime.store import save_stages
 from hetcc.train.local import run_local
@@ -46,7 +47,7 @@ def test_torchrun_launch_of_a_saved_folder_matches_eager(tmp_path):
     # rank 1 sends B0's gradient) unless sends are non-blocking; 4 MiB activations make it plain.
     model, x, y, stages = _two_stage_mlp(width=512, rows=4096)
     optimizer = {"name": "sgd", "lr": 0.1}
-    meta = {"schedule": "1f1b", "microbatches": 2, "loss": "mse_loss", "optimizer": optimizer}
+    meta = PipelineMeta(2, microbatches=2, loss="mse_loss", optimizer=optimizer)
     save_stages(stages, str(tmp_path), meta, inputs={"x": x}, targets=y)
     losses_file = tmp_path / "losses.json"
     command = [
@@ -85,7 +86,8 @@ def test_a_rank_whose_stage_files_are_damaged_stops_every_rank_at_once_naming_it
     load its stage, and rank 0, which could, stops at start too (not at the 120 s communication
     timeout), both naming rank 1's cause."""
     _, x, y, stages = _two_stage_mlp()
-    save_stages(stages, str(tmp_path), {"microbatches": 2, "loss": "mse_loss"}, inputs={"x": x}, targets=y)
+    meta = PipelineMeta(2, microbatches=2, loss="mse_loss")
+    save_stages(stages, str(tmp_path), meta, inputs={"x": x}, targets=y)
     (tmp_path / "stage1.graph.json").write_text("{")  # damaged
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

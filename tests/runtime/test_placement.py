@@ -15,7 +15,10 @@ from runtime_models import MLP_RULES, ResidualMLP, export, stages_by_module
 
 import hetcc
 from hetcc import cli
+from hetcc.errors import PlanFormatError
+from hetcc.launch import read_placement
 from hetcc.passes.comm import split_stages
+from hetcc.runtime.contract import PipelineMeta, placement_json
 from hetcc.runtime.placement import device_mismatch, placement, rank_at, torchrun_commands
 from hetcc.runtime.store import save_stages
 from hetcc.train import checkpoint as ckpt
@@ -32,16 +35,16 @@ def _two_node_placement():
 
 def test_placement_lists_every_rank_with_its_device_node_and_torchrun_position():
     ranks = _two_node_placement()
-    assert [(r["rank"], r["stage"], r["replica"], r["device"], r["node"], r["local_index"]) for r in ranks] == [
+    assert [(r.rank, r.stage, r.replica, r.device, r.node, r.local_index) for r in ranks] == [
         (0, 0, 0, "t4-1", "node1", 1), (1, 1, 0, "a100-80gb-0", "node0", 0), (2, 2, 0, "a100-80gb-2", "node0", 2),
     ]  # fmt: skip
-    assert [(r["node_rank"], r["local_rank"]) for r in ranks] == [(1, 0), (0, 0), (0, 1)]
-    assert ranks[0]["type"] == "T4" and ranks[0]["vendor"] == "nvidia"
-    assert rank_at(ranks, 1, 0)["stage"] == 0 and rank_at(ranks, 0, 1)["stage"] == 2
+    assert [(r.node_rank, r.local_rank) for r in ranks] == [(1, 0), (0, 0), (0, 1)]
+    assert ranks[0].type == "T4" and ranks[0].vendor == "nvidia"
+    assert rank_at(ranks, 1, 0).stage == 0 and rank_at(ranks, 0, 1).stage == 2
 
 
 def test_launch_prints_one_torchrun_command_per_node(tmp_path, capsys):
-    (tmp_path / "placement.json").write_text(json.dumps(_two_node_placement()))
+    (tmp_path / "placement.json").write_text(json.dumps(placement_json(_two_node_placement())))
     assert cli.main(["launch", str(tmp_path), "--rdzv-endpoint", "10.0.0.1:29500", "--steps", "5"]) == 0
     out = capsys.readouterr().out
     node0, node1 = out.split("\n\n")
@@ -82,10 +85,10 @@ def _gpu_planned_folder(tmp_path):
     gm = export(ResidualMLP(), (x[:4],))
     stages = split_stages(gm, stages_by_module(gm, [(p, min(s, 1)) for p, s in MLP_RULES]), 2)
     cluster = hetcc.Cluster.from_file(TWO_NODES)
-    meta = {
-        "schedule": "1f1b", "microbatches": 2, "loss": "mse_loss", "optimizer": {"name": "sgd", "lr": 0.1},
-        "vendors": ["nvidia", "nvidia"], "placement": placement([[cluster.device("a100-80gb-0")], [cluster.device("a100-80gb-1")]]),
-    }  # fmt: skip
+    meta = PipelineMeta(
+        2, microbatches=2, loss="mse_loss", optimizer={"name": "sgd", "lr": 0.1},
+        placement=placement([[cluster.device("a100-80gb-0")], [cluster.device("a100-80gb-1")]]),
+    )  # fmt: skip
     save_stages(stages, str(tmp_path), meta, inputs={"x": x}, targets=y)
     return tmp_path
 
@@ -127,11 +130,11 @@ def _free_port() -> int:
 def test_launch_runs_the_command_of_one_node(tmp_path):
     folder = _gpu_planned_folder(tmp_path)
     cpus = hetcc.Cluster.from_file(ROOT / "examples" / "clusters" / "cpu4.yaml")
-    meta = json.loads((folder / "pipeline.json").read_text())
-    meta["meta"].update(
-        vendors=["cpu", "cpu"], placement=placement([[cpus.device("cpu-0")], [cpus.device("cpu-1")]])
+    document = json.loads((folder / "pipeline.json").read_text())
+    document["meta"]["placement"] = placement_json(
+        placement([[cpus.device("cpu-0")], [cpus.device("cpu-1")]])
     )
-    (folder / "pipeline.json").write_text(json.dumps(meta))
+    (folder / "pipeline.json").write_text(json.dumps(document))
     command = [sys.executable, "-m", "hetcc.cli", "launch", str(folder), "--rdzv-endpoint", f"127.0.0.1:{_free_port()}",
                "--node", "0", "--steps", "2"]  # fmt: skip
     env = {**os.environ, "HETCC_COMM_TIMEOUT_S": "60", "OMP_NUM_THREADS": "1"}
@@ -140,3 +143,25 @@ def test_launch_runs_the_command_of_one_node(tmp_path):
     assert "--nnodes=1 --node-rank=0 --nproc-per-node=2" in done.stderr  # the command it ran
     assert "step 1 loss" in done.stdout
     assert ckpt.latest_complete_step(folder / "checkpoints", 2) == 2
+
+
+def test_launch_refuses_a_placement_json_that_disagrees_with_pipeline_json(tmp_path):
+    """The ranks run what pipeline.json places; a placement.json saying otherwise would print torchrun
+    commands that start them on other devices."""
+    folder = _gpu_planned_folder(tmp_path)
+    (folder / "placement.json").write_text(json.dumps(placement_json(_two_node_placement())))
+    with pytest.raises(PlanFormatError, match="place the ranks differently") as info:
+        read_placement(str(folder))
+    assert "compile the model again" in str(info.value)
+    plan_only = tmp_path / "plan-only"  # placement.json alone: read and checked as pipeline.json's is
+    plan_only.mkdir()
+    for ranks, message in (
+        ([{"rank": 0, "stage": 1}], r"placement.json: stage 0 has replicas \[\]"),
+        (
+            [{"rank": 0, "stage": 0, "memory_bytes": -1}],
+            r"placement.json: \[0\].memory_bytes: expected an integer >= 0",
+        ),
+    ):
+        (plan_only / "placement.json").write_text(json.dumps(ranks))
+        with pytest.raises(PlanFormatError, match=message):
+            read_placement(str(plan_only))

@@ -1,5 +1,6 @@
 """The runtime executes the wider plans: replicated stages with uneven microbatch routing, activation
-recomputation, tied weights over replicas, and mixed precision, each described by ``Pipeline.meta``.
+recomputation, tied weights over replicas, and mixed precision, each described by ``Pipeline.meta``
+(``hetcc.runtime.contract.PipelineMeta``).
 
 Every run is compared with eager training in one process (``models.eager_training``): fp32 plans to
 1e-5 relative in the loss and 1e-4 in every gradient, bf16-mixed to 1e-2 relative in the loss against
@@ -30,9 +31,11 @@ from runtime_models import (
 from hetcc.errors import PlanFormatError
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.comm import split_stages
+from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.executor import StageExecutor
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
+from hetcc.runtime.placement import ranks_for
 from hetcc.runtime.precision import LossScaler
 from hetcc.runtime.store import Pipeline
 from hetcc.train.local import run_local
@@ -41,19 +44,9 @@ ADAM = {"name": "adam", "lr": 0.01}
 MLP_TWO_STAGES = [("a", 0), ("b", 1), ("c", 1)]
 
 
-def _placement(replicas: list[int]) -> list[dict]:
-    """Ranks in stage order, ``replicas[k]`` of stage k (what ``runtime.placement`` writes)."""
-    return [
-        {"rank": rank, "stage": stage, "replica": replica, "vendor": "cpu"}
-        for rank, (stage, replica) in enumerate(
-            (k, r) for k, count in enumerate(replicas) for r in range(count)
-        )
-    ]
-
-
 def _mlp_pipeline(model, microbatch: torch.Tensor, **meta) -> Pipeline:
     gm = export(model, kwargs={"x": microbatch})
-    return Pipeline(split_stages(gm, stages_by_module(gm, MLP_TWO_STAGES), 2), meta)
+    return Pipeline(split_stages(gm, stages_by_module(gm, MLP_TWO_STAGES), 2), PipelineMeta(2, **meta))
 
 
 def _check_fp32(result, reference) -> tuple[float, float]:
@@ -72,7 +65,7 @@ def _check_fp32(result, reference) -> tuple[float, float]:
 def _check_shares(result, pipeline: Pipeline, microbatches: int, steps: int) -> None:
     """Each rank moved its own microbatches' tensors only; the replicas of a stage together moved
     what the stage's edges carry; a recomputing stage replayed its forward transfers."""
-    layout = RankLayout.from_meta(pipeline.meta, len(pipeline.stages), microbatches)
+    layout = RankLayout.from_meta(pipeline.meta)
     planned = planned_transfers(pipeline.stages, 1, steps)  # per microbatch
     for rank, stats in enumerate(result.stats):
         stage = layout.ranks[rank].stage
@@ -100,11 +93,11 @@ def test_replicated_stages_with_uneven_routing_and_recompute_train_like_eager(ml
     replica 1; stage 1 routes them to replicas 0, 1, 1, 0 and recomputes its forward in backward."""
     model, x, y = mlp_batch
     meta = {
-        "placement": _placement([2, 2]),
+        "placement": ranks_for([2, 2]),
         "routing": [[0, 0, 0, 1], [0, 1, 1, 0]],
         "recompute": [False, True],
     }
-    pipeline = _mlp_pipeline(model, x[:2], **meta)
+    pipeline = _mlp_pipeline(model, x[:2], microbatches=4, **meta)
     result = run_local(pipeline, {"x": x}, y, F.mse_loss, steps=2, microbatches=4, optimizer=ADAM)
     _check_fp32(result, eager_training(model, {"x": x}, y, F.mse_loss, 2, 4, ADAM))
     _check_shares(result, pipeline, microbatches=4, steps=2)
@@ -131,11 +124,10 @@ def test_tied_gpt2_with_a_replicated_tied_stage_and_recompute_trains_like_eager(
     model = tiny_gpt2()
     ids = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(1))
     gm = export(model, kwargs={"input_ids": ids[:2], "labels": ids[:2].clone(), "use_cache": False})
-    meta = {
-        "placement": _placement([1, 1, 2]),
-        "routing": [[0] * 4, [0] * 4, [1, 0, 1, 1]],
-        "recompute": [False, True, False],
-    }
+    meta = PipelineMeta(
+        3, microbatches=4, placement=ranks_for([1, 1, 2]), routing=[[0] * 4, [0] * 4, [1, 0, 1, 1]],
+        recompute=[False, True, False],
+    )  # fmt: skip
     pipeline = Pipeline(split_stages(gm, stages_by_module(gm, GPT2_RULES), 3), meta)
     inputs = {"input_ids": ids, "labels": ids}
     result = run_local(pipeline, inputs, steps=2, microbatches=4, optimizer=ADAM)
@@ -153,7 +145,9 @@ def test_edge_skipping_a_stage_into_a_replicated_last_stage_trains_like_eager(ml
     gm = export(model, kwargs={"x": x[:2]})
     stages = split_stages(gm, stages_by_module(gm, MLP_RULES), 3)
     assert any(edge.dst == 2 for edge in stages[0].sends)  # the skip edge
-    meta = {"placement": _placement([1, 1, 2]), "routing": [[0] * 4, [0] * 4, [0, 1, 0, 1]]}
+    meta = PipelineMeta(
+        3, microbatches=4, placement=ranks_for([1, 1, 2]), routing=[[0] * 4, [0] * 4, [0, 1, 0, 1]]
+    )
     pipeline = Pipeline(stages, meta)
     result = run_local(pipeline, {"x": x}, y, F.mse_loss, steps=2, microbatches=4, optimizer=ADAM)
     _check_fp32(result, eager_training(model, {"x": x}, y, F.mse_loss, 2, 4, ADAM))
@@ -196,7 +190,9 @@ def test_mixed_precision_matches_eager_under_the_same_autocast_and_sends_half_wi
     """fp16-mixed with a loss scale that neither overflows nor underflows here: scaling by a power of
     two and unscaling is exact, so it too equals eager autocast (which has no scaler)."""
     model, x, y = mlp_batch
-    pipeline = _mlp_pipeline(model, x[:4], precision=precision, loss_scale={"init_scale": 256.0})
+    pipeline = _mlp_pipeline(
+        model, x[:4], precision=precision, loss_scale={"init_scale": 256.0}, microbatches=2
+    )
     result = run_local(pipeline, {"x": x}, y, F.mse_loss, steps=2, microbatches=2, optimizer=ADAM)
     dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}[precision]
     losses, _ = eager_training(Autocast(model, dtype), {"x": x}, y, F.mse_loss, 2, 2, ADAM)
@@ -229,7 +225,7 @@ def test_fp16_step_is_skipped_on_every_rank_when_one_rank_overflows():
     x, y, z = torch.randn(8, 8), torch.randn(8, 8), torch.full((8, 8), 4000.0)
     gm = export(model, kwargs={"x": x[:4], "z": z[:4]})
     stages = split_stages(gm, stages_by_module(gm, [("a", 0), ("c", 1), ("d", 1)]), 2)
-    pipeline = Pipeline(stages, {"precision": "fp16-mixed", "loss_scale": {"init_scale": 1.0}})
+    pipeline = Pipeline(stages, PipelineMeta(2, precision="fp16-mixed", loss_scale={"init_scale": 1.0}))
     result = run_local(pipeline, {"x": x, "z": z}, y, F.mse_loss, steps=3, microbatches=2, optimizer=ADAM)
     assert [record["skipped"] for record in result.records] == [True] * 3  # stage 1 found an inf ...
     assert result.grads == {}  # ... and every rank dropped its gradients, stage 0's finite ones too,
@@ -267,7 +263,7 @@ def test_recomputed_forward_updates_batchnorm_running_stats_once_like_eager():
     model, x, y = SmallCNN().train(), torch.randn(4, 3, 8, 8), torch.randint(0, 5, (4,))
     gm = export(model, (x[:2],))
     stage = split_stages(gm, {n.name: 0 for n in gm.graph.nodes if n.op == "call_function"}, 1)[0]
-    layout = RankLayout.from_meta({"recompute": [True]}, 1, 2)
+    layout = RankLayout.from_meta(PipelineMeta(1, microbatches=2, recompute=[True]))
     executor = StageExecutor(stage, Links(["cpu"], [], 30.0), 2, F.cross_entropy, layout=layout)
     inputs, targets = dict(enumerate({"x": part} for part in x.chunk(2))), dict(enumerate(y.chunk(2)))
     executor.run(inputs, targets, layout.actions("1f1b", 0))
@@ -292,16 +288,18 @@ def test_stage_source_says_how_the_runtime_wraps_the_forward(mlp_batch):
 
 
 def test_layout_defaults_routing_and_checks():
-    default = RankLayout.from_meta({"vendors": ["nvidia", "amd"]}, 2, 3)
-    assert [p.vendor for p in default.ranks] == ["nvidia", "amd"] and default.precision == "fp32"
+    default = RankLayout.from_meta(PipelineMeta(2, microbatches=3))
+    assert [p.vendor for p in default.ranks] == ["cpu", "cpu"] and default.precision == "fp32"
+    assert default.routing == ((0, 0, 0), (0, 0, 0)) and default.recompute == (False, False)
     assert default.actions("1f1b", 1) == [a for a in default.actions("1f1b", 1)] and default.num_ranks == 2
-    layout = RankLayout.from_meta({"placement": _placement([1, 2]), "routing": [[0, 0, 0], [1, 0, 1]]}, 2, 3)
+    meta = PipelineMeta(2, microbatches=3, placement=ranks_for([1, 2]), routing=[[0, 0, 0], [1, 0, 1]])
+    layout = RankLayout.from_meta(meta)
     assert layout.stage_ranks(1) == [1, 2] and layout.replica_groups() == [[1, 2]]
     assert [layout.rank_running(1, m) for m in range(3)] == [2, 1, 2]
     assert [str(a) for a in layout.actions("1f1b", 2)] == ["F0", "B0", "F2", "B2"]
     assert [str(a) for a in layout.actions("gpipe", 1)] == ["F1", "B1"]
     assert layout.holders((0, 1)) == [0, 1, 2]
-    with pytest.raises(PlanFormatError, match="routing of stage 1 names a replica outside 0..1"):
-        RankLayout.from_meta({"placement": _placement([1, 2]), "routing": [[0, 0], [0, 2]]}, 2, 2)
+    with pytest.raises(PlanFormatError, match=r"routing\[1\]: names a replica outside 0..1"):
+        PipelineMeta(2, microbatches=2, placement=ranks_for([1, 2]), routing=[[0, 0], [0, 2]])
     with pytest.raises(PlanFormatError, match="unknown precision 'fp8'"):
-        RankLayout.from_meta({"precision": "fp8"}, 2, 2)
+        PipelineMeta(2, precision="fp8")

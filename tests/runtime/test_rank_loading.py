@@ -13,6 +13,7 @@ from runtime_models import MLP_RULES, ResidualMLP, export, mlp_batches, stages_b
 from hetcc import cli, launch
 from hetcc.errors import HetccError, PlanFormatError
 from hetcc.passes.comm import split_stages
+from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.store import save_stages
 from hetcc.train.local import run_local
 from hetcc.train.rank import load_rank
@@ -27,7 +28,7 @@ def _saved_mlp(folder, num_stages: int) -> None:
     gm = export(ResidualMLP(), (x,))
     rules = [(prefix, min(stage, num_stages - 1)) for prefix, stage in MLP_RULES]
     stages = split_stages(gm, stages_by_module(gm, rules), num_stages)
-    meta = {"schedule": "1f1b", "microbatches": 1, "loss": "mse_loss", "optimizer": SGD}
+    meta = PipelineMeta(num_stages, loss="mse_loss", optimizer=SGD)
     save_stages(stages, str(folder), meta, inputs={"x": x}, targets=y)
 
 
@@ -40,7 +41,7 @@ def test_a_rank_reads_only_its_own_stage(tmp_path):
         outline, stage = load_rank(str(tmp_path), rank)
         assert stage.index == rank and stage.is_last == (rank == 2)
         assert [s.inputs for s in outline.stages] == [("x",), (), ()]  # the others, from pipeline.json
-        assert outline.stages[0].input_shapes == {"x": (4, 8)} and outline.meta["optimizer"] == SGD
+        assert outline.stages[0].input_shapes == {"x": (4, 8)} and outline.meta.optimizer == SGD
     with pytest.raises(PlanFormatError, match="stage1.graph.json"):
         load_rank(str(tmp_path), 1)
 

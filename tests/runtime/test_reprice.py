@@ -37,9 +37,9 @@ def build(tmp_path_factory):
 def _a100_rank(compiled) -> tuple[int, int]:
     """(pipeline rank, problem device index) of a rank planned on an A100."""
     names = [d.name for d in compiled.problem.devices]
-    for rank, entry in enumerate(compiled.pipeline.meta["placement"]):
-        if entry["type"] == "A100-80GB":
-            return rank, names.index(entry["device"])
+    for entry in compiled.pipeline.meta.placement:
+        if entry.type == "A100-80GB":
+            return entry.rank, names.index(entry.device)
     raise AssertionError("the plan uses no A100")
 
 
@@ -87,7 +87,7 @@ def test_a_preset_outside_the_cluster_is_priced_by_the_peak_ratio(build):
 def test_a_device_with_too_little_memory_says_the_stage_no_longer_fits(build):
     folder, compiled = build
     rank, _ = _a100_rank(compiled)
-    stage = compiled.pipeline.meta["placement"][rank]["stage"]
+    stage = compiled.pipeline.meta.placement[rank].stage
     found = {"vendor": "nvidia", "name": "Tesla T4", "memory_bytes": 2**20}
     result = reprice(folder, {rank: found})
     (overflow,) = result.overflows

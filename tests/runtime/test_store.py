@@ -21,6 +21,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from hetcc.errors import PlanFormatError
 from hetcc.passes.comm import split_stages
+from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.store import load_inputs, load_pipeline, load_stages, save_stages
 
 
@@ -43,7 +44,7 @@ def _forbid_pickle(monkeypatch):
 
 def test_folder_describes_stages_edges_and_tied_groups(tmp_path, gpt2_split):
     ids, stages = gpt2_split
-    save_stages(stages, str(tmp_path), {"schedule": "1f1b", "microbatches": 2}, inputs={"input_ids": ids})
+    save_stages(stages, str(tmp_path), PipelineMeta(len(stages), microbatches=2), inputs={"input_ids": ids})
     names = {p.name for p in tmp_path.iterdir()}
     for k in range(3):
         assert {f"stage{k}.py", f"stage{k}.graph.json", f"stage{k}.safetensors"} <= names

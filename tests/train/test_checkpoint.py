@@ -17,7 +17,9 @@ from runtime_models import GPT2_RULES, export, stages_by_module, tiny_gpt2
 import hetcc
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.comm import split_stages
+from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.executor import FAULT_ENV
+from hetcc.runtime.placement import ranks_for
 from hetcc.runtime.store import Pipeline, save_stages
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.local import run_local
@@ -100,8 +102,9 @@ class DropoutMLP(torch.nn.Module):
 
 def _replicated(stages):
     """Stage 1 on two replicas (ranks 1 and 2); microbatch 1 of each step runs on replica 1."""
-    placement = [{"stage": 0, "replica": 0}, {"stage": 1, "replica": 0}, {"stage": 1, "replica": 1}]
-    return Pipeline(stages, {"placement": placement, "routing": [[0, 0], [0, 1]]})
+    return Pipeline(
+        stages, PipelineMeta(2, microbatches=2, placement=ranks_for([1, 2]), routing=[[0, 0], [0, 1]])
+    )
 
 
 @pytest.mark.slow
@@ -145,11 +148,11 @@ def _gpt2_stages():
     return model, ids, split_stages(gm, stages_by_module(gm, GPT2_RULES), 3)
 
 
-def _recorded(model) -> dict:
+def _recorded(model) -> PipelineMeta:
     """The meta ``hetcc.compile`` saves: the keys of ``model.state_dict()`` that ``hetcc.export`` returns."""
     from hetcc.api import _state_dict_keys
 
-    return {"state_dict": _state_dict_keys(model)}
+    return PipelineMeta(3, state_dict=_state_dict_keys(model))
 
 
 def test_export_of_a_build_folder_is_exactly_the_models_state_dict(tmp_path):

@@ -10,7 +10,9 @@ import pytest
 from rich.console import Console
 
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
+from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.layout import RankLayout
+from hetcc.runtime.placement import ranks_for
 from hetcc.train import loop
 from hetcc.train.metrics import MetricsLog, RunFigures, run_lines, summary_lines
 
@@ -35,9 +37,8 @@ def build(tmp_path):
         training=True,
     )  # fmt: skip
     (tmp_path / "plan.json").write_text(plan.to_json())
-    meta = {"placement": [{"stage": 0, "replica": 0}, {"stage": 1, "replica": 0}, {"stage": 1, "replica": 1}],
-            "routing": [[0, 0, 0, 0], [0, 1, 0, 1]]}  # fmt: skip
-    return tmp_path, RankLayout.from_meta(meta, 2, 4)
+    meta = PipelineMeta(2, microbatches=4, placement=ranks_for([1, 2]), routing=[[0, 0, 0, 0], [0, 1, 0, 1]])
+    return tmp_path, RankLayout.from_meta(meta)
 
 
 def test_flops_per_device_type_count_microbatches_recompute_and_replicas(build):
@@ -66,7 +67,7 @@ def test_the_summary_sets_measured_beside_simulated_per_stage(build):
 
 def test_a_plan_of_another_split_gives_no_figures_rather_than_wrong_ones(build):
     folder, _ = build
-    three = RankLayout.from_meta({}, 3, 4)
+    three = RankLayout.from_meta(PipelineMeta(3, microbatches=4))
     assert RunFigures.of(str(folder), three, [], False, 0, 8, True).ranks == ()
 
 
