@@ -29,7 +29,8 @@ from cost_fidelity import one_pass, sync  # noqa: E402  (benchmarks/ is on sys.p
 import hetcc  # noqa: E402
 from hetcc.hardware.measure import preset_for_device_name  # noqa: E402
 from hetcc.passes.codegen import compute_module  # noqa: E402
-from hetcc.runtime.precision import AUTOCAST_DTYPES, forward_context  # noqa: E402
+from hetcc.plan import PRECISIONS  # noqa: E402
+from hetcc.runtime.precision import forward_context  # noqa: E402
 
 
 def _cluster(type_name: str, calibrations=()) -> hetcc.Cluster:
@@ -59,7 +60,7 @@ def _eager(model, inputs: dict, device: torch.device, precision: str, repeats: i
 def run(args, model, ids, device, type_name: str, calibrations, precision: str, fuse: bool) -> None:
     cpu_inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     start = time.perf_counter()
-    with hetcc.config.patch(fuse=fuse, fuse_mixed_precision=fuse):
+    with hetcc.config.patch(fuse="all" if fuse else "off"):
         compiled = hetcc.compile(
             model, _cluster(type_name, calibrations), example_kwargs=cpu_inputs,
             microbatches=args.microbatches, precision=precision, replicate=False,
@@ -110,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--precisions", nargs="+", default=["fp32", "bf16-mixed"], choices=list(AUTOCAST_DTYPES)
-    )
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16-mixed"], choices=list(PRECISIONS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--type", help="device type to plan for (default: this GPU's preset)")
     parser.add_argument("--no-calibrate", action="store_true")

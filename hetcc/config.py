@@ -24,13 +24,19 @@ dump_dir: str | None = os.environ.get("HETCC_DUMP_DIR") or None
 check: bool = bool(_env_int("HETCC_CHECK", 0))
 # A block whose nodes' saved activations + parameter bytes exceed this is split into finer blocks.
 max_block_bytes: float = float(os.environ.get("HETCC_MAX_BLOCK_BYTES", "inf"))
-# Fuse pointwise chains (and a closing row reduction) into generated Triton kernels before costing.
-fuse: bool = bool(_env_int("HETCC_FUSE", 1))
-# ... also under bf16/fp16-mixed precision. The kernels follow autocast's dtypes, but each fused call costs
-# the host about 0.2 ms forward and 0.7 ms backward (torch's custom-op dispatch and autograd wrapper), which
-# half-precision GPU work no longer hides: on an H200, GPT-2 small bf16-mixed stages took 57.1 ms per
-# microbatch fused, 42.5 ms unfused (the cost model prices both). Off by default.
-fuse_mixed_precision: bool = bool(_env_int("HETCC_FUSE_MIXED_PRECISION", 0))
+# Fuse pointwise chains (and a closing row reduction) into generated Triton kernels: "cost" (the
+# default) fuses a group where one kernel call, its host time included, beats its ops on the device
+# type of the stage that runs it; "all" fuses every group (to run the kernels where they do not pay,
+# a CPU under TRITON_INTERPRET=1, say); "off" none. HETCC_FUSE=0 / 1 / 2 (or the names) set it.
+FUSE_MODES = ("off", "cost", "all")
+
+
+def _fuse_mode(value: str) -> str:
+    named = {"0": "off", "1": "cost", "2": "all"}.get(value.strip(), value.strip().lower())
+    return named if named in FUSE_MODES else "cost"
+
+
+fuse: str = _fuse_mode(os.environ.get("HETCC_FUSE", "cost"))
 # Seconds a rank waits on any send/recv/collective before raising RuntimeFailure.
 comm_timeout_s: float = float(os.environ.get("HETCC_COMM_TIMEOUT_S", "120"))
 # Device orders searched exactly up to this many distinct orders; beyond it, heuristic + local search.

@@ -90,23 +90,24 @@ def test_dump_folder_holds_every_pass_and_the_plan(compiled):
     _, folder = compiled
     names = {p.name for p in folder.iterdir()}
     assert {
-        "05_fuse.txt",
-        "06_cost.txt",
-        "07_partition.txt",
+        "05_cost.txt",
+        "06_partition.txt",
+        "07_fuse.txt",
         "plan.json",
         "problem.json",
         "04_blocks.txt",
         "08_comm.txt",
         "09_codegen.txt",
     } <= names
-    assert "simulated step" in (folder / "07_partition.txt").read_text()
+    assert "simulated step" in (folder / "06_partition.txt").read_text()
     result, _ = compiled
     for stage in result.stages:  # each stage's program, as the codegen step printed it
         source = (folder / f"stage{stage.index}.py").read_text()
         assert source == stage_source(stage) and source in (folder / "09_codegen.txt").read_text()
     kernels = list((folder / "kernels").glob("*.py"))  # the generated Triton source of each fused group
     assert kernels and "@triton.jit" in kernels[0].read_text()
-    assert "hetcc.fusion_group" in (folder / "05_fuse.txt").read_text()
+    assert "hetcc.fusion_group" in (folder / "07_fuse.txt").read_text()
+    assert "# fusion candidates" in (folder / "05_cost.txt").read_text()  # each priced both ways
 
 
 def test_memory_too_small_raises_an_error_naming_a_device_and_the_shortfall():

@@ -91,3 +91,70 @@ def test_a_model_without_a_symbolic_batch_keeps_a_fixed_count_and_says_why():
 def test_bad_plan_space_arguments_are_named(kwargs, match):
     with pytest.raises(HetccError, match=match):
         hetcc.compile(torch.nn.Linear(2, 2), CLUSTER, example_inputs=(torch.randn(4, 2),), **kwargs)
+
+
+class WideMLP(torch.nn.Module):
+    """Two GPT-2 MLPs on long rows: gelu_new's eight pointwise ops pay as one kernel on a GPU, the
+    small residual adds do not."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.activations import NewGELUActivation
+
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 1024), NewGELUActivation(), torch.nn.Linear(1024, 64))
+            for _ in range(2)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return (x * x).mean()
+
+
+def _fused_nodes(compiled) -> int:
+    return sum(
+        1 for node in compiled.graph.graph.nodes if node.target == torch.ops.hetcc.fusion_group.default
+    )
+
+
+@pytest.mark.slow  # five compiles of a small model
+def test_auto_prices_each_count_with_the_fusion_its_compile_chooses():
+    x = torch.randn(8, 1024, 64)
+    with hetcc.config.patch(fuse="cost"):
+        auto = hetcc.compile(WideMLP(), CLUSTER, example_inputs=(x,))
+        tried = dict(auto.plan.microbatch_search)
+        pinned = {m: hetcc.compile(WideMLP(), CLUSTER, example_inputs=(x,), microbatches=m) for m in tried}
+    assert tried[auto.plan.microbatches] == pytest.approx(auto.plan.step_time_s, rel=1e-9)
+    for m, compiled in pinned.items():  # each count's search figure is the plan its own compile makes
+        assert tried[m] == pytest.approx(compiled.plan.step_time_s, rel=1e-9), m
+    assert auto.plan.step_time_s <= min(c.plan.step_time_s for c in pinned.values()) * (1 + 1e-9)
+    # fusion is part of what was priced: the gelu chains fuse at some counts and not at others
+    fused = {m: _fused_nodes(c) for m, c in pinned.items()}
+    assert 0 in fused.values() and max(fused.values()) > 0, fused  # and the choice follows the size
+
+
+def test_a_count_whose_own_trace_prices_differently_is_priced_again_and_the_fastest_kept(monkeypatch):
+    """Export specialises a one-row trace (and a model may differ at one size): where the plan of the
+    count kept differs from its search figure, the plan's figure replaces it and the fastest is kept."""
+    real = api.search_microbatches
+    claimed = {}
+
+    def optimistic(*args, **kwargs):  # the symbolic trace underprices M=1 tenfold
+        best, tried, notes = real(*args, **kwargs)
+        claimed.update(tried)
+        tried = [(m, s / 10 if m == 1 else s) for m, s in tried]
+        return 1, tried, notes
+
+    monkeypatch.setattr(api, "search_microbatches", optimistic)
+    ids = token_ids(4, 16)
+    compiled = hetcc.compile(
+        gpt2(n_layer=2), CLUSTER, example_kwargs={"input_ids": ids, "labels": ids, "use_cache": False}
+    )
+    tried = dict(compiled.plan.microbatch_search)
+    assert tried[1] == pytest.approx(claimed[1], rel=1e-9)  # M=1's own plan replaced the claim
+    assert compiled.plan.microbatches == min(tried, key=lambda m: (tried[m], m))
+    assert tried[compiled.plan.microbatches] == pytest.approx(compiled.plan.step_time_s, rel=1e-9)
+    assert any(
+        note.startswith("microbatches: M=1 priced again from its own trace") for note in compiled.plan.notes
+    )

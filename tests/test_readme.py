@@ -24,6 +24,11 @@ def walkthrough_commands() -> list[str]:
     return [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("hetcc ")]
 
 
+def _users_environ() -> dict[str, str]:
+    """The environment without the suite's own fusion setting (conftest): the README runs the default."""
+    return {k: v for k, v in os.environ.items() if k != "HETCC_FUSE"}
+
+
 def _hetcc() -> list[str]:
     script = Path(sys.executable).parent / "hetcc"  # what `source .venv/bin/activate` puts on PATH
     return [str(script)] if script.exists() else [sys.executable, "-m", "hetcc.cli"]
@@ -37,7 +42,7 @@ def test_the_walkthrough_names_every_command_in_order():
 @pytest.mark.slow
 def test_the_readme_walkthrough_runs_line_by_line(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")  # a checkout's layout, outputs kept in tmp
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**_users_environ(), "PYTHONPATH": str(ROOT)}
     outputs = {}
     for line in walkthrough_commands():
         words = shlex.split(line)
@@ -73,7 +78,7 @@ def test_the_readme_trains_on_the_standard_library_resumes_and_exports(tmp_path)
     """As a user types them (a shell, the venv's bin on PATH, no Triton interpreter): the job trains,
     evaluates, resumes at step 200 and exports weights the model loads strictly."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env = {k: v for k, v in _users_environ().items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONPATH=str(ROOT), PATH=f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}")
     printed = []
     for line in train_commands():

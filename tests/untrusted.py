@@ -38,7 +38,8 @@ def save_folders(root: Path) -> dict[str, Path]:
     ``split`` (a residual MLP in three stages: edges and a skip) and ``layers`` (symbolic_trace: nn layers)."""
     torch.manual_seed(0)
     x = torch.randn(4, 4)
-    compiled = hetcc.compile(FusedMLP(), CLUSTERS / "cpu4.yaml", (x,), microbatches=2)
+    with hetcc.config.patch(fuse="all"):  # a CPU cluster never fuses by cost; the folder needs a kernel
+        compiled = hetcc.compile(FusedMLP(), CLUSTERS / "cpu4.yaml", (x,), microbatches=2)
     compiled.save(root / "compiled", inputs={"x": x})
     gm = export(ResidualMLP(), (torch.randn(4, 8),))
     save_stages(split_stages(gm, stages_by_module(gm, MLP_RULES), 3), str(root / "split"))

@@ -1,7 +1,7 @@
 """``hetcc.analyze`` and ``hetcc.compile``: the whole compiler, one named step after another.
 
     analyze:  trace -> shapes -> flops -> memory -> blocks
-    compile:  analyze -> fuse -> cost -> partition -> comm -> codegen
+    compile:  analyze -> cost -> partition -> fuse -> comm -> codegen
 
 Each step is a function in ``hetcc/passes/<step>.py``. With ``dump_dir=`` (or ``HETCC_DUMP_DIR``) the IR
 after each step is written as numbered files; with ``HETCC_CHECK=1`` ``hetcc.verify`` checks it.
@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -32,16 +33,15 @@ from hetcc.api.checks import (
 )
 from hetcc.api.microbatches import batch_rows, first_microbatch, search_microbatches
 from hetcc.dump import Dumper
-from hetcc.errors import AnalysisError, HetccError, PlanFormatError
+from hetcc.errors import AnalysisError, HetccError
 from hetcc.hardware.cluster import Cluster
-from hetcc.hardware.schema import short_repr
 from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
 from hetcc.passes.codegen import codegen, stage_source
 from hetcc.passes.comm import StageGraph, format_stages, split_stages
-from hetcc.passes.cost import cost, cost_notes
+from hetcc.passes.cost import FusionChoice, cost, cost_notes
 from hetcc.passes.flops import flops, format_flops
-from hetcc.passes.fuse import fuse
+from hetcc.passes.fuse import fuse, fusion_candidates
 from hetcc.passes.memory import memory
 from hetcc.passes.partition import PRECISIONS, PlanSettings, partition
 from hetcc.passes.partition import optimizer as optimizer_entry
@@ -49,16 +49,11 @@ from hetcc.passes.shapes import shapes
 from hetcc.passes.trace import trace
 from hetcc.plan import Plan
 from hetcc.report import write_report
+from hetcc.runtime.contract import PipelineMeta, PlanSpace, pipeline_meta_for, placement_json
 from hetcc.runtime.interop import pipelining_schedule
-from hetcc.runtime.placement import placement
 from hetcc.runtime.store import Pipeline, pipeline_meta, save_stages
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.train.local import run_local as run_pipeline
-
-MIXED_PRECISION_UNFUSED = (
-    "pointwise fusion is off under mixed precision (HETCC_FUSE_MIXED_PRECISION=1 turns it on): each fused "
-    "call's Python overhead outweighs what it saves once the GPU work is half precision"
-)
 
 # ------------------------------------------------------------------------------------ analyze
 
@@ -202,7 +197,8 @@ class Compiled:
         device, node, local GPU index: what ``hetcc launch`` prints torchrun commands from) and
         ``report.html`` (with the ``cluster.json`` it reads)."""
         folder = writable_folder(folder)
-        (folder / "placement.json").write_text(json.dumps(self.pipeline.meta.get("placement", []), indent=1))
+        placement = placement_json(self.pipeline.meta.placement)
+        (folder / "placement.json").write_text(json.dumps(placement, indent=1))
         (folder / "plan.json").write_text(self.plan.to_json())
         (folder / "problem.json").write_text(self.problem.to_json())
         (folder / "explain.txt").write_text(self.explain() + "\n")
@@ -257,36 +253,69 @@ def compile(  # noqa: A001 - the public API name
     if dtype is None:
         dtype = PRECISIONS[precision]
     rows = batch_rows(example_inputs, example_kwargs or {})
-    search: list[tuple[int, float]] = []
-    notes: list[str] = []
-    if microbatches == "auto":
-        microbatches, search, notes = search_microbatches(
-            model, cluster, example_inputs, example_kwargs or {},
-            PlanSettings(1, schedule, training, optimizer, precision, recompute, replicate, rows),
-            dtype, analyze,
+    settings = PlanSettings(1, schedule, training, optimizer, precision, recompute, replicate, rows)
+    inputs = (example_inputs, example_kwargs or {})
+    if microbatches != "auto":
+        return _compile_at(
+            model, cluster, inputs, replace(settings, microbatches=microbatches), dtype, dump_dir
+        )
+    chosen, search, notes = search_microbatches(model, cluster, *inputs, settings, dtype, analyze)
+    figures = dict(search)
+    while True:
+        compiled = _compile_at(
+            model, cluster, inputs, replace(settings, microbatches=chosen), dtype, dump_dir,
+            sorted(figures.items()), notes,
         )  # fmt: skip
-    args, kwargs = first_microbatch(example_inputs, example_kwargs or {}, microbatches)
+        step_s = compiled.plan.step_time_s
+        if chosen not in figures or math.isclose(figures[chosen], step_s, rel_tol=1e-9):
+            return compiled
+        # The trace at this count is not the symbolic one evaluated there (export specialises a 1-row
+        # batch, a model may branch on its size): its own plan is the figure; keep the fastest again.
+        notes = [*notes, f"microbatches: M={chosen} priced again from its own trace: {step_s * 1e3:.2f} ms "
+                         f"(the symbolic trace gave {figures[chosen] * 1e3:.2f} ms)"]  # fmt: skip
+        figures[chosen] = step_s
+        best = min(figures, key=lambda m: (figures[m], m))
+        if best == chosen:
+            compiled.plan = replace(
+                compiled.plan,
+                microbatch_search=tuple(sorted(figures.items())),
+                notes=(*compiled.plan.notes, notes[-1]),
+            )
+            Dumper(dump_dir).write("plan.json", compiled.plan.to_json(), numbered=False)
+            return compiled
+        chosen = best
+
+
+def _compile_at(
+    model: torch.nn.Module, cluster: Cluster, inputs: tuple, settings: PlanSettings, dtype: object | None,
+    dump_dir: str | Path | None, search: Sequence[tuple[int, float]] = (), notes: Sequence[str] = (),
+) -> Compiled:  # fmt: skip
+    """``compile`` at a pinned microbatch count; ``search`` and ``notes`` (the microbatch search's)
+    go into the plan."""
+    training, precision, microbatches = settings.training, settings.precision, settings.microbatches
+    optimizer, replicate, recompute = settings.optimizer, settings.replicate, settings.recompute
+    notes = list(notes)
+    args, kwargs = first_microbatch(*inputs, microbatches)
     dumper = Dumper(dump_dir)
     analysis = analyze(model, args, kwargs, dump_dir=dump_dir, training=training, dumper=dumper)
     gm = analysis.graph
-    fusing = config.fuse and (precision == "fp32" or config.fuse_mixed_precision)
-    if config.fuse and not fusing:
-        notes.append(MIXED_PRECISION_UNFUSED)
-    if fusing:  # under autocast, fused groups follow the runtime dtypes (kernels.execute.specialize)
-        with _step(dumper, "fuse", lambda: gm.code, lambda: verify.check_graph(gm, "fuse")):
-            fuse(gm)
-            analysis.blocks, analysis.tied_params = collect_blocks(gm)
-        _dump_kernels(gm, dumper)
-    with _step(dumper, "cost", lambda: ir.format(gm), lambda: verify.check_graph(gm, "cost")):
-        pricing = {"dtype": dtype, "training": training, "autocast": precision != "fp32"}
-        cost(gm, device_types=cluster.types, **pricing)
-    notes.extend(cost_notes(gm, cluster.types, **pricing))
-    settings = PlanSettings(
-        microbatches, schedule, training, optimizer, precision, recompute, replicate, rows
-    )
+    candidates = fusion_candidates(gm) if _fuse_mode() != "off" else []
+    pricing = {"dtype": dtype, "training": training, "autocast": precision != "fp32"}
+    with _step(dumper, "cost", lambda: _cost_dump(gm, choice), lambda: verify.check_graph(gm, "cost")):
+        choice = cost(gm, device_types=cluster.types, candidates=candidates, fuse=config.fuse, **pricing)
+    notes.extend(cost_notes(gm))
     with _step(dumper, "partition", lambda: plan.explain(), lambda: verify.check_stages(gm, plan)):
-        plan, problem, solution = partition(gm, analysis.blocks, analysis.tied_params, cluster, settings)
-        plan = replace(plan, microbatch_search=tuple(search), notes=plan.notes + tuple(notes))
+        change = choice.act_bytes_change([b.name for b in analysis.blocks]) if training else None
+        plan, problem, solution = partition(
+            gm, analysis.blocks, analysis.tied_params, cluster, settings, change
+        )
+        fusion = choice.note([s.device_type for s in plan.stages])
+        plan = replace(
+            plan, microbatch_search=tuple(search), notes=(*plan.notes, *notes, *([fusion] if fusion else []))
+        )
+    with _step(dumper, "fuse", lambda: gm.code, lambda: verify.check_graph(gm, "fuse")):
+        plan = _fuse_for_stages(gm, plan, choice, analysis)
+    _dump_kernels(gm, dumper)
     if precision != "fp32":  # autocast changes dtypes that export's metadata asserts pinned to fp32
         _drop_dtype_asserts(gm)
     with _step(dumper, "comm", lambda: format_stages(stages), lambda: verify.check_pipeline(stages)):
@@ -303,17 +332,39 @@ def compile(  # noqa: A001 - the public API name
         write_report(dumper.folder, cluster)  # report.html and cluster.json beside plan.json
     if config.debug >= 1:
         print(plan.explain(), file=sys.stderr)
-    vendors = [cluster.device(s.device).vendor for s in plan.stages]
-    stage_devices = [[cluster.device(d) for d in getattr(s, "devices", (s.device,))] for s in plan.stages]
-    meta = {
-        "schedule": plan.schedule, "microbatches": plan.microbatches, "optimizer": {"name": optimizer},
-        "loss": "model", "vendors": vendors, "placement": placement(stage_devices),
-        "inputs": [n.target for n in gm.graph.find_nodes(op="placeholder")],
-        "routing": [list(s.route) for s in solution.stages], "recompute": [s.recompute for s in plan.stages],
-        "precision": plan.precision, "plan_space": {"replicate": bool(replicate), "recompute": recompute},
-        "state_dict": _state_dict_keys(model), "training": training,
-    }  # fmt: skip
+    meta = pipeline_meta_for(
+        plan, cluster, solution, optimizer=optimizer, inputs=[n.target for n in gm.graph.find_nodes(op="placeholder")],
+        state_dict=_state_dict_keys(model), plan_space=PlanSpace(replicate, recompute),
+    )  # fmt: skip
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
+
+
+def _fuse_mode() -> str:
+    if config.fuse not in config.FUSE_MODES:
+        raise HetccError(
+            f"hetcc.config.fuse is {config.fuse!r}",
+            hint=f"set it (or HETCC_FUSE) to one of {config.FUSE_MODES}",
+        )
+    return config.fuse
+
+
+def _fuse_for_stages(gm: torch.fx.GraphModule, plan: Plan, choice: FusionChoice, analysis: Analysis) -> Plan:
+    """Fuse each group chosen for the device type of the stage that runs it; the blocks and the plan's
+    node lists then name the graph that runs."""
+    types = {s.index: s.device_type for s in plan.stages}
+    on_type = {t: {id(c) for c in choice.on(t)} for t in set(types.values())}
+    fuse(gm, [c for c in choice.candidates if id(c) in on_type[types[ir.info(c.members[-1]).stage]]])
+    analysis.blocks, analysis.tied_params = collect_blocks(gm)
+    nodes = {b.name: b.nodes for b in analysis.blocks}
+    stages = tuple(replace(s, nodes=tuple(n for b in s.blocks for n in nodes[b])) for s in plan.stages)
+    return replace(plan, stages=stages)
+
+
+def _cost_dump(gm: torch.fx.GraphModule, choice: FusionChoice) -> str:
+    """The costed graph, then each fusion candidate priced fused and as ops on every device type."""
+    lines = choice.lines()
+    head = ["", "# fusion candidates: their block's forward + backward as one kernel call vs as ops"]
+    return ir.format(gm) + ("\n".join(head + lines) if lines else "")
 
 
 def _state_dict_keys(model: torch.nn.Module) -> dict[str, str]:
@@ -401,9 +452,8 @@ def replan(
     meta = pipeline_meta(str(build))
     model.load_state_dict(export(Path(root) / f"step-{step:08d}"))
     compiled = compile(
-        model, cluster, example_inputs, example_kwargs, microbatches=int(meta.get("microbatches", 1)),
-        schedule=meta.get("schedule", "1f1b"), optimizer=(meta.get("optimizer") or {}).get("name", "adam"),
-        **{**_plan_space(Path(build), meta), **compile_options},
+        model, cluster, example_inputs, example_kwargs, microbatches=meta.microbatches, schedule=meta.schedule,
+        optimizer=(meta.optimizer or {"name": "adam"})["name"], **{**_plan_space(meta), **compile_options},
     )  # fmt: skip
     out = Path(out) if out is not None else Path(f"{Path(source).resolve()}-replanned")
     compiled.save(out)
@@ -414,24 +464,11 @@ def replan(
     return compiled
 
 
-def _plan_space(build: Path, meta: dict[str, Any]) -> dict[str, Any]:
-    """The old build's precision and plan space (``pipeline.json`` meta), as ``compile`` options."""
-    space = meta.get("plan_space") or {}
-    precision = meta.get("precision", "fp32")
-    if not isinstance(space, dict):
-        space = {"replicate": space}  # reported below
-    replicate, recompute = space.get("replicate", True), space.get("recompute", "auto")
-    if (
-        not (isinstance(precision, str) and precision in PRECISIONS)
-        or not isinstance(replicate, bool)
-        or not (isinstance(recompute, bool) or recompute == "auto")
-    ):
-        raise PlanFormatError(
-            f"{build / 'pipeline.json'}: meta precision {short_repr(precision)} / plan_space "
-            f"{short_repr(space)} is not a plan space",
-            hint="pass precision=, replicate= and recompute= to hetcc.replan",
-        )
-    return {"precision": precision, "replicate": replicate, "recompute": recompute}
+def _plan_space(meta: PipelineMeta) -> dict[str, Any]:
+    """The old build's precision and plan space (checked when ``pipeline.json`` was read), as ``compile``
+    options."""
+    return {"precision": meta.precision, "replicate": meta.plan_space.replicate,
+            "recompute": meta.plan_space.recompute}  # fmt: skip
 
 
 def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:

@@ -15,9 +15,11 @@ from typing import Any
 
 import torch
 
+from hetcc import config
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.cost import block_times_at
+from hetcc.passes.fuse import fusion_candidates
 from hetcc.passes.partition import RERANK, PlanSettings, build_problem
 from hetcc.solver.solve import solve
 from hetcc.train.data import split_microbatches
@@ -36,8 +38,9 @@ def search_microbatches(
     dim 0 symbolic (``torch.export.Dim``), then for every divisor M of the batch the analysis is
     evaluated at batch / M rows (sympy), priced, planned and simulated; no retrace per M.
 
-    Fused kernels are not priced here (the graph is traced once, unfused); the chosen M is then
-    compiled as usual. A model that does not trace with a symbolic batch keeps the largest divisor
+    Each M prices the fusion groups as the compile at that M does (``passes.cost``: a group fuses on a
+    device type where its kernel beats its ops there, at that microbatch's sizes), so the figure kept
+    for the chosen M is the plan's. A model that does not trace with a symbolic batch keeps the largest divisor
     of the batch up to 8, and the plan says why. ``analyze`` is ``hetcc.api.analyze``, passed in
     because ``hetcc.api`` imports this module.
     """
@@ -59,16 +62,20 @@ def search_microbatches(
     except (HetccError, TypeError, KeyError, RuntimeError, ValueError) as error:
         reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         return fallback, [], [f"microbatches: kept {fallback} (no trace with a symbolic batch: {reason})"]
+    candidates = fusion_candidates(symbolic.graph) if config.fuse != "off" else []
     tried = []
     for m in (m for m in range(1, rows + 1) if rows % m == 0):
-        at = symbolic.evaluate(batch=rows // m)
-        times = block_times_at(
-            symbolic.graph, [b.nodes for b in at.blocks], cluster.types, {symbol: rows // m},
-            dtype=dtype, training=settings.training, autocast=settings.precision != "fp32",
+        at, subs = symbolic.evaluate(batch=rows // m), {symbol: rows // m}
+        fwd, bwd, choice = block_times_at(
+            symbolic.graph, [b.nodes for b in at.blocks], cluster.types, subs, dtype=dtype,
+            training=settings.training, autocast=settings.precision != "fp32", candidates=candidates,
+            fuse=config.fuse,
         )  # fmt: skip
+        change = choice.act_bytes_change([b.name for b in at.blocks], subs) if settings.training else None
         problem = build_problem(
-            symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m), times
-        )
+            symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m),
+            (fwd, bwd), act_change=change,
+        )  # fmt: skip
         try:
             tried.append((m, solve(problem, rerank=RERANK).simulated_s))
         except InfeasiblePlanError:

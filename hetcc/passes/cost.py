@@ -19,14 +19,22 @@ element, and their gradients back), and a bf16/fp16 GEMM whose inner or output d
 multiple of 8 runs at ``UNALIGNED_TENSOR_CORE_SHARE`` of the aligned rate (tensor cores need
 16-byte rows; GPT-2's vocabulary of 50257 is the classic case). Getitems launch nothing and cost
 nothing.
+
+Fusion is chosen here (``FusionChoice``): each group ``passes.fuse`` could make one kernel is priced
+both ways in its block's queue on every device type, and fuses on the types where the kernel call wins;
+the fuse step, after the partition, fuses it in the stages of those types. The microbatch search prices
+a symbolic trace the same way (``block_times_at``), so its figures are the plans'.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Any
 
 import sympy
 import torch
@@ -36,6 +44,7 @@ from hetcc.errors import AnalysisError, ClusterError
 from hetcc.hardware.presets import DeviceType, flops_key
 from hetcc.ir import annotate, info, is_concrete
 from hetcc.kernels import FUSION_META_KEY
+from hetcc.passes.fuse import FusionCandidate
 
 BACKWARD_MEMORY_PASSES = 2.0
 # When a device type has no peak for a dtype, the nearest format its matrix units run instead.
@@ -67,45 +76,102 @@ def cost(
     dtype: object | None = None,
     training: bool = True,
     autocast: bool = False,
-) -> torch.fx.GraphModule:
+    candidates: Sequence[FusionCandidate] = (),
+    fuse: str = "cost",
+) -> FusionChoice:
     """Annotate ``fwd_s`` / ``bwd_s`` per device type on every compute node (``autocast``: the stages
-    run under torch.autocast at ``dtype``, fp32 weights cast on the fly)."""
+    run under torch.autocast at ``dtype``, fp32 weights cast on the fly), and choose per device type
+    which fusion ``candidates`` fuse (``fuse``: "cost", "all" or "off"; see ``FusionChoice``). On a type
+    where a group fuses, its last member carries the kernel's time and the others none, so a fused
+    node's time is always the sum of its members' and ``block_times`` needs nothing else."""
     rates = {t.name: _Rates(t) for t in device_types}
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
-    parts, unaligned = [], []
     for node in nodes:
-        record = info(node)
-        _require_concrete(node, record)
-        times, slow = _node_parts(node, record, rates, dtype, training, autocast, float)
-        parts.append(times)
-        unaligned.append(slow)
-    fwd, bwd = _queued(parts, rates)
+        _require_concrete(node, info(node))
+    priced = _price(nodes, candidates, rates, _Pricing(dtype, training, autocast, float), fuse)
     for i, node in enumerate(nodes):
         record = annotate(
-            node, fwd_s=tuple((t, fwd[t][i]) for t in rates), bwd_s=tuple((t, bwd[t][i]) for t in rates)
+            node,
+            fwd_s=tuple((t, priced.fwd[t][i]) for t in rates),
+            bwd_s=tuple((t, priced.bwd[t][i]) for t in rates),
         )
-        if unaligned[i] and UNALIGNED_NOTE not in record.notes:
+        if priced.unaligned[i] and UNALIGNED_NOTE not in record.notes:
             annotate(node, notes=(*record.notes, UNALIGNED_NOTE))
-    return gm
+    return priced.choice
+
+
+@dataclass
+class FusionChoice:
+    """Which fusion candidates fuse on each device type, and why.
+
+    A group fuses on a type where its block's forward and backward, priced in the host/GPU queue
+    with the group as one kernel call, are faster than with its ops (groups decided in graph order,
+    each with the earlier ones of its block as decided). On a ``cpu`` type a fused group runs its
+    ops and replays them in backward: it never fuses there unless ``fuse="all"``.
+    """
+
+    candidates: Sequence[FusionCandidate]
+    fused: dict[str, frozenset[int]]  # device type -> indices of the candidates fused on it
+    # device type -> per candidate: its block's seconds with it fused, and with it as ops
+    compared: dict[str, list[tuple[float, float]]]
+
+    def on(self, device_type: str) -> list[FusionCandidate]:
+        """The candidates that fuse on ``device_type``."""
+        return [c for k, c in enumerate(self.candidates) if k in self.fused.get(device_type, ())]
+
+    def act_bytes_change(self, block_names: Sequence[str], subs: dict | None = None) -> list[float]:
+        """Per block, the most any device type's fusion changes the bytes it saves for backward (a
+        fused group saves its inputs, its ops what each needs): the partition's memory then holds on
+        every type a block may run on. ``subs``: the dims of a symbolic analysis."""
+        index = {name: i for i, name in enumerate(block_names)}
+        value = functools.partial(_at, subs=subs or {})
+        change = {t: [0.0] * len(block_names) for t in self.fused}
+        for t, chosen in self.fused.items():
+            for k in chosen:
+                candidate = self.candidates[k]
+                block = index.get(info(candidate.members[-1]).block)
+                if block is not None:
+                    ops = sum(value(info(m).act_bytes) for m in candidate.members)
+                    change[t][block] += value(candidate.record.act_bytes) - ops
+        return [max((change[t][i] for t in change), default=0.0) for i in range(len(block_names))]
+
+    def note(self, stage_types: Sequence[str]) -> str | None:
+        """One line for the plan: how many groups fused on the stages' device types, and where the
+        others stayed ops and why."""
+        if not self.candidates:
+            return None
+        counts = {t: len(self.fused.get(t, ())) for t in dict.fromkeys(stage_types)}
+        unfused = {t: len(self.candidates) - n for t, n in counts.items() if n < len(self.candidates)}
+        if not unfused:
+            return None
+        where = ", ".join(f"{t}: {n} of {len(self.candidates)} fused" for t, n in counts.items())
+        return (
+            f"fusion: {len(self.candidates)} fusible groups; {where}. A group stays as its ops where one "
+            "kernel call, its host time included, is not faster than them on the stage's device type "
+            "(small tensors, where each call's host time outweighs the memory passes it saves; on a CPU "
+            "always). HETCC_FUSE=all fuses every group, HETCC_FUSE=off none"
+        )
+
+    def lines(self) -> list[str]:
+        """For the cost dump: each candidate's block priced fused and as ops on every device type."""
+        out = []
+        for k, candidate in enumerate(self.candidates):
+            prices = ", ".join(
+                f"{t} {'fused' if k in chosen else 'ops'} "
+                f"({self.compared[t][k][0] * 1e6:.1f} vs {self.compared[t][k][1] * 1e6:.1f} us)"
+                for t, chosen in self.fused.items()
+            )
+            out.append(f"%{candidate.members[-1].name} {candidate.group.summary()}: {prices}")
+        return out
 
 
 UNALIGNED_NOTE = "GEMM off tensor-core alignment"
 
 
-def cost_notes(
-    gm: torch.fx.GraphModule,
-    device_types: Sequence[DeviceType],
-    *,
-    dtype: object | None = None,
-    training: bool = True,
-    autocast: bool = False,
-) -> list[str]:
-    """The plan's notes about a costed graph: GEMMs off tensor-core alignment, fusion that does not pay."""
-    notes = [
-        unaligned_gemm_note(gm),
-        fusion_note(gm, device_types, dtype=dtype, training=training, autocast=autocast),
-    ]
-    return [note for note in notes if note]
+def cost_notes(gm: torch.fx.GraphModule) -> list[str]:
+    """The plan's notes about a costed graph: GEMMs off tensor-core alignment."""
+    note = unaligned_gemm_note(gm)
+    return [note] if note else []
 
 
 def unaligned_gemm_note(gm: torch.fx.GraphModule) -> str | None:
@@ -123,24 +189,32 @@ def unaligned_gemm_note(gm: torch.fx.GraphModule) -> str | None:
     )
 
 
-def _node_parts(node, record, rates, dtype, training: bool, autocast: bool, value) -> tuple[dict, bool]:
-    """Per device type, (GPU forward, GPU backward, host forward, host backward) seconds of one node,
-    and whether it is a half-precision GEMM off tensor-core alignment; ``value`` turns a (possibly
-    symbolic) size into a number."""
-    key, floating = _flops_key(record, dtype)
-    has_backward = training and floating
-    group = node.meta.get(FUSION_META_KEY)
+@dataclass(frozen=True)
+class _Pricing:
+    """How nodes are priced: the compile dtype, training or not, under autocast or not, and how a
+    (possibly symbolic) size becomes a number."""
+
+    dtype: object | None
+    training: bool
+    autocast: bool
+    value: Callable[[Any], float]
+
+
+def _node_parts(node, record, rates, how: _Pricing, group=None) -> tuple[dict, bool]:
+    """Per device type, (GPU forward, GPU backward, host forward, host backward) seconds of one node
+    (or of a fusion candidate: ``group`` and its fused ``record``), and whether it is a
+    half-precision GEMM off tensor-core alignment."""
+    key, floating = _flops_key(record, how.dtype)
+    has_backward = how.training and floating
+    group = group if group is not None else node.meta.get(FUSION_META_KEY)
     replays = group is not None and group.backward == "recompute"
-    name = op_name(node)
-    low = autocast and name in LOWER_PRECISION_OPS
+    name = op_name(node) if group is None else "fusion_group"
+    low = how.autocast and name in LOWER_PRECISION_OPS
     cast = _cast_elements(node) if low else (0, 0)
-    cast = (value(cast[0]) * CAST_BYTES, cast[1])
+    cast = (how.value(cast[0]) * CAST_BYTES, cast[1])
     slow = key in _TENSOR_CORE_KEYS and bool(_unaligned_dims(node, name))
-    numbers = SimpleNamespace(
-        fwd_flops=value(record.fwd_flops), bwd_flops=value(record.bwd_flops), bytes=value(record.bytes),
-        members=record.members,
-    )  # fmt: skip
-    kind = _launch_kind(node, record)
+    numbers = _numbers(record, how.value)
+    kind = "op" if group is not None else _launch_kind(node, record)
     times = {
         t: _times(rate, numbers, key, has_backward, replays, cast=cast, slow=slow, kind=kind)
         for t, rate in rates.items()
@@ -148,10 +222,77 @@ def _node_parts(node, record, rates, dtype, training: bool, autocast: bool, valu
     return times, slow
 
 
-def _queued(parts: list[dict], rates: dict) -> tuple[dict, dict]:
-    """Per device type, each node's forward and backward seconds in the queue model (``_queue_both``)."""
-    both = {t: _queue_both([p[t] for p in parts]) for t in rates}
-    return {t: fwd for t, (fwd, _) in both.items()}, {t: bwd for t, (_, bwd) in both.items()}
+def _numbers(record, value) -> SimpleNamespace:
+    """A record's sizes as numbers (its fused members' too)."""
+    return SimpleNamespace(
+        fwd_flops=value(record.fwd_flops), bwd_flops=value(record.bwd_flops), bytes=value(record.bytes),
+        members=tuple(_numbers(m, value) for m in record.members),
+    )  # fmt: skip
+
+
+@dataclass
+class _Priced:
+    fwd: dict[str, list[float]]  # per device type, per node: seconds in that type's queue
+    bwd: dict[str, list[float]]
+    unaligned: list[bool]
+    choice: FusionChoice
+
+
+def _price(nodes, candidates, rates, how: _Pricing, fuse: str) -> _Priced:
+    """Every node's queued forward and backward seconds per device type, with the candidates that
+    fuse on that type (``FusionChoice``) fused: the last member carries the kernel's time, the
+    other members none."""
+    parts, unaligned = [], []
+    for node in nodes:
+        times, slow = _node_parts(node, info(node), rates, how)
+        parts.append(times)
+        unaligned.append(slow)
+    position = {node: i for i, node in enumerate(nodes)}
+    members = [[position[m] for m in c.members] for c in candidates]
+    kernels = [_node_parts(c.members[-1], c.record, rates, how, c.group)[0] for c in candidates]
+    windows: dict[object, list[int]] = {}
+    for i, node in enumerate(nodes):
+        windows.setdefault(info(node).block, []).append(i)
+    fwd, bwd, fused, compared = {}, {}, {}, {}
+    for t in rates:
+        own = [p[t] for p in parts]
+        group_parts = [k[t] for k in kernels]
+        chosen: set[int] = set()
+        compared[t] = []
+        for k, candidate in enumerate(candidates):
+            window = windows[info(candidate.members[-1]).block]
+            with_kernel = _window_s(window, own, members, group_parts, chosen | {k})
+            as_ops = _window_s(window, own, members, group_parts, chosen)
+            compared[t].append((with_kernel, as_ops))
+            if fuse == "all" or (fuse == "cost" and with_kernel < as_ops):
+                chosen.add(k)
+        sequence = _fused_sequence(range(len(nodes)), own, members, group_parts, chosen)
+        queued_f, queued_b = _queue_both([part for _, part in sequence])
+        fwd[t], bwd[t] = [0.0] * len(nodes), [0.0] * len(nodes)
+        for (i, _), f, b in zip(sequence, queued_f, queued_b):
+            fwd[t][i], bwd[t][i] = f, b
+        fused[t] = frozenset(chosen)
+    return _Priced(fwd, bwd, unaligned, FusionChoice(candidates, fused, compared))
+
+
+def _fused_sequence(positions, own, members, group_parts, chosen) -> list[tuple[int, tuple]]:
+    """(node position, parts) in issue order with the ``chosen`` groups as one call each, standing
+    at their last member's position (the fused node's)."""
+    absorbed = {i: k for k in chosen for i in members[k]}
+    sequence = []
+    for i in positions:
+        k = absorbed.get(i)
+        if k is None:
+            sequence.append((i, own[i]))
+        elif i == members[k][-1]:
+            sequence.append((i, group_parts[k]))
+    return sequence
+
+
+def _window_s(window, own, members, group_parts, chosen) -> float:
+    """Forward + backward seconds of one block's nodes in the queue, ``chosen`` groups fused."""
+    sequence = _fused_sequence(window, own, members, group_parts, chosen)
+    return sum(map(sum, _queue_both([part for _, part in sequence])))
 
 
 def _queue_both(parts: Sequence[tuple[float, float, float, float]]) -> tuple[list[float], list[float]]:
@@ -175,42 +316,6 @@ def _queue(gpu: Sequence[float], host: Sequence[float]) -> list[float]:
         added.append(end - done)
         done = end
     return added
-
-
-def fusion_note(
-    gm: torch.fx.GraphModule,
-    device_types: Sequence[DeviceType],
-    *,
-    dtype: object | None = None,
-    training: bool = True,
-    autocast: bool = False,
-) -> str | None:
-    """One line for the plan when, on a GPU type of the cluster, the costed graph's fused groups make a
-    microbatch's forward and backward through the whole model slower than their ops would unfused
-    (each call's host time outweighing the memory passes it saves), or None. Both ways are priced as
-    ``cost`` prices them, the host queue included."""
-    nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
-    fused = sum(1 for n in nodes if info(n).members)
-    found = []
-    for device in (t for t in device_types if t.vendor != "cpu" and fused):
-        rate, as_fused, as_ops = _Rates(device), [], []
-        for node in nodes:
-            record = info(node)
-            times, _ = _node_parts(node, record, {device.name: rate}, dtype, training, autocast, float)
-            as_fused.append(times[device.name])
-            key, floating = _flops_key(record, dtype)
-            members = [_times(rate, m, key, training and floating) for m in record.members]
-            as_ops.extend(members or [times[device.name]])
-        fused_s, ops_s = (sum(map(sum, _queue_both(way))) for way in (as_fused, as_ops))
-        if fused_s > ops_s:
-            found.append(f"{device.name} {fused_s * 1e3:.2f} ms fused, {ops_s * 1e3:.2f} ms unfused")
-    if not found:
-        return None
-    return (
-        f"the {fused} fused groups make a microbatch slower than their ops would run unfused: each "
-        f"call's host time outweighs the memory passes it saves (forward + backward through the model: "
-        f"{'; '.join(found)}); HETCC_FUSE=0 compiles without them"
-    )
 
 
 def _flops_key(record, dtype: object | None) -> tuple[str, bool]:
@@ -365,28 +470,24 @@ def block_times_at(
     dtype: object | None = None,
     training: bool = True,
     autocast: bool = False,
-):
-    """``block_times`` of a symbolic analysis (sizes in sympy dims) at the dims ``subs`` gives, without
-    annotating the graph: how the microbatch search prices every microbatch size from one trace."""
+    candidates: Sequence[FusionCandidate] = (),
+    fuse: str = "cost",
+) -> tuple[dict, dict, FusionChoice]:
+    """``block_times`` of a symbolic analysis (sizes in sympy dims) at the dims ``subs`` gives, and
+    the ``FusionChoice`` there, without annotating the graph: how the microbatch search prices every
+    microbatch size from one trace, as ``cost`` prices the graph traced at that size."""
     rates = {t.name: _Rates(t) for t in device_types}
-    by_name = {n.name: n for n in gm.graph.nodes}
-    owner, parts = [], []
-    for i, names in enumerate(block_nodes):
-        for name in names:
-            node = by_name[name]
-            if node.op in _COMPUTE:
-                owner.append(i)
-                times, _ = _node_parts(
-                    node, info(node), rates, dtype, training, autocast, lambda v: _at(v, subs)
-                )
-                parts.append(times)
-    per_node = _queued(parts, rates)
+    owner = {name: i for i, names in enumerate(block_nodes) for name in names}
+    nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
+    how = _Pricing(dtype, training, autocast, lambda v: _at(v, subs))
+    priced = _price(nodes, candidates, rates, how, fuse)
     fwd, bwd = ({t: [0.0] * len(block_nodes) for t in rates} for _ in range(2))
-    for total, times in zip((fwd, bwd), per_node):
+    for total, times in ((fwd, priced.fwd), (bwd, priced.bwd)):
         for t in rates:
-            for i, seconds in zip(owner, times[t]):
-                total[t][i] += seconds
-    return fwd, bwd
+            for node, seconds in zip(nodes, times[t]):
+                if node.name in owner:
+                    total[t][owner[node.name]] += seconds
+    return fwd, bwd, priced.choice
 
 
 def _at(value, subs: dict) -> float:

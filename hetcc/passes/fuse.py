@@ -9,12 +9,19 @@ last member stood). Values used outside become extra outputs. Send/recv and any 
 are never members, so a group cannot cross them. A group holds at most one row reduction over its last
 dim: softmax / layer_norm / rms_norm end it; a keepdim mean (rms_norm written out) lets pointwise ops
 on the per-row result follow.
+
+Which groups fuse is the cost pass's choice (``passes/cost.py``): ``fusion_candidates`` finds the groups
+without changing the graph, the cost pass prices each as one kernel call and as its ops on every device
+type, and once the partition has put every block on a device, ``fuse`` replaces the groups chosen for
+their stage's device type.
 """
 
 from __future__ import annotations
 
 import operator
 import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,11 +50,34 @@ class _Group:
         self.merged = False  # folded into another group
 
 
-def fuse(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Replace every group of >= 2 fusible ops in ``gm`` by one fused node; returns ``gm``."""
+@dataclass(frozen=True)
+class FusionCandidate:
+    """A group ``fuse`` could replace: its members (topological order), the kernel it would be, and
+    the fused node's record (one memory pass; what the cost pass prices it by)."""
+
+    members: tuple[torch.fx.Node, ...]
+    group: FusionGroup
+    record: ir.NodeInfo
+
+
+def fusion_candidates(gm: torch.fx.GraphModule) -> list[FusionCandidate]:
+    """Every group of >= 2 fusible ops in ``gm`` (``find_groups``), the graph left as it is. Sizes may
+    be symbolic (a trace with a dynamic batch): the microbatch search prices the groups at each size."""
     lowered = {n: low for n in gm.graph.nodes if (low := lower(n)) is not None}
+    found = []
     for members in find_groups(gm.graph, lowered):
-        group = _replace(gm.graph, members)
+        group, input_nodes = build_group(members, lowered, _outputs(members))
+        found.append(FusionCandidate(tuple(members), group, _fused_record(group, members, input_nodes)))
+    return found
+
+
+def fuse(
+    gm: torch.fx.GraphModule, candidates: Sequence[FusionCandidate] | None = None
+) -> torch.fx.GraphModule:
+    """Replace each of ``candidates`` (of ``fusion_candidates(gm)``; all of them by default) by one
+    fused node standing where its last member stood; returns ``gm``."""
+    for candidate in fusion_candidates(gm) if candidates is None else candidates:
+        group = _replace(gm.graph, list(candidate.members))
         if config.debug >= 3:
             print(kernel_source(group))
     gm.graph.lint()
@@ -215,9 +245,21 @@ def _fused_record(group: FusionGroup, members, input_nodes) -> ir.NodeInfo:
         act_bytes=saved if training else 0,
         block=records[-1].block,
         stage=records[-1].stage,
+        fwd_s=_summed(r.fwd_s for r in records),
+        bwd_s=_summed(r.bwd_s for r in records),
         notes=(f"fused {len(members)} ops, backward={group.backward}",),
         members=tuple(records),
     )
+
+
+def _summed(times) -> tuple[tuple[str, float], ...]:
+    """Per device type, the members' seconds summed: a costed graph's fused node takes its members'
+    time (the cost pass gave the kernel's to the last member where the group fuses)."""
+    total: dict[str, float] = {}
+    for pairs in times:
+        for device_type, seconds in pairs:
+            total[device_type] = total.get(device_type, 0.0) + seconds
+    return tuple(total.items())
 
 
 def install_code_comments(gm: torch.fx.GraphModule) -> None:

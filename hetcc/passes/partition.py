@@ -22,6 +22,7 @@ from hetcc.errors import HetccError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, TiedParam
 from hetcc.passes.cost import block_times
+from hetcc.plan import PRECISIONS as PRECISIONS  # the one list; hetcc.api reads it from here
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
@@ -62,7 +63,6 @@ def state_multiplier(training: bool, name: str, precision: str = "fp32") -> floa
     return (2 + optimizer(name).states if training else 1) + copy
 
 
-PRECISIONS = {"fp32": None, "bf16-mixed": "bf16", "fp16-mixed": "fp16"}  # -> FLOP/s peak key of matmuls
 # Mixed precision keeps fp32 master weights, gradients and optimizer state; autocast also caches a
 # half-precision copy of every weight it casts during the forward.
 MIXED_WEIGHT_COPY = 0.5
@@ -85,10 +85,11 @@ class PlanSettings:
 
 def partition(
     gm: torch.fx.GraphModule, chain: Sequence[Block], tied: Sequence[TiedParam], cluster: Cluster,
-    settings: PlanSettings,
+    settings: PlanSettings, act_change: Sequence[float] | None = None,
 ) -> tuple[Plan, PartitionProblem, PartitionSolution]:  # fmt: skip
-    """Plan ``chain`` over ``cluster`` and annotate every node of ``gm`` with its stage."""
-    problem = build_problem(gm, chain, tied, cluster, settings)
+    """Plan ``chain`` over ``cluster`` and annotate every node of ``gm`` with its stage.
+    ``act_change``: per block, what fusion changes in its saved activations (``FusionChoice``)."""
+    problem = build_problem(gm, chain, tied, cluster, settings, act_change=act_change)
     solution = solve(problem, rerank=RERANK)
     plan = _plan(problem, solution, chain, settings)
     stage_of = plan.stage_of
@@ -101,9 +102,11 @@ def partition(
 def build_problem(
     gm: torch.fx.GraphModule, chain: Sequence[Block], tied: Sequence[TiedParam], cluster: Cluster,
     settings: PlanSettings, times: tuple[dict, dict] | None = None,
+    act_change: Sequence[float] | None = None,
 ) -> PartitionProblem:  # fmt: skip
     """The partition problem for the chain of ``gm`` (costed with ``passes.cost``, or ``times`` =
-    per-type forward and backward seconds of each block) on ``cluster``."""
+    per-type forward and backward seconds of each block) on ``cluster``; ``act_change``: per block,
+    what fusion changes in its saved activations."""
     training = settings.training
     type_names = [t.name for t in cluster.types]
     fwd, bwd = times if times is not None else block_times(gm, [b.nodes for b in chain], type_names)
@@ -122,7 +125,10 @@ def build_problem(
         fwd_s=fwd,
         bwd_s=bwd,
         state_bytes=[p * multiplier for p in params],
-        act_bytes=[float(b.act_bytes) if training else 0.0 for b in chain],
+        act_bytes=[
+            float(b.act_bytes) + (act_change[i] if act_change else 0.0) if training else 0.0
+            for i, b in enumerate(chain)
+        ],
         cut_bytes=[float(b.cut_bytes) for b in chain[:-1]],
         cut_grad_bytes=[float(b.cut_grad_bytes) for b in chain[:-1]] if training else None,
         tied_blocks=[[index[name] for name in t.blocks] for t in tied],

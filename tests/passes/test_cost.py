@@ -7,7 +7,7 @@ import hetcc
 from hetcc.errors import AnalysisError, ClusterError
 from hetcc.hardware.presets import HOST_FIELDS, get_preset
 from hetcc.ir import info
-from hetcc.passes.cost import block_times, cost, fusion_note
+from hetcc.passes.cost import block_times, cost
 
 
 class MLP(torch.nn.Module):
@@ -123,27 +123,52 @@ def test_fused_chain_is_one_memory_pass_on_gpus_and_its_ops_plus_recompute_on_cp
     assert dict(record.bwd_s)["cpu"] > dict(record.fwd_s)["cpu"] * 2  # members' backward + the recompute
 
 
-def test_a_fused_call_costs_the_group_ops_host_time_on_a_gpu():
+def _gelu_choice(types, rows: int = 64, fuse: str = "cost"):
     from transformers.activations import NewGELUActivation
 
-    from hetcc.passes.fuse import fuse
+    from hetcc.passes.fuse import fusion_candidates
 
+    analysis = hetcc.analyze(NewGELUActivation(), (torch.randn(rows, 64, requires_grad=True),))
+    candidates = fusion_candidates(analysis.graph)
+    assert len(candidates) == 1 and len(candidates[0].members) >= 7
+    return analysis, cost(analysis.graph, device_types=types, candidates=candidates, fuse=fuse)
+
+
+def test_a_group_fuses_only_on_the_device_types_where_its_kernel_call_beats_its_ops():
     slow_call = get_preset("A100-80GB").replace(host_fused_op_s=1e-3, host_fused_backward_op_s=2e-3)
-    analysis = hetcc.analyze(NewGELUActivation(), (torch.randn(64, 64, requires_grad=True),))
-    fuse(analysis.graph)
-    cost(analysis.graph, device_types=[slow_call])
-    fused = [info(n) for n in analysis.graph.graph.nodes if info(n).members]
-    assert len(fused) == 1  # tiny kernels: the call's host time is the node's time
-    assert dict(fused[0].fwd_s)["A100-80GB"] == pytest.approx(1e-3, rel=0.01)
-    assert dict(fused[0].bwd_s)["A100-80GB"] == pytest.approx(2e-3, rel=0.01)
-    # the plan says so, with what each way costs and how to turn fusion off
-    note = fusion_note(analysis.graph, [slow_call])
-    assert (
-        "1 fused groups make a microbatch slower" in note and "A100-80GB" in note and "HETCC_FUSE=0" in note
-    )
-    free_call = slow_call.replace(host_fused_op_s=0.0, host_fused_backward_op_s=0.0)
-    assert fusion_note(analysis.graph, [free_call]) is None  # one memory pass beats seven
-    assert fusion_note(analysis.graph, [get_preset("cpu")]) is None  # a CPU runs the ops either way
+    free_call = slow_call.replace(name="free-call", host_fused_op_s=0.0, host_fused_backward_op_s=0.0)
+    cpu = get_preset("cpu")
+    analysis, choice = _gelu_choice([slow_call, free_call, cpu])
+    # tiny kernels: the slow call's host time loses to seven small ops; a free call's one memory pass wins;
+    # a CPU runs the ops either way and replays them in backward
+    assert choice.fused == {"A100-80GB": frozenset(), "free-call": frozenset({0}), "cpu": frozenset()}
+    fused_s, ops_s = choice.compared["A100-80GB"][0]
+    assert fused_s == pytest.approx(1e-3 + 2e-3, rel=0.01) and ops_s < fused_s
+    assert choice.compared["free-call"][0][0] < choice.compared["free-call"][0][1]
+    # where it fuses, the last member carries the kernel's time and the others none
+    (candidate,) = choice.candidates
+    times = [dict(info(m).fwd_s)["free-call"] for m in candidate.members]
+    assert times[:-1] == [0.0] * (len(times) - 1) and times[-1] > 0
+    assert all(dict(info(m).fwd_s)["A100-80GB"] > 0 for m in candidate.members if info(m).bytes)
+    # the plan's note names each stage type's count and how to override
+    note = choice.note(["A100-80GB", "free-call"])
+    assert "A100-80GB: 0 of 1 fused" in note and "free-call: 1 of 1 fused" in note and "HETCC_FUSE" in note
+    assert choice.note(["free-call"]) is None  # every group fused where the stages run: nothing to say
+
+
+def test_fusing_everything_or_nothing_is_the_users_to_force():
+    slow_call = get_preset("A100-80GB").replace(host_fused_op_s=1e-3, host_fused_backward_op_s=2e-3)
+    _, every = _gelu_choice([slow_call, get_preset("cpu")], fuse="all")
+    assert every.fused == {"A100-80GB": frozenset({0}), "cpu": frozenset({0})}
+    _, none = _gelu_choice([slow_call], fuse="off")
+    assert none.fused == {"A100-80GB": frozenset()}
+
+
+def test_larger_tensors_make_the_same_group_pay_on_a_gpu():
+    a100 = get_preset("A100-80GB")
+    _, small = _gelu_choice([a100], rows=64)
+    _, large = _gelu_choice([a100], rows=1 << 18)  # 16M elements: eight memory passes against one
+    assert small.fused[a100.name] == frozenset() and large.fused[a100.name] == frozenset({0})
 
 
 def test_queue_adds_gpu_time_when_the_host_is_ahead_and_host_time_when_it_is_behind():

@@ -26,6 +26,7 @@ from hetcc.ir import info
 from hetcc.passes.codegen import codegen
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.executor import FAULT_ENV
+from hetcc.runtime.placement import ranks_for
 from hetcc.runtime.store import Pipeline, save_stages
 from hetcc.train.checkpoint import latest_complete_step
 from hetcc.train.data import global_batches
@@ -57,7 +58,7 @@ def job():
     eager = copy.deepcopy(model)
     ids = torch.zeros(M * ROWS, SEQ, dtype=torch.int64)
     with hetcc.config.patch(
-        fuse=False
+        fuse="off"
     ):  # the kernels are tested elsewhere; the interpreter would be slow here
         compiled = hetcc.compile(model, "examples/clusters/cpu4.yaml",
                                  example_kwargs={"input_ids": ids, "labels": ids}, microbatches=M)  # fmt: skip
@@ -66,11 +67,10 @@ def job():
         n.name: STAGE_OF_BLOCK[info(n).block] for n in gm.graph.nodes if info(n) is not None and info(n).block
     }
     stages = codegen(split_stages(gm, stage_of, len(REPLICAS)))
-    placement = [{"rank": rank, "stage": k, "replica": r, "vendor": "cpu"}
-                 for rank, (k, r) in enumerate((k, r) for k, count in enumerate(REPLICAS) for r in range(count))]  # fmt: skip
-    meta = {**{k: compiled.pipeline.meta[k] for k in ("schedule", "microbatches", "loss", "inputs", "precision")},
-            "optimizer": {"name": "adamw"}, "placement": placement, "recompute": [False] * len(REPLICAS),
-            "routing": [[m % count for m in range(M)] for count in REPLICAS]}  # fmt: skip
+    meta = dataclasses.replace(  # the compiled run's settings; this split's ranks and routing
+        compiled.pipeline.meta, num_stages=len(REPLICAS), optimizer={"name": "adamw"},
+        placement=ranks_for(REPLICAS), routing=[[m % count for m in range(M)] for count in REPLICAS], recompute=(),
+    )  # fmt: skip
     assert stages[0].tied and {0, 2} <= set(stages[0].tied[0].stages)  # the embedding tied to the head
     return dataclasses.replace(compiled, pipeline=Pipeline(stages, meta)), eager
 
@@ -197,7 +197,7 @@ def test_settings_given_at_resume_win_over_the_checkpoints_and_the_run_says_so(j
 def test_an_inference_build_runs_forward_only_and_says_so(tmp_path):
     model = gpt2(n_layer=2, n_embd=32, n_head=2, vocab=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ids = torch.randint(0, 256, (M * ROWS, SEQ))
-    with hetcc.config.patch(fuse=False):
+    with hetcc.config.patch(fuse="off"):
         compiled = hetcc.compile(model, "examples/clusters/cpu4.yaml", example_kwargs={"input_ids": ids, "labels": ids},
                                  microbatches=M, training=False)  # fmt: skip
     compiled.save(tmp_path / "build")
