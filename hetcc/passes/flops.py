@@ -11,6 +11,7 @@ outputs. An op with no entry takes the named ``io`` fallback and says so in the 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -243,33 +244,91 @@ def node_bytes(node: torch.fx.Node):
 # ----------------------------------------------------------------------------------- the pass
 
 
+def _annotate(node: torch.fx.Node, fwd: Any, assumption: str | None) -> None:
+    """Record a node's forward FLOPs (and what a rule assumed), its backward FLOPs and its bytes."""
+    notes = info(node).notes + ((assumption,) if assumption else ())
+    ratio = BACKWARD_FLOP_RATIO.get(op_key(node))
+    if ratio is None and fwd != 0:
+        ratio, notes = 2.0, notes + ("bwd-flops=2x-fallback",)
+    moved, fallback = node_bytes(node)
+    if fallback:
+        notes = notes + (fallback,)
+    annotate(node, fwd_flops=fwd, bwd_flops=(ratio or 0) * fwd, bytes=moved, notes=notes)
+
+
+def _count(run: Callable[[], Any], node: torch.fx.Node, args: tuple, kwargs: dict) -> tuple[Any, str | None]:
+    """(forward FLOPs, what a rule assumed) of one call: ``run()`` under ``FlopCounterMode``, or the
+    node's ``FLOP_RULES`` entry (a composite op may decompose under the counter, or not: one formula)."""
+    with FlopCounterMode(display=False) as counter:
+        result = run()
+    rule = FLOP_RULES.get(op_key(node))
+    if rule is None:
+        return to_number(counter.get_total_flops()), None
+    return rule(args, kwargs, result[0] if isinstance(result, (tuple, list)) else result)
+
+
 class _FlopCounter(FakeInterpreter):
+    """Every node run on FakeTensors (graphs of modules and methods: ``symbolic_trace``'s)."""
+
     def run_node(self, node: torch.fx.Node):
         if node.op not in ("call_function", "call_method", "call_module"):
             return super().run_node(node)
-        with FlopCounterMode(display=False) as counter:
-            result = super().run_node(node)
-        fwd = to_number(counter.get_total_flops())
-        notes = info(node).notes
-        rule = FLOP_RULES.get(op_key(node))
-        if rule is not None:  # a composite op may decompose under the counter, or not: one formula always
-            args, kwargs = self.fetch_args_kwargs_from_env(node)
-            fwd, assumption = rule(args, kwargs, result[0] if isinstance(result, (tuple, list)) else result)
-            notes = notes + (assumption,)
-        ratio = BACKWARD_FLOP_RATIO.get(op_key(node))
-        if ratio is None and fwd != 0:
-            ratio, notes = 2.0, notes + ("bwd-flops=2x-fallback",)
-        moved, fallback = node_bytes(node)
-        if fallback:
-            notes = notes + (fallback,)
-        annotate(node, fwd_flops=fwd, bwd_flops=(ratio or 0) * fwd, bytes=moved, notes=notes)
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        result = None
+
+        def run():
+            nonlocal result
+            result = super(_FlopCounter, self).run_node(node)
+            return result
+
+        _annotate(node, *_count(run, node, args, kwargs))
         return result
 
 
 def flops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Annotate every node with forward/backward FLOPs and bytes read + written."""
-    _FlopCounter(gm).run_fake()
+    """Annotate every node with forward/backward FLOPs and bytes read + written.
+
+    A graph of aten calls whose every value carries its FakeTensor (``torch.export``'s) is counted
+    call by call from those values, each distinct call (op, argument shapes, dtypes and constants)
+    once: a transformer's repeated layers cost one layer. Other graphs run node by node."""
+    if all(n.op in ("placeholder", "get_attr", "output", "call_function") for n in gm.graph.nodes) and all(
+        "val" in n.meta for n in gm.graph.nodes if n.op != "output"
+    ):
+        _count_calls(gm)
+    else:
+        _FlopCounter(gm).run_fake()
     return gm
+
+
+def _count_calls(gm: torch.fx.GraphModule) -> None:
+    fake_mode = FakeInterpreter(gm).fake_mode
+    counted: dict[tuple, tuple[Any, str | None]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        key = (node.target, _signature(args), _signature(kwargs))
+        if key not in counted:
+            with fake_mode, torch.no_grad():
+                counted[key] = _count(functools.partial(node.target, *args, **kwargs), node, args, kwargs)
+        _annotate(node, *counted[key])
+
+
+def _signature(value: Any) -> Any:
+    """What a call's FLOPs depend on, hashable: tensors by shape and dtype, constants as they are."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(str(d) for d in value.shape), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, *map(_signature, value))
+    if isinstance(value, dict):
+        return tuple((k, _signature(v)) for k, v in value.items())
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", str(value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return value
 
 
 def format_flops(gm: torch.fx.GraphModule) -> str:

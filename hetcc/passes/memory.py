@@ -49,7 +49,10 @@ class _SavedTensorMeter(FakeInterpreter):
 
 def memory(gm: torch.fx.GraphModule, *, training: bool = True) -> torch.fx.GraphModule:
     """Annotate parameter bytes (on get_attr / call_module nodes) and saved-activation bytes."""
-    _SavedTensorMeter(gm, training).run_fake()
+    if _calls_with_values(gm):
+        _CallMeter(gm, training).measure()
+    else:
+        _SavedTensorMeter(gm, training).run_fake()
     seen: set[int] = set()
     for node in gm.graph.nodes:
         annotate(node, param_bytes=_param_bytes(gm, node, seen))
@@ -71,3 +74,168 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) 
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
     return total
+
+
+def _calls_with_values(gm: torch.fx.GraphModule) -> bool:
+    """A graph of aten calls whose every value carries its FakeTensor (``torch.export``'s)."""
+    return all(
+        n.op in ("placeholder", "get_attr", "output", "call_function") for n in gm.graph.nodes
+    ) and all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+
+
+class _CallMeter:
+    """What ``_SavedTensorMeter`` measures, each distinct call run once.
+
+    A call is its op, its arguments' shapes, dtypes and whether they require grad, and its constants; a
+    transformer's repeated layers are one layer's calls. A call is run on stand-ins of its arguments
+    (their traced ``meta["val"]``) under autograd with ``saved_tensors_hooks``, and what it saves, and
+    what its outputs are, is recorded by where it lives: in an argument's storage, the output's, or a
+    new one. Every node then charges those storages, its own arguments' and outputs', each storage once
+    in graph order, as running the graph would (an op that returns its input, a no-op ``dropout`` say,
+    passes that input's storage on).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, training: bool):
+        self.gm, self.training = gm, training
+        self.fake_mode = FakeInterpreter(gm).fake_mode
+        self.grad: dict[torch.fx.Node, object] = {}  # node -> requires_grad of its value (nested like it)
+        self.storage: dict[torch.fx.Node, object] = {}  # node -> (storage ref, bytes) per tensor (nested)
+        self.seen: set[StorageWeakRef] = set()
+        self.params: set[StorageWeakRef] = set()
+        self.calls: dict[tuple, tuple[list[tuple], object, object]] = {}  # -> (saved, outputs, output grad)
+
+    def measure(self) -> None:
+        for node in self.gm.graph.nodes:
+            value = node.meta.get("val")
+            if node.op == "placeholder":
+                self.grad[node], self.storage[node] = _grad_of(value), _storages(value)
+            elif node.op == "get_attr":
+                real = operator.attrgetter(node.target)(self.gm)
+                floating = isinstance(real, torch.Tensor) and real.is_floating_point()
+                self.grad[node] = self.training and floating and real.requires_grad
+                self.storage[node] = _storages(value)
+                if isinstance(value, torch.Tensor):
+                    self.params.add(self.storage[node][0])
+            elif node.op == "call_function":
+                annotate(node, act_bytes=self._charge(node, value))
+
+    def _charge(self, node: torch.fx.Node, value) -> object:
+        values = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
+        grads = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.grad[a])
+        stores = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.storage[a])
+        key = (node.target, _call_key(values, grads))
+        if key not in self.calls:
+            self.calls[key] = self._run(node, values, grads)
+        saved, outputs, self.grad[node] = self.calls[key]
+        own = _storages(value)
+        self.storage[node] = _placed(own, outputs, stores)
+        total = 0
+        for place in saved:
+            if place[0] == "new":
+                total += place[1]
+                continue
+            ref, size = _at(stores, place[1]) if place[0] == "arg" else _at(self.storage[node], place[1])
+            if ref not in self.seen and ref not in self.params:
+                self.seen.add(ref)
+                total += size
+        return total
+
+    def _run(self, node: torch.fx.Node, values, grads) -> tuple[list[tuple], list[tuple], object]:
+        """Run one call on stand-ins of its arguments: where each tensor its backward keeps lives, and
+        which outputs are (views of) an argument."""
+        inputs = _stand_ins(values, grads)
+        saved: list[torch.Tensor] = []
+
+        def pack(tensor: torch.Tensor):
+            saved.append(tensor)
+            return tensor
+
+        with self.fake_mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = node.target(*inputs[0], **inputs[1])
+        known = {StorageWeakRef(t.untyped_storage()): ("out", path) for path, t in _tensors(result)}
+        arguments = {StorageWeakRef(t.untyped_storage()): ("arg", path) for path, t in _tensors(inputs)}
+        known.update(arguments)
+        places, placed = [], set()
+        for tensor in saved:
+            ref = StorageWeakRef(tensor.untyped_storage())
+            if ref not in placed:
+                placed.add(ref)
+                places.append(known.get(ref) or ("new", to_number(tensor.untyped_storage().nbytes())))
+        outputs = [(path, arguments.get(StorageWeakRef(t.untyped_storage()))) for path, t in _tensors(result)]
+        return places, outputs, _grad_of(result)
+
+
+def _storages(value) -> object:
+    """(storage ref, storage bytes) of each tensor in ``value``, nested as it is."""
+    if isinstance(value, torch.Tensor):
+        return StorageWeakRef(value.untyped_storage()), to_number(value.untyped_storage().nbytes())
+    if isinstance(value, (list, tuple)):
+        return [_storages(v) for v in value]
+    return None
+
+
+def _placed(own, outputs: list[tuple], stores) -> object:
+    """The node's storages: its own, except outputs that are (views of) an argument, which live in it."""
+    for path, argument in outputs:
+        if argument is not None and path:
+            _at(own, path[:-1])[path[-1]] = _at(stores, argument[1])
+        elif argument is not None:
+            own = _at(stores, argument[1])
+    return own
+
+
+def _stand_ins(values, grads):
+    """A call's inputs standing for its traced arguments: a tensor that requires grad becomes a non-leaf
+    copy (in-place ops stay legal), the others detached aliases of the traced value."""
+    if isinstance(values, torch.Tensor):
+        return values.detach().requires_grad_(True).clone() if grads is True else values.detach()
+    if isinstance(values, (list, tuple)):
+        return type(values)(_stand_ins(v, g) for v, g in zip(values, grads, strict=True))
+    if isinstance(values, dict):
+        return {k: _stand_ins(v, grads[k]) for k, v in values.items()}
+    return values
+
+
+def _grad_of(value) -> object:
+    """Whether a value requires grad, nested as the value is."""
+    if isinstance(value, torch.Tensor):
+        return value.requires_grad
+    if isinstance(value, (list, tuple)):
+        return tuple(_grad_of(v) for v in value)
+    return False
+
+
+def _call_key(values, grads) -> object:
+    """What a call's saved tensors depend on, hashable: tensors by shape, dtype and grad, constants as
+    they are (an unhashable constant makes the call its own)."""
+    if isinstance(values, torch.Tensor):
+        return ("tensor", tuple(str(d) for d in values.shape), values.dtype, grads is True)
+    if isinstance(values, (list, tuple)):
+        return (type(values).__name__, *(_call_key(v, g) for v, g in zip(values, grads, strict=True)))
+    if isinstance(values, dict):
+        return ("dict", *((k, _call_key(v, grads[k])) for k, v in values.items()))
+    if isinstance(values, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", str(values))
+    try:
+        hash(values)
+    except TypeError:
+        return ("object", id(values))
+    return values
+
+
+def _tensors(value, path: tuple = ()):
+    """(path, tensor) for every tensor inside nested lists, tuples and dicts."""
+    if isinstance(value, torch.Tensor):
+        yield path, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _tensors(item, (*path, i))
+    elif isinstance(value, dict):
+        for k, item in value.items():
+            yield from _tensors(item, (*path, k))
+
+
+def _at(value, path: tuple):
+    for step in path:
+        value = value[step]
+    return value

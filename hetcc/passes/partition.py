@@ -151,7 +151,7 @@ def build_problem(
 
 
 def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> Plan:
-    simulation = simulate(problem, solution.boundaries, solution.groups, solution.recompute)
+    simulation = simulate(problem, solution.boundaries, solution.groups, solution.recompute, events=False)
     stages = tuple(
         _stage(k, stage_plan, problem, chain, settings, simulation.bubble_fraction[k])
         for k, stage_plan in enumerate(solution.stages)
@@ -159,7 +159,9 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> 
     base = {}
     for name, plan in baselines(problem).items():
         fits = all(s.fits for s in plan.stages)
-        base[name] = simulate(problem, plan.boundaries, plan.devices).step_time_s if fits else math.inf
+        base[name] = (
+            simulate(problem, plan.boundaries, plan.devices, events=False).step_time_s if fits else math.inf
+        )
     rows = settings.batch_rows // problem.microbatches if settings.batch_rows else 0
     return Plan(
         stages=stages,

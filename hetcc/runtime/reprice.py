@@ -101,7 +101,7 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
     overflows = tuple(
         Overflow(j, s.memory_bytes, s.memory_capacity_bytes) for j, s in enumerate(stages) if not s.fits
     )
-    step = simulate(substituted, boundaries, groups, recompute).step_time_s
+    step = simulate(substituted, boundaries, groups, recompute, events=False).step_time_s
     return Repricing(plan.step_time_s, step, subs, overflows)
 
 

@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.objective import Device, replica_seconds, stage_costs
+from hetcc.solver.objective import Device, StageCost, replica_seconds, stage_costs
 from hetcc.solver.problem import PartitionProblem, device_ring_s, transfer_s
 from hetcc.solver.schedules import replica_actions, stage_actions
 
@@ -55,10 +55,16 @@ def simulate(
     boundaries: Sequence[int],
     devices: Sequence[Device],
     recompute: Sequence[bool] | None = None,
+    *,
+    events: bool = True,
+    stages: Sequence[StageCost] | None = None,
 ) -> Simulation:
     """Replay one step of the plan (stage k = blocks [boundaries[k], boundaries[k+1]) on the replica
-    group devices[k], recomputing if recompute[k])."""
-    stages = stage_costs(problem, boundaries, devices, recompute)  # validates the plan
+    group devices[k], recomputing if recompute[k]). ``events=False`` keeps no timeline (the search's
+    many replays need only the figures); ``stages``: the plan's ``stage_costs``, where the caller has
+    them."""
+    if stages is None:
+        stages = stage_costs(problem, boundaries, devices, recompute)  # validates the plan
     k = len(stages)
     groups = [s.group for s in stages]
     actions = stage_actions(
@@ -80,19 +86,17 @@ def simulate(
         for j in range(k)
         for r, d in enumerate(groups[j])
     ]
-    timeline = _Timeline(problem, stages, routes)
-    remaining = sum(len(lane.actions) for lane in lanes)
+    timeline = _Timeline(problem, stages, routes, events)
+    for lane in lanes:
+        lane.steps = [timeline.step(lane, action) for action in lane.actions]
+    remaining = sum(len(lane.steps) for lane in lanes)
     while remaining:
-        progressed = False
+        progressed = 0
         for lane in lanes:
-            while lane.cursor < len(lane.actions):
-                if not timeline.run(lane, lane.actions[lane.cursor]):
-                    break
-                lane.cursor += 1
-                remaining -= 1
-                progressed = True
+            progressed += timeline.run(lane)
         if not progressed:
             raise PlanFormatError("simulated schedule deadlocked", hint="report the plan and schedule")
+        remaining -= progressed
     timeline.all_reduce(lanes)
     timeline.tied_sums(lanes)
     return timeline.result(lanes, k)
@@ -109,13 +113,16 @@ class _Lane:
     cursor: int = 0
     free_s: float = 0.0
     busy_s: float = 0.0
+    steps: list = field(default_factory=list)  # per action: what ``_Timeline.run`` needs, worked out once
 
 
 class _Timeline:
     """Clock of every link, and when each activation / gradient becomes available."""
 
-    def __init__(self, problem: PartitionProblem, stages, routes):
-        self.problem, self.stages, self.routes = problem, stages, routes
+    def __init__(self, problem: PartitionProblem, stages, routes, record: bool = True):
+        self.problem, self.stages, self.routes, self.record = problem, stages, routes, record
+        self.last_s = 0.0  # the latest end of anything on the timeline
+        self.wires: dict[tuple[int, int, float], tuple[tuple[int, int], float]] = {}
         self.link_free_s: dict[tuple[int, int], float] = {}
         self.arrival_s: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> time
         self.received: dict[tuple[int, str, int], int] = {}  # messages arrived so far
@@ -130,32 +137,59 @@ class _Timeline:
             self.expected[(b, "F")] = self.expected.get((b, "F"), 0) + 1
             self.expected[(a, "B")] = self.expected.get((a, "B"), 0) + 1
 
-    def run(self, lane: _Lane, action) -> bool:
-        """Schedule one compute and its outgoing sends; False if an input has not arrived yet."""
+    def step(self, lane: _Lane, action) -> tuple:
+        """One action as ``run`` takes it: (what it waits for, how many messages, its seconds, its sends
+        as (what they deliver, link, seconds), kind, microbatch)."""
         stage, kind, m = lane.stage, action.kind, action.microbatch
-        if self.received.get((stage, kind, m), 0) < self.expected.get((stage, kind), 0):
-            return False
-        start = max(lane.free_s, self.arrival_s.get((stage, kind, m), 0.0))
-        end = start + (lane.fwd_s if kind == "F" else lane.bwd_s)
-        lane.free_s = end
-        lane.busy_s += end - start
-        name = self.problem.devices[lane.device].name
-        self.events.append(Event(stage, kind, m, start, end, lane.replica, name))
+        sends = []
         for target, nbytes in self.outgoing.get((stage, kind), ()):
-            self._send(lane, target, kind, m, end, nbytes)
-        return True
+            peer = self.stages[target].group[self.routes[target][m]]
+            wire = self.wires.get((lane.device, peer, nbytes))
+            if wire is None:  # the link (one per device pair, both directions) and the message's seconds
+                link = (min(lane.device, peer), max(lane.device, peer))
+                wire = self.wires[lane.device, peer, nbytes] = (
+                    link,
+                    transfer_s(self.problem, lane.device, peer, nbytes),
+                )
+            sends.append(((target, kind, m), *wire))
+        duration = lane.fwd_s if kind == "F" else lane.bwd_s
+        return (stage, kind, m), self.expected.get((stage, kind), 0), duration, tuple(sends), kind, m
 
-    def _send(self, lane: _Lane, target: int, kind: str, m: int, ready_s: float, nbytes: float) -> None:
-        peer = self.stages[target].group[self.routes[target][m]]
-        link = (min(lane.device, peer), max(lane.device, peer))
-        start = max(self.link_free_s.get(link, 0.0), ready_s)
-        end = start + transfer_s(self.problem, lane.device, peer, nbytes)
-        self.link_free_s[link] = end
-        key = (target, kind, m)
-        self.arrival_s[key] = max(self.arrival_s.get(key, 0.0), end)
-        self.received[key] = self.received.get(key, 0) + 1
-        name = self.problem.devices[lane.device].name
-        self.events.append(Event(lane.stage, f"SEND_{kind}", m, start, end, lane.replica, name))
+    def run(self, lane: _Lane) -> int:
+        """Run the lane's next actions whose inputs have arrived, each with its outgoing sends (the
+        stage does not wait for them; a link carries one at a time, in the order issued); how many."""
+        received, arrival, link_free = self.received, self.arrival_s, self.link_free_s
+        steps, start_cursor = lane.steps, lane.cursor
+        cursor, free, busy, last = start_cursor, lane.free_s, lane.busy_s, self.last_s
+        while cursor < len(steps):
+            key, expected, duration, sends, kind, m = steps[cursor]
+            if received.get(key, 0) < expected:
+                break
+            start = max(free, arrival.get(key, 0.0))
+            end = start + duration
+            free = end
+            busy += end - start
+            last = max(last, end)
+            if self.record:
+                self._note(lane, lane.stage, kind, m, start, end)
+            for target, link, seconds in sends:
+                sent = max(link_free.get(link, 0.0), end)
+                done = sent + seconds
+                link_free[link] = done
+                arrival[target] = max(arrival.get(target, 0.0), done)
+                received[target] = received.get(target, 0) + 1
+                last = max(last, done)
+                if self.record:
+                    self._note(lane, lane.stage, f"SEND_{kind}", m, sent, done)
+            cursor += 1
+        lane.cursor, lane.free_s, lane.busy_s, self.last_s = cursor, free, busy, last
+        return cursor - start_cursor
+
+    def _note(self, lane: _Lane, stage: int, kind: str, m: int, start: float, end: float) -> None:
+        self.last_s = max(self.last_s, end)
+        if self.record:
+            name = self.problem.devices[lane.device].name
+            self.events.append(Event(stage, kind, m, start, end, lane.replica, name))
 
     def all_reduce(self, lanes: list[_Lane]) -> None:
         """Each replicated stage sums its gradients once every replica is done."""
@@ -166,8 +200,7 @@ class _Timeline:
             start = max(lane.free_s for lane in mine)
             for lane in mine:
                 lane.free_s = start + stage.allreduce_s
-                name = self.problem.devices[lane.device].name
-                self.events.append(Event(j, "ALLREDUCE", -1, start, lane.free_s, lane.replica, name))
+                self._note(lane, j, "ALLREDUCE", -1, start, lane.free_s)
 
     def tied_sums(self, lanes: list[_Lane]) -> None:
         """Then every tied parameter held by several stages is summed over all their devices (a ring
@@ -186,11 +219,10 @@ class _Timeline:
             start = max(lane.free_s for lane in mine)
             for lane in mine:
                 lane.free_s = start + seconds
-                name = problem.devices[lane.device].name
-                self.events.append(Event(lane.stage, "ALLREDUCE", -1, start, lane.free_s, lane.replica, name))
+                self._note(lane, lane.stage, "ALLREDUCE", -1, start, lane.free_s)
 
     def result(self, lanes: list[_Lane], num_stages: int) -> Simulation:
-        step = max((e.end_s for e in self.events), default=0.0)
+        step = self.last_s
         busy = tuple(
             math.fsum(lane.busy_s for lane in lanes if lane.stage == j) / len(self.stages[j].group)
             for j in range(num_stages)

@@ -51,7 +51,7 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
                 continue
             seen.add(key)
             plan = evaluate(problem, boundaries, groups, recompute, bound_s)
-            simulated = simulate(problem, boundaries, groups, recompute).step_time_s
+            simulated = simulate(problem, boundaries, groups, recompute, events=False).step_time_s
             scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
         if not scored:
             continue
@@ -94,10 +94,11 @@ def _refine_by_simulation(
         for moved in _moves(problem, *current):
             if budget <= 0:
                 break
-            if not all(stage.fits for stage in stage_costs(problem, *moved)):
+            stages = stage_costs(problem, *moved)
+            if not all(stage.fits for stage in stages):
                 continue
             budget -= 1
-            time_s = simulate(problem, *moved).step_time_s
+            time_s = simulate(problem, *moved, events=False, stages=stages).step_time_s
             if time_s < simulated_s * (1 - 1e-12):
                 simulated_s, current, improved = time_s, moved, True
                 break
