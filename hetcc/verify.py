@@ -8,9 +8,9 @@ from collections import Counter
 import torch
 import torch.fx
 
+from hetcc import sendrecv  # noqa: F401 - registers torch.ops.hetcc.send / recv
 from hetcc.errors import AnalysisError
 from hetcc.ir import info
-from hetcc.runtime import ops  # noqa: F401 - registers torch.ops.hetcc.send / recv
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _COMM = {torch.ops.hetcc.send.default: "send", torch.ops.hetcc.recv.default: "recv"}

@@ -1,44 +1,42 @@
-"""``hetcc.analyze`` and ``hetcc.compile``: the whole compiler, one named step after another.
+"""``hetcc.analyze``, ``hetcc.compile`` and ``hetcc.replan``: the whole compiler, one named step after
+another.
 
     analyze:  trace -> shapes -> flops -> memory -> blocks
     compile:  analyze -> cost -> partition -> fuse -> comm -> codegen
+    replan:   newest checkpoint -> compile (the old run's options) -> checkpoint moved into the new stages
 
 Each step is a function in ``hetcc/passes/<step>.py``. With ``dump_dir=`` (or ``HETCC_DUMP_DIR``) the IR
-after each step is written as numbered files; with ``HETCC_CHECK=1`` ``hetcc.verify`` checks it.
+after each step is written as numbered files; with ``HETCC_CHECK=1`` ``hetcc.verify`` checks it. What they
+return, ``Analysis`` and ``Compiled``, is in ``analysis.py`` and ``compiled.py``; what ``replan`` does
+around its ``compile``, in ``replanning.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
-import shutil
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import sympy
 import torch
 
 from hetcc import config, ir, verify
-from hetcc.api.checks import (
-    check_analyze_args,
-    check_compile_args,
-    check_plan_space,
-    check_run_args,
-    writable_folder,
-)
+from hetcc.api.analysis import Analysis
+from hetcc.api.checks import check_analyze_args, check_compile_args, check_plan_space, check_run_args
+from hetcc.api.compiled import Compiled
 from hetcc.api.microbatches import batch_rows, first_microbatch, search_microbatches
+from hetcc.api.replanning import newest_checkpoint, plan_space_options, run_options, save_replanned
 from hetcc.dump import Dumper
-from hetcc.errors import AnalysisError, HetccError
+from hetcc.errors import HetccError
 from hetcc.hardware.cluster import Cluster
 from hetcc.kernels import FUSION_META_KEY, write_kernel
-from hetcc.passes.blocks import Block, TiedParam, blocks, collect_blocks, format_blocks
+from hetcc.passes.blocks import blocks, collect_blocks
 from hetcc.passes.codegen import codegen, stage_source
-from hetcc.passes.comm import StageGraph, format_stages, split_stages
+from hetcc.passes.comm import format_stages, split_stages
 from hetcc.passes.cost import FusionChoice, cost, cost_notes
 from hetcc.passes.flops import flops, format_flops
 from hetcc.passes.fuse import fuse, fusion_candidates
@@ -49,55 +47,13 @@ from hetcc.passes.shapes import shapes
 from hetcc.passes.trace import trace
 from hetcc.plan import Plan
 from hetcc.report import write_report
-from hetcc.runtime.contract import PipelineMeta, PlanSpace, pipeline_meta_for, placement_json
-from hetcc.runtime.interop import pipelining_schedule
-from hetcc.runtime.store import Pipeline, pipeline_meta, save_stages
-from hetcc.solver.problem import PartitionProblem, PartitionSolution
+from hetcc.runtime.contract import PlanSpace, pipeline_meta_for
+from hetcc.runtime.store import Pipeline, pipeline_meta
+from hetcc.train import checkpoint as ckpt
+from hetcc.train.export import export
 from hetcc.train.local import run_local as run_pipeline
 
 # ------------------------------------------------------------------------------------ analyze
-
-
-@dataclass
-class Analysis:
-    """An annotated graph and its block chain. Sizes are per call of the traced example inputs."""
-
-    graph: torch.fx.GraphModule
-    blocks: list[Block]
-    tied_params: list[TiedParam]
-    frontend: str
-    dim_symbols: dict[str, Any] = field(default_factory=dict)
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-    def total_flops(self, backward: bool = False):
-        return sum(((b.bwd_flops if backward else b.fwd_flops) for b in self.blocks), 0)
-
-    @property
-    def param_bytes(self) -> int:
-        return sum(b.param_bytes for b in self.blocks)
-
-    def evaluate(self, **dims: int) -> Analysis:
-        """The same analysis with symbolic dims (``torch.export.Dim`` names) set to numbers."""
-        unknown = sorted(set(dims) - set(self.dim_symbols))
-        if unknown:
-            raise AnalysisError(
-                f"unknown dynamic dim(s) {unknown}; this analysis has {sorted(self.dim_symbols) or 'none'}",
-                hint="name the torch.export.Dim objects passed in dynamic_shapes",
-            )
-        subs = {self.dim_symbols[name]: value for name, value in dims.items()}
-        evaluated = [_substitute_block(b, subs) for b in self.blocks]
-        return replace(
-            self, blocks=evaluated, dim_symbols={k: v for k, v in self.dim_symbols.items() if k not in dims}
-        )
-
-    def summary(self) -> str:
-        return format_blocks(self.blocks, self.tied_params, self.dim_symbols)
-
-    def dump(self, folder: str | Path) -> None:
-        dumper = Dumper(folder)
-        dumper.write("traced.py", self.graph.code)
-        dumper.write("analysis.txt", ir.format(self.graph))
-        dumper.write("blocks.txt", self.summary())
 
 
 @contextmanager
@@ -148,77 +104,7 @@ def analyze(
     return result
 
 
-def _substitute_block(block: Block, subs: dict) -> Block:
-    changes = {}
-    for f in fields(Block):
-        value = getattr(block, f.name)
-        if isinstance(value, sympy.Basic):
-            changes[f.name] = _number(value.subs(subs))
-    cut = tuple(replace(c, bytes=_number(sympy.sympify(c.bytes).subs(subs))) for c in block.cut_tensors)
-    return replace(block, cut_tensors=cut, **changes)
-
-
-def _number(expr):
-    if isinstance(expr, sympy.Basic) and expr.is_number:
-        value = float(expr)
-        return int(value) if value.is_integer() else value
-    return expr
-
-
 # ------------------------------------------------------------------------------------ compile
-
-
-@dataclass
-class Compiled:
-    """What ``hetcc.compile`` returns: the plan, the problem it solved, the annotated graph, and the
-    pipeline (one ``StageGraph`` per stage, with its send/recv ops) that runs it."""
-
-    plan: Plan
-    problem: PartitionProblem
-    analysis: Analysis
-    cluster: Cluster
-    solution: PartitionSolution
-    pipeline: Pipeline
-    optimizer: str = "adam"
-
-    def explain(self) -> str:
-        return self.plan.explain()
-
-    @property
-    def graph(self) -> torch.fx.GraphModule:
-        return self.analysis.graph
-
-    @property
-    def stages(self) -> list[StageGraph]:
-        return self.pipeline.stages
-
-    def save_plan(self, folder: str | Path) -> Path:
-        """Write ``plan.json``, ``problem.json``, ``explain.txt``, ``placement.json`` (rank -> stage,
-        device, node, local GPU index: what ``hetcc launch`` prints torchrun commands from) and
-        ``report.html`` (with the ``cluster.json`` it reads)."""
-        folder = writable_folder(folder)
-        placement = placement_json(self.pipeline.meta.placement)
-        (folder / "placement.json").write_text(json.dumps(placement, indent=1))
-        (folder / "plan.json").write_text(self.plan.to_json())
-        (folder / "problem.json").write_text(self.problem.to_json())
-        (folder / "explain.txt").write_text(self.explain() + "\n")
-        write_report(folder, self.cluster)
-        return folder
-
-    def save(self, folder: str | Path, inputs: dict[str, torch.Tensor] | None = None, targets=None) -> Path:
-        """Write the plan (``save_plan``) and the runnable pipeline: ``stage<k>.py``
-        (readable), ``stage<k>.graph.json`` and ``stage<k>.safetensors`` (loading never unpickles code).
-        ``inputs`` (one step's batch by input name) are saved for ``hetcc run`` / ``hetcc.launch``."""
-        folder = self.save_plan(folder)
-        save_stages(self.pipeline.stages, str(folder), self.pipeline.meta, inputs=inputs, targets=targets)
-        return folder
-
-    def to_torch_pipeline(self, rank: int, loss_fn=None):
-        """This rank's ``torch.distributed.pipelining`` stage and schedule for the same split (for users
-        already on it; chain-shaped splits only)."""
-        return pipelining_schedule(
-            self.pipeline.stages, rank, self.plan.microbatches, self.plan.schedule, loss_fn
-        )
 
 
 def compile(  # noqa: A001 - the public API name
@@ -421,6 +307,9 @@ def run_local(
     )  # fmt: skip
 
 
+# ------------------------------------------------------------------------------------ replan
+
+
 def replan(
     source: str | Path,
     cluster: Cluster | str | Path,
@@ -441,34 +330,16 @@ def replan(
     ``compile_options`` go to ``compile``; microbatches, schedule and optimizer are the old run's, and so
     are precision, replicate and recompute unless ``compile_options`` set them.
     """
-    from hetcc.train import checkpoint as ckpt
-    from hetcc.train.export import export
-    from hetcc.train.replan import move_checkpoint
-
-    build, found = ckpt.locate(Path(source))
-    if found is None:
-        raise HetccError(f"{source} holds no complete checkpoint", hint="train with checkpoint_dir= first")
-    root, step = found
+    build, root, step = newest_checkpoint(source)
     meta = pipeline_meta(str(build))
-    model.load_state_dict(export(Path(root) / f"step-{step:08d}"))
+    model.load_state_dict(export(ckpt.step_dir(root, step)))
     compiled = compile(
-        model, cluster, example_inputs, example_kwargs, microbatches=meta.microbatches, schedule=meta.schedule,
-        optimizer=(meta.optimizer or {"name": "adam"})["name"], **{**_plan_space(meta), **compile_options},
+        model, cluster, example_inputs, example_kwargs, **run_options(meta),
+        **{**plan_space_options(meta), **compile_options},
     )  # fmt: skip
     out = Path(out) if out is not None else Path(f"{Path(source).resolve()}-replanned")
-    compiled.save(out)
-    for name in ("inputs.safetensors", "targets.safetensors"):  # what `hetcc run` trains on
-        if (Path(build) / name).exists():
-            shutil.copyfile(Path(build) / name, out / name)
-    move_checkpoint(build, root, step, out, out / "checkpoints")
+    save_replanned(compiled, build, root, step, out)
     return compiled
-
-
-def _plan_space(meta: PipelineMeta) -> dict[str, Any]:
-    """The old build's precision and plan space (checked when ``pipeline.json`` was read), as ``compile``
-    options."""
-    return {"precision": meta.precision, "replicate": meta.plan_space.replicate,
-            "recompute": meta.plan_space.recompute}  # fmt: skip
 
 
 def _dump_kernels(gm: torch.fx.GraphModule, dumper: Dumper) -> None:

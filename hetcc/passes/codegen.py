@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from hetcc.passes.comm import CommEdge, StageGraph
 from hetcc.passes.fuse import install_code_comments
-from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor
+from hetcc.sendrecv import ANCHOR_NAME, attach_anchor
 
 _SEND = torch.ops.hetcc.send.default
 _RECV = torch.ops.hetcc.recv.default

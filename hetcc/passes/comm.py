@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from hetcc.errors import PlanFormatError
 from hetcc.passes.remat import rematerialisable, trainable_values
-from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor, new_anchor
+from hetcc.sendrecv import ANCHOR_NAME, attach_anchor, new_anchor
 
 log = logging.getLogger(__name__)
 

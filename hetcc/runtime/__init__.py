@@ -1,8 +1,8 @@
-"""hetcc's runtime: send/recv ops and their transports, process groups, the schedule executor, placement,
-saved pipelines and the record of how they run (``PipelineMeta``).
+"""hetcc's runtime: the transports the send/recv ops (``hetcc.sendrecv``) run through, process groups,
+the schedule executor, placement, saved pipelines and the record of how they run (``PipelineMeta``).
 
-Names are imported on first use: ``hetcc.passes.comm`` imports ``hetcc.runtime.ops`` while the
-executor imports the pass, so eager imports here would be circular.
+Names are imported on first use, so that the command line, which reads ``hetcc.runtime.contract``
+(no torch) for its training options, starts without waiting for torch.
 """
 
 from __future__ import annotations

@@ -37,10 +37,10 @@ from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import StageGraph
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
-from hetcc.runtime.ops import use_transport
 from hetcc.runtime.precision import LossScaler, forward_context
 from hetcc.runtime.recorder import ActionRecorder
 from hetcc.runtime.transport import LinkTransport
+from hetcc.sendrecv import use_transport
 from hetcc.solver.schedules import Action
 
 # Fault injection for tests of failure handling: "RANK:STEP" makes that rank exit at that step.

@@ -39,7 +39,7 @@ from hetcc.runtime.files import (
     read_tensors,
 )
 from hetcc.runtime.graph_json import graph_from_json, graph_to_json
-from hetcc.runtime.ops import ANCHOR_NAME, attach_anchor, new_anchor
+from hetcc.sendrecv import ANCHOR_NAME, attach_anchor, new_anchor
 
 
 @dataclass

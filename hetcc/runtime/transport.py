@@ -39,7 +39,7 @@ from hetcc.errors import RuntimeFailure
 from hetcc.passes.comm import CommEdge, StageGraph
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
-from hetcc.runtime.ops import count_settled_gradient, describe_spec, fits_spec
+from hetcc.sendrecv import count_settled_gradient, describe_spec, fits_spec
 
 # The dtypes a header can name (its code is the index; new ones go at the end).
 WIRE_DTYPES = (

@@ -27,7 +27,7 @@ import torch
 
 from hetcc.errors import HetccError
 from hetcc.kernels import launch_stats, reset_launch_stats
-from hetcc.runtime.ops import reset_transfer_stats, transfer_stats
+from hetcc.sendrecv import reset_transfer_stats, transfer_stats
 from hetcc.train.metrics import MetricsLog, RunFigures, summary_lines
 from hetcc.train.optim import LRSchedule, apply_settings, build_optimizer
 from hetcc.train.rank import PipelineRank

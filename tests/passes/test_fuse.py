@@ -257,7 +257,7 @@ def test_comments_follow_a_copied_module_once_reinstalled():
 
 
 def test_group_never_crosses_hetcc_send_or_recv():
-    pytest.importorskip("hetcc.runtime.ops", reason="hetcc::send/recv are registered by hetcc.runtime.ops")
+    pytest.importorskip("hetcc.sendrecv", reason="hetcc::send/recv are registered by hetcc.sendrecv")
 
     def relay(m, x):
         y = torch.sigmoid(x * 3.0)

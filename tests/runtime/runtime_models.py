@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hetcc.runtime.ops import LocalTransport, use_transport
+from hetcc.sendrecv import LocalTransport, use_transport
 
 
 class ResidualMLP(torch.nn.Module):

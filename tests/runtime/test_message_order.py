@@ -11,8 +11,8 @@ from runtime_models import CROSSED_RULES, CrossedMLP, eager_reference, export, s
 from hetcc import config, verify
 from hetcc.errors import AnalysisError, RuntimeFailure
 from hetcc.passes.comm import split_stages
-from hetcc.runtime.ops import LocalTransport, use_transport
 from hetcc.runtime.transport import LinkTransport
+from hetcc.sendrecv import LocalTransport, use_transport
 from hetcc.train.local import run_local
 
 SEND, RECV = torch.ops.hetcc.send.default, torch.ops.hetcc.recv.default

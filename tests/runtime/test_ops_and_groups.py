@@ -12,7 +12,7 @@ from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.groups import link_backend, link_backends, world_backend
 from hetcc.runtime.interop import pipelining_schedule
-from hetcc.runtime.ops import LocalTransport, new_anchor, transfer_stats, use_transport
+from hetcc.sendrecv import LocalTransport, new_anchor, transfer_stats, use_transport
 from hetcc.train.local import run_local
 
 

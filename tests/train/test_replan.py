@@ -46,16 +46,17 @@ def test_three_stages_become_two_and_training_continues_like_eager(tmp_path):
 
 
 def test_replan_keeps_the_old_builds_precision_and_plan_space_unless_told(tmp_path):
-    from hetcc.api import _plan_space
+    from hetcc.api.replanning import plan_space_options
     from hetcc.errors import PlanFormatError
     from hetcc.hardware.schema import Where
     from hetcc.runtime.contract import PipelineMeta, PlanSpace, read_meta
 
     meta = PipelineMeta(1, precision="bf16-mixed", plan_space=PlanSpace(replicate=False, recompute=True))
-    assert _plan_space(meta) == {"precision": "bf16-mixed", "replicate": False, "recompute": True}
-    assert _plan_space(PipelineMeta(1)) == {"precision": "fp32", "replicate": True, "recompute": "auto"}
+    assert plan_space_options(meta) == {"precision": "bf16-mixed", "replicate": False, "recompute": True}
+    default = plan_space_options(PipelineMeta(1))
+    assert default == {"precision": "fp32", "replicate": True, "recompute": "auto"}
     where = Where(str(tmp_path / "pipeline.json"), error=PlanFormatError).at("meta")
-    assert _plan_space(read_meta({}, 1, where, version=1)) == _plan_space(PipelineMeta(1))  # an older build
+    assert plan_space_options(read_meta({}, 1, where, version=1)) == default  # an older build
     for bad in ({"precision": ["fp32"]}, {"plan_space": {"replicate": 1}}, {"plan_space": {"recompute": 1}}):
         with pytest.raises(PlanFormatError, match=r"pipeline.json: meta\.(precision|plan_space)"):
             read_meta(bad, 1, where, version=1)

@@ -12,6 +12,9 @@ stages in one process. ``recv`` takes an ``anchor``: a 0-d tensor that requires 
 ``hetcc_anchor`` buffer), because autograd only records an op that has a differentiable input; without
 it, the gradient of a received tensor would never reach the backward of ``recv``.
 
+This module sits below the passes (``comm`` inserts the ops and the anchor, ``codegen`` prints them) and
+the runtime (which runs them), and imports neither.
+
 Every tensor the ops move is counted in process-local counters (``transfer_stats``), which the runtime
 reports per rank as provenance: they show that the transfers of a run went through these ops.
 """
@@ -104,7 +107,7 @@ def _transport() -> Transport:
         raise RuntimeFailure(
             "hetcc.send/hetcc.recv ran outside a transport",
             hint="run stage modules through hetcc.runtime (run_local / launch) or inside "
-            "hetcc.runtime.ops.use_transport(LocalTransport())",
+            "hetcc.sendrecv.use_transport(LocalTransport())",
         )
     return _current[-1]
 
