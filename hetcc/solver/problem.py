@@ -270,6 +270,8 @@ def route_microbatches(microbatches: int, seconds: Sequence[float]) -> list[int]
     (ties to the lower index): this minimises the slowest replica's total ``count_d * t_d`` and, for
     equal replicas, is round-robin.
     """
+    if len(seconds) == 1:
+        return [0] * microbatches
     counts = [0] * len(seconds)
     route = []
     for _ in range(microbatches):

@@ -1,6 +1,6 @@
 """The ``hetcc`` command (mirrors the API): the plan commands ``compile``, ``explain``, ``simulate``,
 ``report``, ``replan`` and ``calibrate`` here, the training commands ``run``, ``launch``, ``export`` and
-``prepare-text`` in ``hetcc.cli_train``; ``main`` runs one.
+``prepare-text`` in ``hetcc.cli.train``; ``main`` runs one (``python -m hetcc.cli`` too).
 
 A model reaches the CLI as ``pkg.module:factory`` or ``path/to/file.py:factory``: a function taking no
 arguments and returning ``(model, example_inputs)``, where ``example_inputs`` is a tuple (positional) or a
@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from hetcc import cli_train
+from hetcc.cli import train as cli_train
 from hetcc.errors import HetccError
 from hetcc.plan import PRECISIONS
 
@@ -279,7 +279,3 @@ def _check_out_folder(out: str, what: str = "--out") -> None:
     blocking = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise HetccError(f"{what} {out}: {blocking} is a file, not a folder", hint="give a folder path")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
