@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from hetcc.errors import PlanFormatError, format_bytes
-from hetcc.hardware.schema import read_text
+from hetcc.hardware.schema import finite, read_text
 from hetcc.solver.schedules import SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
@@ -171,7 +171,7 @@ def _number(value: object) -> bool:
 
 def _figure(value: object, infinite: bool = False) -> bool:
     """A time, count or size: a number >= 0, finite unless ``infinite`` (a baseline that does not fit)."""
-    return _number(value) and value >= 0 and (infinite or math.isfinite(value))
+    return (finite(value) or (infinite and value == math.inf)) and value >= 0
 
 
 def _count(value: object, minimum: int = 0) -> bool:
@@ -198,7 +198,7 @@ def _check_plan(plan: Plan) -> None:
         value = getattr(plan, name)
         if not (_figure(value) or (_number(value) and math.isnan(value))):
             raise _fail(name, f"must be a number of seconds >= 0 (or NaN), got {value!r}")
-    if not _number(plan.gap) or not math.isfinite(plan.gap):
+    if not finite(plan.gap):
         raise _fail("gap", f"must be a finite number, got {plan.gap!r}")
     if not _count(plan.microbatch_rows):
         raise _fail("microbatch_rows", f"must be a row count >= 0, got {plan.microbatch_rows!r}")

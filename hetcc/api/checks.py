@@ -4,7 +4,6 @@ they name its ``Compiled``)."""
 
 from __future__ import annotations
 
-import math
 import os
 import pickle
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 
 from hetcc.errors import HetccError, did_you_mean
 from hetcc.hardware.cluster import Cluster
-from hetcc.hardware.schema import check_path, short_repr
+from hetcc.hardware.schema import check_path, finite, short_repr
 from hetcc.plan import PRECISIONS
 from hetcc.solver.schedules import SCHEDULES
 
@@ -106,7 +105,7 @@ def _check_dump_dir(dump_dir: object) -> None:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return finite(value)
 
 
 def check_run_args(compiled_or_dir, inputs, targets, loss_fn, steps, optimizer, data=None) -> None:

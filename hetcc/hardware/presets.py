@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetcc.errors import ClusterError, did_you_mean
-from hetcc.hardware.schema import short_repr
+from hetcc.hardware.schema import finite, short_repr
 
 DTYPE_KEYS = ("fp32", "tf32", "bf16", "fp16", "fp8")
 VENDORS = ("nvidia", "amd", "cpu")
@@ -59,8 +59,9 @@ class PeakTable(Mapping[str, float]):
     def __init__(self, peaks: Mapping[str, float]):
         """``ValueError`` naming what is wrong when ``peaks`` is not a mapping of names to numbers (the
         records that hold one turn it into their own error, naming the field)."""
+        # a float as it is (its value is checked where it is used); an int only if a float can hold it
         if not isinstance(peaks, Mapping) or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in peaks.values()
+            isinstance(v, float) or finite(v) for v in peaks.values()
         ):
             raise ValueError(f"expected a mapping of dtype key to FLOP/s; got {short_repr(peaks)}")
         order = {key: i for i, key in enumerate(DTYPE_KEYS)}

@@ -102,6 +102,17 @@ class Quantity:
             return parse_quantity(value, self.unit)
 
 
+def finite(value: object) -> bool:
+    """A real number (an int or float, not a bool) with a finite float value: what every figure read
+    from a file must be. An int too large for a float (10**400) is not one, and asking never raises."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 @dataclass(frozen=True)
 class Fraction:
     """A number in (0, 1], a share reached (an efficiency); with ``zero``, in [0, 1), a share held back."""
@@ -109,8 +120,7 @@ class Fraction:
     zero: bool = False
 
     def __call__(self, value: object, where: Where) -> float:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (number and (0 <= value < 1 if self.zero else 0 < value <= 1)):
+        if not (finite(value) and (0 <= value < 1 if self.zero else 0 < value <= 1)):
             where.fail(f"expected a number in {'[0, 1)' if self.zero else '(0, 1]'}; got {short_repr(value)}")
         return float(value)
 
@@ -139,8 +149,7 @@ class Number:
     positive: bool = False
 
     def __call__(self, value: object, where: Where) -> float:
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (number and math.isfinite(value) and (value > 0 if self.positive else value >= 0)):
+        if not (finite(value) and (value > 0 if self.positive else value >= 0)):
             where.fail(
                 f"expected a finite number {'> 0' if self.positive else '>= 0'}; got {short_repr(value)}"
             )

@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from hetcc.errors import PlanFormatError
+from hetcc.hardware.schema import finite
 from hetcc.kernels.lowering import Lowered, rule
 
 Arg = tuple[str, Any]  # ("in", i) | ("tmp", j) | ("const", float) | ("none", None)
@@ -293,7 +294,7 @@ def _arg_ok(arg: object, inputs: int, j: int) -> bool:
     if kind in ("in", "tmp"):
         return _is_index(value, inputs if kind == "in" else j)
     if kind == "const":
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return finite(value)
     return kind == "none" and value is None
 
 

@@ -104,7 +104,7 @@ def number(value: Any, default: float = math.nan) -> float:
         return default
     try:
         return float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond float (10**400)
         return default
 
 
