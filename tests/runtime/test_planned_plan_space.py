@@ -75,3 +75,42 @@ def test_bf16_mixed_plan_trains_like_eager_under_autocast(tmp_path):
     )
     assert result.losses == pytest.approx(losses, rel=1e-3)  # measured: 1.5e-5
     assert result.losses[0] != pytest.approx(4.885914325714111, rel=1e-6)  # not the fp32 run's loss
+
+
+# One card whose fused-kernel call costs nothing, one where it costs 10 ms: fusion by cost fuses groups in
+# the first card's stage only, which also recomputes (its memory needs it).
+FREE_AND_DEAR_CALLS = """
+name: fused-and-not
+memory_reserve: 0
+custom_types:
+  - {name: FreeCall, base: A100-80GB, host_fused_op: 0 s, host_fused_backward_op: 0 s, peak_flops: {fp32: 20 GFLOP/s}}
+  - {name: DearCall, base: A100-80GB, host_fused_op: 10 ms, host_fused_backward_op: 10 ms, peak_flops: {fp32: 20 GFLOP/s}}
+nodes:
+  - name: node0
+    intra_link: {kind: nvlink, bandwidth: 300 GB/s, latency: 2 us}
+    devices: [{type: FreeCall, memory: MEMORY}, {type: DearCall, memory: MEMORY}]
+"""
+
+
+@pytest.mark.slow
+def test_a_plan_fusing_by_cost_in_one_stage_and_not_the_next_trains_like_eager(tmp_path):
+    model = gpt2(n_layer=4, n_embd=64, vocab=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = token_ids(8, 16)
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    cluster = tmp_path / "cluster.yaml"
+    state = sum(p.numel() * 4 for p in model.parameters()) * 4  # parameters, gradients, Adam: one card each
+    cluster.write_text(FREE_AND_DEAR_CALLS.replace("MEMORY", str(state)))
+    with hetcc.config.patch(fuse="cost"):
+        compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=2)
+    fused_op = torch.ops.hetcc.fusion_group.default  # registered once hetcc.compile has run
+    fused = {
+        compiled.plan.stages[s.index].device_type: sum(n.target == fused_op for n in s.module.graph.nodes)
+        for s in compiled.pipeline.stages
+    }
+    assert fused["FreeCall"] > 0 and fused["DearCall"] == 0, (fused, compiled.explain())
+    result = hetcc.run_local(compiled, inputs, steps=2, optimizer=ADAM)
+    assert sum(rank["fused_interpreter"] for rank in result.stats) > 0
+    losses, grads = eager_training(model, inputs, None, None, steps=2, microbatches=2, optimizer=ADAM)
+    assert result.losses == pytest.approx(losses, rel=1e-5)
+    for name, grad in result.grads.items():
+        torch.testing.assert_close(grad, grads[name], rtol=1e-4, atol=1e-4, msg=name)
