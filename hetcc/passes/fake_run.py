@@ -51,3 +51,32 @@ class FakeInterpreter(torch.fx.Interpreter):
         grad_mode = torch.enable_grad() if self.requires_grad else torch.no_grad()
         with self.fake_mode, grad_mode:
             self.run(*([None] * n_inputs), enable_io_processing=False)
+
+
+def has_traced_values(gm: torch.fx.GraphModule) -> bool:
+    """A graph of aten calls whose every value carries its FakeTensor (``torch.export``'s): its calls can
+    be analysed one at a time from those values, each distinct call once."""
+    return all(
+        n.op in ("placeholder", "get_attr", "output", "call_function") for n in gm.graph.nodes
+    ) and all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
+
+
+def call_key(values: Any, grads: Any = None) -> object:
+    """A call's arguments as a hashable key: tensors by shape, dtype and (``grads``, nested as
+    ``values``) whether they require grad, constants as they are; an unhashable constant makes the call
+    its own."""
+    if isinstance(values, torch.Tensor):
+        return ("tensor", tuple(str(d) for d in values.shape), values.dtype, grads is True)
+    if isinstance(values, (list, tuple)):
+        inner = grads if isinstance(grads, (list, tuple)) else [grads] * len(values)
+        return (type(values).__name__, *(call_key(v, g) for v, g in zip(values, inner, strict=True)))
+    if isinstance(values, dict):
+        inner = grads if isinstance(grads, dict) else dict.fromkeys(values, grads)
+        return ("dict", *((k, call_key(v, inner[k])) for k, v in values.items()))
+    if isinstance(values, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return ("sym", str(values))
+    try:
+        hash(values)
+    except TypeError:
+        return ("object", id(values))
+    return values

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula, sdp
 
 from hetcc import ir
 from hetcc.ir import annotate, info, nbytes, to_number
-from hetcc.passes.fake_run import FakeInterpreter
+from hetcc.passes.fake_run import FakeInterpreter, call_key, has_traced_values
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -291,9 +291,7 @@ def flops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     A graph of aten calls whose every value carries its FakeTensor (``torch.export``'s) is counted
     call by call from those values, each distinct call (op, argument shapes, dtypes and constants)
     once: a transformer's repeated layers cost one layer. Other graphs run node by node."""
-    if all(n.op in ("placeholder", "get_attr", "output", "call_function") for n in gm.graph.nodes) and all(
-        "val" in n.meta for n in gm.graph.nodes if n.op != "output"
-    ):
+    if has_traced_values(gm):
         _count_calls(gm)
     else:
         _FlopCounter(gm).run_fake()
@@ -307,28 +305,11 @@ def _count_calls(gm: torch.fx.GraphModule) -> None:
         if node.op != "call_function":
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
-        key = (node.target, _signature(args), _signature(kwargs))
+        key = (node.target, call_key((args, kwargs)))
         if key not in counted:
             with fake_mode, torch.no_grad():
                 counted[key] = _count(functools.partial(node.target, *args, **kwargs), node, args, kwargs)
         _annotate(node, *counted[key])
-
-
-def _signature(value: Any) -> Any:
-    """What a call's FLOPs depend on, hashable: tensors by shape and dtype, constants as they are."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(str(d) for d in value.shape), value.dtype)
-    if isinstance(value, (list, tuple)):
-        return (type(value).__name__, *map(_signature, value))
-    if isinstance(value, dict):
-        return tuple((k, _signature(v)) for k, v in value.items())
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("sym", str(value))
-    try:
-        hash(value)
-    except TypeError:
-        return ("object", id(value))
-    return value
 
 
 def format_flops(gm: torch.fx.GraphModule) -> str:

@@ -15,7 +15,7 @@ import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from hetcc.ir import annotate, to_number
-from hetcc.passes.fake_run import FakeInterpreter
+from hetcc.passes.fake_run import FakeInterpreter, call_key, has_traced_values
 
 
 class _SavedTensorMeter(FakeInterpreter):
@@ -49,7 +49,7 @@ class _SavedTensorMeter(FakeInterpreter):
 
 def memory(gm: torch.fx.GraphModule, *, training: bool = True) -> torch.fx.GraphModule:
     """Annotate parameter bytes (on get_attr / call_module nodes) and saved-activation bytes."""
-    if _calls_with_values(gm):
+    if has_traced_values(gm):
         _CallMeter(gm, training).measure()
     else:
         _SavedTensorMeter(gm, training).run_fake()
@@ -74,13 +74,6 @@ def _param_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, seen: set[int]) 
             seen.add(id(tensor))
             total += tensor.numel() * tensor.element_size()
     return total
-
-
-def _calls_with_values(gm: torch.fx.GraphModule) -> bool:
-    """A graph of aten calls whose every value carries its FakeTensor (``torch.export``'s)."""
-    return all(
-        n.op in ("placeholder", "get_attr", "output", "call_function") for n in gm.graph.nodes
-    ) and all("val" in n.meta for n in gm.graph.nodes if n.op != "output")
 
 
 class _CallMeter:
@@ -123,7 +116,7 @@ class _CallMeter:
         values = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
         grads = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.grad[a])
         stores = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: self.storage[a])
-        key = (node.target, _call_key(values, grads))
+        key = (node.target, call_key(values, grads))
         if key not in self.calls:
             self.calls[key] = self._run(node, values, grads)
         saved, outputs, self.grad[node] = self.calls[key]
@@ -203,24 +196,6 @@ def _grad_of(value) -> object:
     if isinstance(value, (list, tuple)):
         return tuple(_grad_of(v) for v in value)
     return False
-
-
-def _call_key(values, grads) -> object:
-    """What a call's saved tensors depend on, hashable: tensors by shape, dtype and grad, constants as
-    they are (an unhashable constant makes the call its own)."""
-    if isinstance(values, torch.Tensor):
-        return ("tensor", tuple(str(d) for d in values.shape), values.dtype, grads is True)
-    if isinstance(values, (list, tuple)):
-        return (type(values).__name__, *(_call_key(v, g) for v, g in zip(values, grads, strict=True)))
-    if isinstance(values, dict):
-        return ("dict", *((k, _call_key(v, grads[k])) for k, v in values.items()))
-    if isinstance(values, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ("sym", str(values))
-    try:
-        hash(values)
-    except TypeError:
-        return ("object", id(values))
-    return values
 
 
 def _tensors(value, path: tuple = ()):
