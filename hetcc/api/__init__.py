@@ -44,7 +44,7 @@ from hetcc.passes.memory import memory
 from hetcc.passes.partition import PRECISIONS, PlanSettings, partition
 from hetcc.passes.partition import optimizer as optimizer_entry
 from hetcc.passes.shapes import shapes
-from hetcc.passes.trace import trace
+from hetcc.passes.trace import drop_dtype_asserts, trace
 from hetcc.plan import Plan
 from hetcc.report import write_report
 from hetcc.runtime.contract import PlanSpace, pipeline_meta_for
@@ -203,7 +203,7 @@ def _compile_at(
         plan = _fuse_for_stages(gm, plan, choice, analysis)
     _dump_kernels(gm, dumper)
     if precision != "fp32":  # autocast changes dtypes that export's metadata asserts pinned to fp32
-        _drop_dtype_asserts(gm)
+        drop_dtype_asserts(gm)
     with _step(dumper, "comm", lambda: format_stages(stages), lambda: verify.check_pipeline(stages)):
         present = {node.name for node in gm.graph.nodes}
         stages = split_stages(gm, {n: k for n, k in plan.stage_of.items() if n in present}, len(plan.stages))
@@ -259,16 +259,6 @@ def _state_dict_keys(model: torch.nn.Module) -> dict[str, str]:
     the traced graph drops the other names, so they cannot be told from the stages alone."""
     first: dict[int, str] = {}
     return {key: first.setdefault(id(t), key) for key, t in model.state_dict(keep_vars=True).items()}
-
-
-def _drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
-    """Remove ``aten._assert_tensor_metadata`` checks (export's record of the traced dtypes): under
-    mixed precision a matmul's output is half precision, which the recorded fp32 would reject."""
-    check = torch.ops.aten._assert_tensor_metadata.default
-    for node in list(gm.graph.find_nodes(op="call_function", target=check)):
-        if not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
 
 
 def run_local(

@@ -140,6 +140,16 @@ def _drop_guard_calls(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def drop_dtype_asserts(gm: torch.fx.GraphModule) -> None:
+    """Remove export's ``aten._assert_tensor_metadata`` checks (its record of the traced dtypes): under
+    mixed precision a matmul's output is half precision, which the recorded fp32 would reject."""
+    check = torch.ops.aten._assert_tensor_metadata.default
+    for node in list(gm.graph.find_nodes(op="call_function", target=check)):
+        if not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
 def _symbolic_trace_or_raise(model, args, kwargs, dynamic_shapes, export_error) -> Traced:
     """The fallback for plain torch modules; it is not tried where it cannot apply (dynamic shapes, a
     whole transformers model, whose forward symbolic tracing cannot follow), so its error would only
