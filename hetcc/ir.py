@@ -10,8 +10,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import sympy
 import torch
 import torch.fx
+
+from hetcc.errors import AnalysisError
 
 META_KEY = "hetcc"
 
@@ -71,6 +74,20 @@ def nbytes(value: Any) -> Number:
 
 def is_concrete(value: Number) -> bool:
     return isinstance(value, (int, float))
+
+
+def number_at(value: Number, subs: dict) -> float:
+    """A (possibly symbolic) size as a float once the dims ``subs`` gives are set: how one symbolic
+    trace is priced at each microbatch size."""
+    if is_concrete(value):
+        return float(value)
+    number = sympy.sympify(value).subs(subs)
+    if not number.is_number:
+        raise AnalysisError(
+            f"cost {value} still has free dims {sorted(map(str, number.free_symbols))} at {subs}",
+            hint="mark only the batch dimension dynamic for the microbatch search",
+        )
+    return float(number)
 
 
 # -------------------------------------------------------------------------------------- printing

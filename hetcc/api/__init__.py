@@ -31,21 +31,20 @@ from hetcc.api.compiled import Compiled
 from hetcc.api.microbatches import batch_rows, first_microbatch, search_microbatches
 from hetcc.api.replanning import newest_checkpoint, plan_space_options, run_options, save_replanned
 from hetcc.dump import Dumper
-from hetcc.errors import HetccError
 from hetcc.hardware.cluster import Cluster
 from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import blocks, collect_blocks
 from hetcc.passes.codegen import codegen, stage_source
 from hetcc.passes.comm import format_stages, split_stages
-from hetcc.passes.cost import FusionChoice, cost, cost_notes
+from hetcc.passes.cost import cost, cost_notes
 from hetcc.passes.flops import flops, format_flops
-from hetcc.passes.fuse import fuse, fusion_candidates
+from hetcc.passes.fuse import FusionChoice, fuse, fusion_candidates
 from hetcc.passes.memory import memory
-from hetcc.passes.partition import PRECISIONS, PlanSettings, partition
+from hetcc.passes.partition import PlanSettings, partition
 from hetcc.passes.partition import optimizer as optimizer_entry
 from hetcc.passes.shapes import shapes
 from hetcc.passes.trace import drop_dtype_asserts, trace
-from hetcc.plan import Plan
+from hetcc.plan import PRECISIONS, Plan
 from hetcc.report import write_report
 from hetcc.runtime.contract import PlanSpace, pipeline_meta_for
 from hetcc.runtime.store import Pipeline, pipeline_meta
@@ -185,7 +184,7 @@ def _compile_at(
     dumper = Dumper(dump_dir)
     analysis = analyze(model, args, kwargs, dump_dir=dump_dir, training=training, dumper=dumper)
     gm = analysis.graph
-    candidates = fusion_candidates(gm) if _fuse_mode() != "off" else []
+    candidates = fusion_candidates(gm) if config.fuse != "off" else []
     pricing = {"dtype": dtype, "training": training, "autocast": precision != "fp32"}
     with _step(dumper, "cost", lambda: _cost_dump(gm, choice), lambda: verify.check_graph(gm, "cost")):
         choice = cost(gm, device_types=cluster.types, candidates=candidates, fuse=config.fuse, **pricing)
@@ -225,21 +224,12 @@ def _compile_at(
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
 
 
-def _fuse_mode() -> str:
-    if config.fuse not in config.FUSE_MODES:
-        raise HetccError(
-            f"hetcc.config.fuse is {config.fuse!r}",
-            hint=f"set it (or HETCC_FUSE) to one of {config.FUSE_MODES}",
-        )
-    return config.fuse
-
-
 def _fuse_for_stages(gm: torch.fx.GraphModule, plan: Plan, choice: FusionChoice, analysis: Analysis) -> Plan:
     """Fuse each group chosen for the device type of the stage that runs it; the blocks and the plan's
     node lists then name the graph that runs."""
-    types = {s.index: s.device_type for s in plan.stages}
-    on_type = {t: {id(c) for c in choice.on(t)} for t in set(types.values())}
-    fuse(gm, [c for c in choice.candidates if id(c) in on_type[types[ir.info(c.members[-1]).stage]]])
+    type_of = {s.index: s.device_type for s in plan.stages}
+    stage_type = [type_of[ir.info(c.members[-1]).stage] for c in choice.candidates]
+    fuse(gm, [c for k, c in enumerate(choice.candidates) if k in choice.fused[stage_type[k]]])
     analysis.blocks, analysis.tied_params = collect_blocks(gm)
     nodes = {b.name: b.nodes for b in analysis.blocks}
     stages = tuple(replace(s, nodes=tuple(n for b in s.blocks for n in nodes[b])) for s in plan.stages)

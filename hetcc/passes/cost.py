@@ -20,7 +20,7 @@ multiple of 8 runs at ``UNALIGNED_TENSOR_CORE_SHARE`` of the aligned rate (tenso
 16-byte rows; GPT-2's vocabulary of 50257 is the classic case). Getitems launch nothing and cost
 nothing.
 
-Fusion is chosen here (``FusionChoice``): each group ``passes.fuse`` could make one kernel is priced
+Fusion is chosen here (the record is ``passes.fuse.FusionChoice``): each group ``passes.fuse`` could make one kernel is priced
 both ways in its block's queue on every device type, and fuses on the types where the kernel call wins;
 the fuse step, after the partition, fuses it in the stages of those types. The microbatch search prices
 a symbolic trace the same way (``block_times_at``), so its figures are the plans'.
@@ -28,7 +28,6 @@ a symbolic trace the same way (``block_times_at``), so its figures are the plans
 
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -36,15 +35,15 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 
-from hetcc.errors import AnalysisError, ClusterError
+from hetcc import config
+from hetcc.errors import AnalysisError, ClusterError, HetccError
 from hetcc.hardware.presets import DeviceType, flops_key
-from hetcc.ir import annotate, info, is_concrete
+from hetcc.ir import annotate, info, is_concrete, number_at
 from hetcc.kernels import FUSION_META_KEY
-from hetcc.passes.fuse import FusionCandidate
+from hetcc.passes.fuse import FusionCandidate, FusionChoice
 
 BACKWARD_MEMORY_PASSES = 2.0
 # When a device type has no peak for a dtype, the nearest format its matrix units run instead.
@@ -98,71 +97,6 @@ def cost(
         if priced.unaligned[i] and UNALIGNED_NOTE not in record.notes:
             annotate(node, notes=(*record.notes, UNALIGNED_NOTE))
     return priced.choice
-
-
-@dataclass
-class FusionChoice:
-    """Which fusion candidates fuse on each device type, and why.
-
-    A group fuses on a type where its block's forward and backward, priced in the host/GPU queue
-    with the group as one kernel call, are faster than with its ops (groups decided in graph order,
-    each with the earlier ones of its block as decided). On a ``cpu`` type a fused group runs its
-    ops and replays them in backward: it never fuses there unless ``fuse="all"``.
-    """
-
-    candidates: Sequence[FusionCandidate]
-    fused: dict[str, frozenset[int]]  # device type -> indices of the candidates fused on it
-    # device type -> per candidate: its block's seconds with it fused, and with it as ops
-    compared: dict[str, list[tuple[float, float]]]
-
-    def on(self, device_type: str) -> list[FusionCandidate]:
-        """The candidates that fuse on ``device_type``."""
-        return [c for k, c in enumerate(self.candidates) if k in self.fused.get(device_type, ())]
-
-    def act_bytes_change(self, block_names: Sequence[str], subs: dict | None = None) -> list[float]:
-        """Per block, the most any device type's fusion changes the bytes it saves for backward (a
-        fused group saves its inputs, its ops what each needs): the partition's memory then holds on
-        every type a block may run on. ``subs``: the dims of a symbolic analysis."""
-        index = {name: i for i, name in enumerate(block_names)}
-        value = functools.partial(_at, subs=subs or {})
-        change = {t: [0.0] * len(block_names) for t in self.fused}
-        for t, chosen in self.fused.items():
-            for k in chosen:
-                candidate = self.candidates[k]
-                block = index.get(info(candidate.members[-1]).block)
-                if block is not None:
-                    ops = sum(value(info(m).act_bytes) for m in candidate.members)
-                    change[t][block] += value(candidate.record.act_bytes) - ops
-        return [max((change[t][i] for t in change), default=0.0) for i in range(len(block_names))]
-
-    def note(self, stage_types: Sequence[str]) -> str | None:
-        """One line for the plan: how many groups fused on the stages' device types, and where the
-        others stayed ops and why."""
-        if not self.candidates:
-            return None
-        counts = {t: len(self.fused.get(t, ())) for t in dict.fromkeys(stage_types)}
-        unfused = {t: len(self.candidates) - n for t, n in counts.items() if n < len(self.candidates)}
-        if not unfused:
-            return None
-        where = ", ".join(f"{t}: {n} of {len(self.candidates)} fused" for t, n in counts.items())
-        return (
-            f"fusion: {len(self.candidates)} fusible groups; {where}. A group stays as its ops where one "
-            "kernel call, its host time included, is not faster than them on the stage's device type "
-            "(small tensors, where each call's host time outweighs the memory passes it saves; on a CPU "
-            "always). HETCC_FUSE=all fuses every group, HETCC_FUSE=off none"
-        )
-
-    def lines(self) -> list[str]:
-        """For the cost dump: each candidate's block priced fused and as ops on every device type."""
-        out = []
-        for k, candidate in enumerate(self.candidates):
-            prices = ", ".join(
-                f"{t} {'fused' if k in chosen else 'ops'} "
-                f"({self.compared[t][k][0] * 1e6:.1f} vs {self.compared[t][k][1] * 1e6:.1f} us)"
-                for t, chosen in self.fused.items()
-            )
-            out.append(f"%{candidate.members[-1].name} {candidate.group.summary()}: {prices}")
-        return out
 
 
 UNALIGNED_NOTE = "GEMM off tensor-core alignment"
@@ -242,6 +176,10 @@ def _price(nodes, candidates, rates, how: _Pricing, fuse: str) -> _Priced:
     """Every node's queued forward and backward seconds per device type, with the candidates that
     fuse on that type (``FusionChoice``) fused: the last member carries the kernel's time, the
     other members none."""
+    if fuse not in config.FUSE_MODES:
+        raise HetccError(
+            f"hetcc.config.fuse is {fuse!r}", hint=f"set it (or HETCC_FUSE) to one of {config.FUSE_MODES}"
+        )
     parts, unaligned = [], []
     for node in nodes:
         times, slow = _node_parts(node, info(node), rates, how)
@@ -479,7 +417,7 @@ def block_times_at(
     rates = {t.name: _Rates(t) for t in device_types}
     owner = {name: i for i, names in enumerate(block_nodes) for name in names}
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
-    how = _Pricing(dtype, training, autocast, lambda v: _at(v, subs))
+    how = _Pricing(dtype, training, autocast, lambda v: number_at(v, subs))
     priced = _price(nodes, candidates, rates, how, fuse)
     fwd, bwd = ({t: [0.0] * len(block_nodes) for t in rates} for _ in range(2))
     for total, times in ((fwd, priced.fwd), (bwd, priced.bwd)):
@@ -488,18 +426,6 @@ def block_times_at(
                 if node.name in owner:
                     total[t][owner[node.name]] += seconds
     return fwd, bwd, priced.choice
-
-
-def _at(value, subs: dict) -> float:
-    if is_concrete(value):
-        return float(value)
-    number = sympy.sympify(value).subs(subs)
-    if not number.is_number:
-        raise AnalysisError(
-            f"cost {value} still has free dims {sorted(map(str, number.free_symbols))} at {subs}",
-            hint="mark only the batch dimension dynamic for the microbatch search",
-        )
-    return float(number)
 
 
 def block_times(gm: torch.fx.GraphModule, block_nodes: Sequence[Sequence[str]], type_names: Sequence[str]):

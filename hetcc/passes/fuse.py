@@ -18,6 +18,7 @@ their stage's device type.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ import torch
 import torch.fx
 
 from hetcc import config, ir
+from hetcc.ir import info, number_at
 from hetcc.kernels.cache import describe_backend
 from hetcc.kernels.group import FusionGroup, build_group, group_shape
 from hetcc.kernels.lowering import MAX_ROW_ELEMENTS, ROW_FINAL, Lowered, lower, rule
@@ -305,3 +307,64 @@ def fusion_comment(group: FusionGroup) -> list[str]:
     return [f"{group.summary()}, {describe_backend(group.device)}"] + [
         f"  {i.replaced}" for i in group.instrs
     ]
+
+
+@dataclass
+class FusionChoice:
+    """Which fusion candidates fuse on each device type, and why.
+
+    A group fuses on a type where its block's forward and backward, priced in the host/GPU queue
+    with the group as one kernel call, are faster than with its ops (groups decided in graph order,
+    each with the earlier ones of its block as decided). On a ``cpu`` type a fused group runs its
+    ops and replays them in backward: it never fuses there unless ``fuse="all"``.
+    """
+
+    candidates: Sequence[FusionCandidate]
+    fused: dict[str, frozenset[int]]  # device type -> indices of the candidates fused on it
+    # device type -> per candidate: its block's seconds with it fused, and with it as ops
+    compared: dict[str, list[tuple[float, float]]]
+
+    def act_bytes_change(self, block_names: Sequence[str], subs: dict | None = None) -> list[float]:
+        """Per block, the most any device type's fusion changes the bytes it saves for backward (a
+        fused group saves its inputs, its ops what each needs): the partition's memory then holds on
+        every type a block may run on. ``subs``: the dims of a symbolic analysis."""
+        index = {name: i for i, name in enumerate(block_names)}
+        value = functools.partial(number_at, subs=subs or {})
+        change = {t: [0.0] * len(block_names) for t in self.fused}
+        for t, chosen in self.fused.items():
+            for k in chosen:
+                candidate = self.candidates[k]
+                block = index.get(info(candidate.members[-1]).block)
+                if block is not None:
+                    ops = sum(value(info(m).act_bytes) for m in candidate.members)
+                    change[t][block] += value(candidate.record.act_bytes) - ops
+        return [max((change[t][i] for t in change), default=0.0) for i in range(len(block_names))]
+
+    def note(self, stage_types: Sequence[str]) -> str | None:
+        """One line for the plan: how many groups fused on the stages' device types, and where the
+        others stayed ops and why."""
+        if not self.candidates:
+            return None
+        counts = {t: len(self.fused.get(t, ())) for t in dict.fromkeys(stage_types)}
+        unfused = {t: len(self.candidates) - n for t, n in counts.items() if n < len(self.candidates)}
+        if not unfused:
+            return None
+        where = ", ".join(f"{t}: {n} of {len(self.candidates)} fused" for t, n in counts.items())
+        return (
+            f"fusion: {len(self.candidates)} fusible groups; {where}. A group stays as its ops where one "
+            "kernel call, its host time included, is not faster than them on the stage's device type "
+            "(small tensors, where each call's host time outweighs the memory passes it saves; on a CPU "
+            "always). HETCC_FUSE=all fuses every group, HETCC_FUSE=off none"
+        )
+
+    def lines(self) -> list[str]:
+        """For the cost dump: each candidate's block priced fused and as ops on every device type."""
+        out = []
+        for k, candidate in enumerate(self.candidates):
+            prices = ", ".join(
+                f"{t} {'fused' if k in chosen else 'ops'} "
+                f"({self.compared[t][k][0] * 1e6:.1f} vs {self.compared[t][k][1] * 1e6:.1f} us)"
+                for t, chosen in self.fused.items()
+            )
+            out.append(f"%{candidate.members[-1].name} {candidate.group.summary()}: {prices}")
+        return out

@@ -22,7 +22,6 @@ from hetcc.errors import HetccError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, TiedParam
 from hetcc.passes.cost import block_times
-from hetcc.plan import PRECISIONS as PRECISIONS  # the one list; hetcc.api reads it from here
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
