@@ -14,6 +14,10 @@ from hetcc.solver.schedules import SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
+# The next step for any saved file this hetcc cannot read (a plan, a pipeline of another version).
+RECOMPILE = (
+    "compile the model again with this hetcc (`hetcc compile ... --out DIR`, or hetcc.compile(...).save(DIR))"
+)
 MAX_PLAN_BYTES = 64 * 2**20  # plan.json / problem.json: a 70B model's are a few MB
 # The precisions a plan runs in -> the half format autocast computes matmuls in (None: fp32 throughout),
 # which is also the key of their FLOP/s peak. The one list: the compiler, the runtime, the CLI and the
@@ -135,7 +139,7 @@ def read_plan(folder: str | Path) -> Plan:
         message = str(error).partition("\n")[0]
         raise PlanFormatError(
             f"{path}: {message}",
-            hint="compile the model again (`hetcc compile ... --out DIR`, or hetcc.compile(...).save(DIR))",
+            hint=RECOMPILE,
         ) from None
 
 

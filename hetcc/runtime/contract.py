@@ -39,7 +39,7 @@ from hetcc.hardware.schema import (
     load_file,
     short_repr,
 )
-from hetcc.plan import PRECISIONS, Plan
+from hetcc.plan import PRECISIONS, RECOMPILE, Plan
 from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
 from hetcc.solver.schedules import SCHEDULES
@@ -47,9 +47,6 @@ from hetcc.solver.schedules import SCHEDULES
 VERSION = 2  # of pipeline.json, whose ``meta`` this record is
 READABLE_VERSIONS = (1, 2)
 LOSS_SCALE_OPTIONS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")  # LossScaler's
-RECOMPILE = (
-    "compile the model again with this hetcc (`hetcc compile ... --out DIR`, or hetcc.compile(...).save(DIR))"
-)
 
 
 @dataclass(frozen=True)
