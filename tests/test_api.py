@@ -106,7 +106,7 @@ def test_dump_folder_holds_every_pass_and_the_plan(compiled):
         assert source == stage_source(stage) and source in (folder / "09_codegen.txt").read_text()
     kernels = list((folder / "kernels").glob("*.py"))  # the generated Triton source of each fused group
     assert kernels and "@triton.jit" in kernels[0].read_text()
-    assert "hetcc.fusion_group" in (folder / "07_fuse.txt").read_text()
+    assert "hetcc_kernels_launch_fused(" in (folder / "07_fuse.txt").read_text()
     assert "# fusion candidates" in (folder / "05_cost.txt").read_text()  # each priced both ways
 
 

@@ -113,9 +113,7 @@ class WideMLP(torch.nn.Module):
 
 
 def _fused_nodes(compiled) -> int:
-    return sum(
-        1 for node in compiled.graph.graph.nodes if node.target == torch.ops.hetcc.fusion_group.default
-    )
+    return sum(1 for node in compiled.graph.graph.nodes if node.target == hetcc.kernels.fused)
 
 
 @pytest.mark.slow  # five compiles of a small model

@@ -70,10 +70,11 @@ def _host_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> d
 
 
 def _host_fused_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]) -> dict[str, float]:
-    """Host seconds of one fused-group call (``torch.ops.hetcc.fusion_group``: the custom op's Python
-    dispatch and autograd wrapper, then the Triton launch), forward and backward, on an 8 x 64 group
-    of two ops whose kernels take next to nothing."""
+    """Host seconds of one fused-group call (``hetcc.kernels.launch.fused``, what a stage's fused node
+    calls: its cached launch, then the Triton launch; on a CPU without Triton the group's ops),
+    forward and backward, on an 8 x 64 group of two ops whose kernels take next to nothing."""
     from hetcc.kernels import group as g
+    from hetcc.kernels.launch import fused
     from hetcc.kernels.op import register_group
 
     spec = g.TensorSpec("x", (8, 64), torch.float32, flat=True, broadcast=False, param=False)
@@ -97,7 +98,7 @@ def _host_fused_op_s(torch: Any, dev: Any, plan: _Plan, sync: Callable[[], None]
     x = torch.randn(8, 64, device=dev, requires_grad=True)
     grad = torch.ones(8, 64, device=dev)
     forward_s, backward_s = _forward_backward_s(
-        lambda: torch.ops.hetcc.fusion_group([x], group.name),
+        lambda: fused([x], group.name),
         lambda y: torch.autograd.backward(y, [grad]),
         sync,
         plan,

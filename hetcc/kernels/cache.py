@@ -55,11 +55,11 @@ def choose_backend(device_type: str) -> tuple[str, str]:
         return TRITON, "CUDA/ROCm device"
     if device_type != "cpu":
         return FALLBACK, f"no Triton backend for device type {device_type!r}"
-    if interpreter_enabled():
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):  # read once: every fused call on a CPU asks
+        return FALLBACK, "CPU without TRITON_INTERPRET=1"
+    if _imported_for_interpreter():
         return TRITON, "CPU through TRITON_INTERPRET=1"
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        return FALLBACK, "CPU: TRITON_INTERPRET=1 was set after Triton was imported"
-    return FALLBACK, "CPU without TRITON_INTERPRET=1"
+    return FALLBACK, "CPU: TRITON_INTERPRET=1 was set after Triton was imported"
 
 
 def describe_backend(device_type: str) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -39,8 +40,10 @@ _launches: Counter[str] = Counter()
 def launch_stats() -> dict[str, int]:
     """Fused-group runs in this process since the last reset: ``fused_triton`` / ``fused_interpreter``
     launched the generated forward kernel on a GPU / through TRITON_INTERPRET=1, ``fused_eager`` ran the
-    original ops (the fallback); ``backward_triton`` / ``backward_interpreter`` launched the generated
-    backward kernel, ``backward_recompute`` differentiated the original ops (row groups, fallback)."""
+    original ops (the fallback, whose backward is torch's autograd of those ops, not counted);
+    ``backward_triton`` / ``backward_interpreter`` launched the generated backward kernel,
+    ``backward_recompute`` re-ran the original ops under autograd (a group saved with
+    ``backward="recompute"``, or dtypes no kernel is generated for)."""
     return {key: _launches[key] for key in LAUNCH_STATS}
 
 
@@ -180,7 +183,7 @@ def specialize(
     return _SPECIALIZED[key]
 
 
-def _has_kernel(group: FusionGroup) -> bool:
+def has_kernel(group: FusionGroup) -> bool:
     """Whether codegen handles every dtype of the group (not e.g. float64: those run the original ops)."""
     dtypes = {spec.dtype for spec in group.inputs} | {instr.dtype for instr in group.instrs}
     return dtypes <= set(FUSIBLE_DTYPES)
@@ -191,13 +194,13 @@ def run_forward(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torc
     inputs' dtypes (``specialize``)."""
     device = compute_device(inputs)
     typed = specialize(group, inputs) if choose_backend(device.type)[0] == TRITON else None
-    if typed is None or not _has_kernel(typed):
+    if typed is None or not has_kernel(typed):
         _launches["fused_eager"] += 1
         return run_eager(group, inputs)
     shape = iteration_shape(typed, inputs)
     outputs = [torch.empty(shape, dtype=d, device=device) for d in typed.output_dtypes]
-    args = [*_prepared(typed, inputs, shape), *outputs]
-    _launch(typed, compiled(typed).forward, shape, inputs, args, stat="fused")
+    args = [*prepared_inputs(typed, inputs, shape), *outputs]
+    launch_kernel(compiled(typed).forward, geometry(typed, shape, inputs), args, stat="fused")
     return outputs
 
 
@@ -210,7 +213,7 @@ def generated_backward(
     if group.backward != "generated" or choose_backend(device_type)[0] != TRITON:
         return None
     typed = specialize(group, inputs, autocast)
-    return typed if _has_kernel(typed) else None
+    return typed if has_kernel(typed) else None
 
 
 def run_backward(
@@ -228,15 +231,17 @@ def run_backward(
         )
         for i in wanted
     }
-    args = [*_prepared(group, inputs, shape), *grad_outs, *buffers.values()]
-    _launch(group, compiled(group).backward, shape, inputs, args, stat="backward")
+    args = [*prepared_inputs(group, inputs, shape), *grad_outs, *buffers.values()]
+    launch_kernel(compiled(group).backward, geometry(group, shape, inputs), args, stat="backward")
     return [
         buffers[i].sum_to_size(x.shape).to(x.device, x.dtype) if i in buffers else None
         for i, x in enumerate(inputs)
     ]
 
 
-def _prepared(group: FusionGroup, inputs: Sequence[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
+def prepared_inputs(
+    group: FusionGroup, inputs: Sequence[torch.Tensor], shape: torch.Size
+) -> list[torch.Tensor]:
     """Inputs as the kernel expects them: on one device, flat inputs contiguous in the iteration shape."""
     prepared, device = [], compute_device(inputs)
     for spec, x in zip(group.inputs, inputs):
@@ -247,17 +252,30 @@ def _prepared(group: FusionGroup, inputs: Sequence[torch.Tensor], shape: torch.S
     return prepared
 
 
-def _launch(
-    group: FusionGroup, kernel, shape: torch.Size, inputs: Sequence[torch.Tensor], args: list, stat: str
-) -> None:
-    """Launch ``kernel`` over ``shape``, counted under ``<stat>_triton`` or ``<stat>_interpreter``."""
+def count_launch(stat: str) -> None:
+    """Count one run under ``stat`` (one of ``LAUNCH_STATS``)."""
+    _launches[stat] += 1
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """How one kernel of a group is launched over an iteration shape: grid, the scalar arguments after
+    the tensors (element or column count, sizes and strides of strided inputs) and BLOCK."""
+
+    grid: tuple[int, ...]
+    scalars: tuple[int, ...]
+    block: int
+    interpreted: bool  # CPU tensors through TRITON_INTERPRET=1
+
+
+def geometry(group: FusionGroup, shape: torch.Size, inputs: Sequence[torch.Tensor]) -> Geometry:
+    """The launch of ``group``'s kernels over ``shape`` for ``inputs`` (their strides: a strided input's
+    strides are kernel arguments)."""
     numel = shape.numel()
-    if numel == 0:
-        return
     interpreted = compute_device(inputs).type == "cpu"
-    _launches[f"{stat}_{'interpreter' if interpreted else 'triton'}"] += 1
-    strides = [s for i in strided_inputs(group) for s in inputs[i].expand(shape).stride()]
-    sizes = list(shape) if strided_inputs(group) else []
+    strided = strided_inputs(group)
+    strides = [s for i in strided for s in inputs[i].expand(shape).stride()]
+    sizes = list(shape) if strided else []
     if group.kind == "row":
         n_cols = shape[-1]
         block = _next_power_of_2(n_cols)
@@ -266,10 +284,18 @@ def _launch(
                 f"fusion group {group.name}: rows of {n_cols} elements exceed the row kernel's limit {MAX_ROW_ELEMENTS}",
                 hint="fuse with a smaller last dimension or leave this reduction unfused",
             )
-        kernel[(numel // n_cols,)](*args, n_cols, *sizes, *strides, BLOCK=block)
-        return
+        return Geometry((numel // max(n_cols, 1),), (n_cols, *sizes, *strides), block, interpreted)
     block = min(_INTERPRETER_BLOCK, _next_power_of_2(numel)) if interpreted else _GPU_BLOCK
-    kernel[(-(-numel // block),)](*args, numel, *sizes, *strides, BLOCK=block)
+    return Geometry((-(-numel // block),), (numel, *sizes, *strides), block, interpreted)
+
+
+def launch_kernel(kernel, where: Geometry, args: list, stat: str) -> None:
+    """Launch ``kernel`` with tensor ``args`` as ``where`` says, counted under ``<stat>_triton`` or
+    ``<stat>_interpreter``. An empty iteration space launches nothing."""
+    if where.grid[0] == 0:
+        return
+    _launches[f"{stat}_{'interpreter' if where.interpreted else 'triton'}"] += 1
+    kernel[where.grid](*args, *where.scalars, BLOCK=where.block)
 
 
 def _next_power_of_2(n: int) -> int:

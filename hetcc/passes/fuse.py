@@ -1,5 +1,5 @@
 """fuse: chains of pointwise ops (optionally ending in one row-wise softmax / layer_norm / rms_norm)
-become one ``torch.ops.hetcc.fusion_group`` node each, costed as one memory pass.
+become one call of ``hetcc.kernels.launch.fused`` each (its cached launcher), costed as one memory pass.
 
 Groups are grown greedily in topological order. A node joins its producers' groups (merged, so siblings
 reading one value fuse too) when it is fusible (``hetcc.kernels.lowering``), its shape and the
@@ -32,6 +32,7 @@ from hetcc import config, ir
 from hetcc.ir import info, number_at
 from hetcc.kernels.cache import describe_backend
 from hetcc.kernels.group import FusionGroup, build_group, group_shape
+from hetcc.kernels.launch import fused as FUSED_CALL
 from hetcc.kernels.lowering import MAX_ROW_ELEMENTS, ROW_FINAL, Lowered, lower, rule
 from hetcc.kernels.op import FUSION_META_KEY, register_group
 from hetcc.kernels.source import kernel_source
@@ -207,7 +208,9 @@ def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> FusionGroup
     register_group(group)
     last, inside = members[-1], set(members)
     with graph.inserting_before(last):
-        fused = graph.call_function(torch.ops.hetcc.fusion_group.default, (list(input_nodes), group.name))
+        fused = graph.create_node(
+            "call_function", FUSED_CALL, (list(input_nodes), group.name), name="fusion_group"
+        )
         fused.meta.update(_fused_meta(group, members, input_nodes, outputs))
         for k, out in enumerate(outputs):
             item = graph.call_function(operator.getitem, (fused, k))

@@ -4,7 +4,7 @@ Each node is ``{"name", "op", "target", "args", "kwargs"}``. Function targets ar
 resolved only under an allow-list: operators of ``torch.ops.aten`` / ``prims`` / ``hetcc``, operators
 of the library namespaces the graph declares, and the pure functions export and symbolic_trace emit
 (``operator`` arithmetic, ``math``, ``torch.nn.functional``, torch's native functions but those that
-touch files, ``getattr`` of a public attribute); ``call_method`` names only public methods. A library namespace is one a package
+touch files, ``getattr`` of a public attribute) and hetcc's fused-group launcher; ``call_method`` names only public methods. A library namespace is one a package
 registered with ``torch.library`` and the model calls (``torch.ops.transformers.grouped_mm_fallback``);
 the graph records ``{"libraries": {namespace: module}}``, the module that registered it, and loading
 imports that module, only if it lies in the package named like the namespace and outside the standard
@@ -39,6 +39,7 @@ _OPERATOR_FUNCTIONS = frozenset({
 })  # fmt: skip
 _BUILTIN_FUNCTIONS = frozenset({"getattr", "len", "min", "max", "abs", "int", "float", "bool", "round"})
 _TORCH_DENIED = frozenset({"from_file", "load", "save"})  # native functions that touch files
+_FUSED_MODULE = "hetcc.kernels.launch"
 
 
 def _is_allowed_function(module: str, name: str) -> bool:
@@ -50,6 +51,8 @@ def _is_allowed_function(module: str, name: str) -> bool:
         return name in _BUILTIN_FUNCTIONS
     if module in ("math", "torch.nn.functional", "torch.functional"):
         return not name.startswith("_")
+    if module == _FUSED_MODULE:
+        return name == "fused"  # the launcher of a fused group (hetcc.kernels.launch.fused)
     if module == "torch":
         native = hasattr(torch._C._VariableFunctions, name) and name not in _TORCH_DENIED
         return native or name.startswith("sym_") or name == "_assert"

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from hetcc.errors import HetccError, PlanFormatError
 from hetcc.hardware.schema import load_file, short_repr
-from hetcc.kernels import FUSION_META_KEY, load_groups, write_kernel
+from hetcc.kernels import FUSION_META_KEY, fused, load_groups, write_kernel
 from hetcc.kernels.op import registered_group
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.comm import CommEdge, StageGraph, TiedGroup
@@ -288,6 +288,14 @@ def _save_stage(stage: StageGraph, directory: str, meta: PipelineMeta) -> None:
             write_kernel(group, directory)
 
 
+def _fused_nodes(graph: fx.Graph) -> list[fx.Node]:
+    return [
+        node
+        for target in (fused, torch.ops.hetcc.fusion_group.default)
+        for node in graph.find_nodes(op="call_function", target=target)
+    ]
+
+
 _BUILD_ERRORS = (AttributeError, KeyError, TypeError, ValueError, RuntimeError, IndexError)
 
 
@@ -303,9 +311,9 @@ def _load_stage(entry: dict, directory: str, num_stages: int, tied: tuple[TiedGr
         )
     state = read_tensors(weights, entry.get("tensors"))
     try:
-        for node in graph.find_nodes(op="call_function", target=torch.ops.hetcc.fusion_group.default):
-            # so the stage can be saved again
-            node.meta[FUSION_META_KEY] = registered_group(str(node.args[1]))
+        for node in _fused_nodes(graph):
+            node.target = fused  # a plan saved before the launcher existed named the custom op
+            node.meta[FUSION_META_KEY] = registered_group(str(node.args[1]))  # so it can be saved again
         root = _build_root(graph, layers, state, entry, weights)
         module = fx.GraphModule(root, graph, class_name=f"Stage{entry['index']}")
     except HetccError:
