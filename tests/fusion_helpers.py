@@ -46,8 +46,9 @@ def forward_backward_counted(gm: torch.fx.GraphModule, args: tuple, seed: int = 
 
 def assert_generated_kernels_ran(groups: list, launches: dict[str, int]) -> None:
     """One training step ran each group's generated forward kernel once through the interpreter, and its
-    backward once: the generated kernel for a pointwise group, autograd over the original ops for a row
-    group (``backward == "recompute"``). Nothing fell back to eager."""
+    backward once: the generated kernel (``backward == "generated"``, pointwise and row groups), or
+    autograd over the original ops for a group saved with ``backward == "recompute"``. Nothing fell back
+    to eager."""
     generated = sum(group.backward == "generated" for group in groups)
     expected = dict.fromkeys(launches, 0)
     expected |= {

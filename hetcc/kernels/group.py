@@ -169,7 +169,10 @@ def build_group(
     shape = group_shape(members)
     specs = tuple(_spec(node, shape) for node in input_nodes)
     kind = "row" if any(rule(i.op).row for i in instrs) else "pointwise"
-    backward = "recompute" if kind == "row" else "generated"
+    # Every group fuse forms differentiates in a generated kernel: a row group's row program holds the
+    # whole row, so its reductions' gradients (row sums of the adjoint) are computed there too. A saved
+    # group may still say "recompute" (row groups saved before they had a backward kernel): still valid.
+    backward = "generated"
     out_index = tuple(index[n] for n in outputs)
     name = group_name(instrs, structural_key(kind, specs, instrs, out_index, backward))
     device = members[-1].meta["val"].device.type

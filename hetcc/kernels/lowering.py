@@ -8,6 +8,11 @@ one ``ATEN`` line.
 Inside a kernel every floating value is fp32 (loads upcast, stores cast back); comparisons give
 Triton booleans. Templates name operands ``{a}``, ``{b}``, ``{c}``, the op's result ``{out}`` and the
 incoming gradient ``{g}``.
+
+Row ops run in a row program (one program per row, ``mask`` the valid lanes, ``n_cols`` their count).
+Their forward emitter names the per-row statistics it computes (``{out}_rstd``, ``{out}_xhat``); their
+``grad_lines`` emitter, run once the op's adjoint ``{g}`` is known, computes the masked row sums of
+``{g}`` that their gradient templates read beside those statistics.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class Rule:
     ``triton`` is an expression template (pointwise) or, for row ops, a function emitting lines.
     ``grads`` has one template per operand (None: no gradient flows to it, e.g. a condition).
     ``eager`` runs the op with torch on canonical operands (tensors or Python scalars).
+    ``grad_lines`` (row ops) emits, from ``(out, g, *operands)``, the backward lines computing the row
+    sums its ``grads`` templates read: a row op's gradient couples every lane of the row.
     """
 
     triton: str | Callable[..., list[str]]
@@ -52,6 +59,12 @@ class Rule:
     eager: Callable[..., torch.Tensor]
     flops_per_element: int = 1
     row: bool = False  # a row-wise reduction over the last dim (ends a group)
+    grad_lines: Callable[..., list[str]] | None = None
+
+
+def _row_sum(value: str) -> str:
+    """The sum of ``value`` over the row's valid lanes (masked-off lanes may hold inf or nan)."""
+    return f"tl.sum(tl.where(mask, {value}, 0.0), 0)"
 
 
 def _row_softmax(out: str, a: str) -> list[str]:
@@ -62,27 +75,55 @@ def _row_softmax(out: str, a: str) -> list[str]:
     ]
 
 
+def _softmax_grad_lines(out: str, g: str, a: str) -> list[str]:
+    # d/da softmax: out * (g - sum(g * out))
+    return [f"{out}_gsum = {_row_sum(f'{g} * {out}')}"]
+
+
+def _affine(out: str, w: str, b: str) -> str:
+    """``{out}_xhat`` scaled by an optional weight and shifted by an optional bias."""
+    return f"{out}_xhat" + (f" * {w}" if w != "None" else "") + (f" + {b}" if b != "None" else "")
+
+
 def _row_layer_norm(out: str, a: str, w: str, b: str, eps: str) -> list[str]:
-    lines = [
-        f"{out}_mean = tl.sum(tl.where(mask, {a}, 0.0), 0) / n_cols",
+    return [
+        f"{out}_mean = {_row_sum(a)} / n_cols",
         f"{out}_d = tl.where(mask, {a} - {out}_mean, 0.0)",
-        f"{out} = {out}_d * tl.rsqrt(tl.sum({out}_d * {out}_d, 0) / n_cols + {eps})",
+        f"{out}_rstd = tl.rsqrt(tl.sum({out}_d * {out}_d, 0) / n_cols + {eps})",
+        f"{out}_xhat = {out}_d * {out}_rstd",
+        f"{out} = {_affine(out, w, b)}",
     ]
-    lines += [f"{out} = {out} * {w}"] if w != "None" else []
-    return lines + ([f"{out} = {out} + {b}"] if b != "None" else [])
+
+
+def _layer_norm_grad_lines(out: str, g: str, a: str, w: str, b: str, eps: str) -> list[str]:
+    # d/da: rstd * (g*w - mean(g*w) - xhat * mean(g*w * xhat)); d/dw: g * xhat; d/db: g
+    return [
+        f"{out}_gx = {g}" + (f" * {w}" if w != "None" else ""),
+        f"{out}_gmean = {_row_sum(f'{out}_gx')} / n_cols",
+        f"{out}_gxmean = {_row_sum(f'{out}_gx * {out}_xhat')} / n_cols",
+    ]
 
 
 def _row_mean(out: str, a: str) -> list[str]:
     # A per-row scalar: later ops in the same program broadcast it over the row.
-    return [f"{out} = tl.sum(tl.where(mask, {a}, 0.0), 0) / n_cols"]
+    return [f"{out} = {_row_sum(a)} / n_cols"]
 
 
 def _row_rms_norm(out: str, a: str, w: str, eps: str) -> list[str]:
-    lines = [
-        f"{out}_ms = tl.sum(tl.where(mask, {a} * {a}, 0.0), 0) / n_cols",
-        f"{out} = {a} * tl.rsqrt({out}_ms + {eps})",
+    return [
+        f"{out}_ms = {_row_sum(f'{a} * {a}')} / n_cols",
+        f"{out}_rstd = tl.rsqrt({out}_ms + {eps})",
+        f"{out}_xhat = {a} * {out}_rstd",
+        f"{out} = {_affine(out, w, 'None')}",
     ]
-    return lines + ([f"{out} = {out} * {w}"] if w != "None" else [])
+
+
+def _rms_norm_grad_lines(out: str, g: str, a: str, w: str, eps: str) -> list[str]:
+    # d/da: rstd * (g*w - xhat * mean(g*w * xhat)); d/dw: g * xhat
+    return [
+        f"{out}_gx = {g}" + (f" * {w}" if w != "None" else ""),
+        f"{out}_gxmean = {_row_sum(f'{out}_gx * {out}_xhat')} / n_cols",
+    ]
 
 
 def _pow_expr(a: str, exponent: float) -> str:
@@ -148,21 +189,38 @@ RULES: dict[str, Rule] = {
     "identity": Rule("{a}", ("{g}",), lambda a: a, flops_per_element=0),  # clone
     "dropout": Rule("{a}", ("{g}",), lambda a: a, flops_per_element=0),  # p=0 or eval: no randomness
     "cast": Rule("{a}", ("{g}",), lambda a: a, flops_per_element=0),
-    "row_mean": Rule(_row_mean, (None,), lambda a: a.mean(-1, keepdim=True), row=True),
-    "softmax": Rule(_row_softmax, (None,), lambda a: torch.softmax(a, -1), flops_per_element=5, row=True),
+    # Row ops: the row mean's gradient spreads its adjoint (a per-row scalar) evenly over the row.
+    "row_mean": Rule(
+        _row_mean, ("tl.where(mask, {g}, 0.0) / n_cols",), lambda a: a.mean(-1, keepdim=True), row=True
+    ),
+    "softmax": Rule(
+        _row_softmax,
+        ("{out} * ({g} - {out}_gsum)",),
+        lambda a: torch.softmax(a, -1),
+        flops_per_element=5,
+        row=True,
+        grad_lines=_softmax_grad_lines,
+    ),
     "layer_norm": Rule(
         _row_layer_norm,
-        (None, None, None, None),
+        (
+            "{out}_rstd * ({out}_gx - {out}_gmean - {out}_xhat * {out}_gxmean)",
+            "{g} * {out}_xhat",
+            "{g}",
+            None,
+        ),
         lambda a, w, b, eps: torch.nn.functional.layer_norm(a, a.shape[-1:], w, b, eps),
         flops_per_element=8,
         row=True,
+        grad_lines=_layer_norm_grad_lines,
     ),
     "rms_norm": Rule(
         _row_rms_norm,
-        (None, None, None),
+        ("{out}_rstd * ({out}_gx - {out}_xhat * {out}_gxmean)", "{g} * {out}_xhat", None),
         lambda a, w, eps: torch.nn.functional.rms_norm(a, a.shape[-1:], w, eps),
         flops_per_element=5,
         row=True,
+        grad_lines=_rms_norm_grad_lines,
     ),
 }
 

@@ -1,21 +1,26 @@
 """Readable Triton source for a FusionGroup: one ``@triton.jit`` forward kernel, plus a generated
-backward kernel for pointwise groups.
+backward kernel where ``group.backward == "generated"``.
 
 Pointwise groups run masked 1-D blocks over the flattened iteration space; row groups run one program
 per row of the last dimension (BLOCK >= row length). Inputs with the iteration shape and contiguous
 layout are loaded at the flat offset; every other input (bias, scalar tensor, transposed view) is
 loaded through per-dimension strides passed as kernel arguments (stride 0 on broadcast dims). Math is
 fp32 inside; stores cast back to each output's dtype.
+
+In a row program most values are vectors over the row's lanes, but a row mean, and what is computed
+from per-row values and constants alone, is one number per row (a *per-row scalar*) that later ops
+broadcast. The backward sums the vector adjoint terms reaching such a value over the valid lanes.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from hetcc.kernels.group import FusionGroup, Instr, group_to_json
-from hetcc.kernels.lowering import PASS_THROUGH, rule
+from hetcc.kernels.lowering import PASS_THROUGH, ROW_FINAL, rule
 
 _TL_DTYPE = {torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16"}
 
@@ -151,6 +156,26 @@ def _forward_kernel(group: FusionGroup) -> str:
     return _function(f"{group.name}_fwd", _signature(group, pointers), body)
 
 
+class _Term(NamedTuple):
+    """One contribution to a value's adjoint: a vector over the row's lanes, or one per-row number."""
+
+    expr: str
+    per_row: bool
+
+
+def per_row_scalars(group: FusionGroup) -> set[int]:
+    """Instructions whose value is one number per row in a row program: a row mean (``rule.row`` but
+    not ``ROW_FINAL``) and ops whose operands are all per-row scalars or constants."""
+    found: set[int] = set()
+    for j, instr in enumerate(group.instrs if group.kind == "row" else ()):
+        if rule(instr.op).row:
+            scalar = instr.op not in ROW_FINAL
+        else:  # group inputs are loaded as vectors, even a per-row one ([rows, 1]: stride 0 over the row)
+            scalar = all(kind == "tmp" and k in found for kind, k in instr.args if kind in ("in", "tmp"))
+        found |= {j} if scalar else set()
+    return found
+
+
 def _backward_kernel(group: FusionGroup) -> str:
     """Recompute the chain in registers, then walk it in reverse accumulating adjoints."""
     grads = differentiable_inputs(group)
@@ -161,30 +186,47 @@ def _backward_kernel(group: FusionGroup) -> str:
         f"gout{k} = tl.load(gout{k}_ptr + offs, mask=mask, other=0.0).to(tl.float32)"
         for k in range(len(group.outputs))
     ]
-    terms: dict[str, list[str]] = {}
+    terms: dict[str, list[_Term]] = {}
     for k, j in enumerate(group.outputs):
-        terms.setdefault(f"t{j}", []).append(f"gout{k}")
+        terms.setdefault(f"t{j}", []).append(_Term(f"gout{k}", per_row=False))
+    per_row = per_row_scalars(group)
     for j in reversed(range(len(group.instrs))):
-        body += _adjoint(group, j, terms)
+        body += _adjoint(group, j, terms, per_row)
     for i in grads:
         spec = group.inputs[i]
-        value = " + ".join(terms.get(f"in{i}", [])) or "tl.zeros([BLOCK], dtype=tl.float32)"
+        value = " + ".join(_summands(terms.get(f"in{i}", []), False)) or "tl.zeros([BLOCK], dtype=tl.float32)"
         body.append(f"g_in{i} = {value}")
         body.append(_store(f"gin{i}_ptr", f"g_in{i}", torch.float32 if spec.broadcast else spec.dtype))
     return _function(f"{group.name}_bwd", _signature(group, pointers), body)
 
 
-def _adjoint(group: FusionGroup, j: int, terms: dict[str, list[str]]) -> list[str]:
-    """Lines computing ``g_t<j>`` and the contributions it sends to ``t<j>``'s operands."""
+def _adjoint(group: FusionGroup, j: int, terms: dict[str, list[_Term]], per_row: set[int]) -> list[str]:
+    """Lines computing ``g_t<j>`` (and a row op's row sums of it), and the contributions it sends to
+    ``t<j>``'s operands."""
     instr = group.instrs[j]
     if not terms.get(f"t{j}") or not instr.dtype.is_floating_point:
         return []
+    op_rule = rule(instr.op)
     names = [_operand(a) for a in instr.args]
     fields = dict(zip("abc", names), g=f"g_t{j}", out=f"t{j}")
-    for arg, template in zip(instr.args, rule(instr.op).grads):
+    # A row op's gradient is a vector over the row even where its adjoint is per-row (a row mean's).
+    sends_per_row = j in per_row and not op_rule.row
+    for arg, template in zip(instr.args, op_rule.grads):
         if template is not None and arg[0] in ("in", "tmp"):
-            terms.setdefault(_operand(arg), []).append(f"({template.format(**fields)})")
+            term = _Term(f"({template.format(**fields)})", sends_per_row)
+            terms.setdefault(_operand(arg), []).append(term)
     # Eager keeps a value's gradient in the value's dtype; round narrow ones the same way.
-    total = " + ".join(terms[f"t{j}"])
-    total = _cast(f"({total})" if len(terms[f"t{j}"]) > 1 else total, torch.float32, instr.dtype)
-    return [f"# d/d {instr.replaced}", f"g_t{j} = {total}"]
+    parts = _summands(terms[f"t{j}"], j in per_row)
+    total = " + ".join(parts)
+    total = _cast(f"({total})" if len(parts) > 1 else total, torch.float32, instr.dtype)
+    lines = [f"# d/d {instr.replaced}" + ("  (one per row)" if j in per_row else ""), f"g_t{j} = {total}"]
+    return lines + (op_rule.grad_lines(f"t{j}", f"g_t{j}", *names) if op_rule.grad_lines else [])
+
+
+def _summands(terms: list[_Term], per_row: bool) -> list[str]:
+    """What a value's adjoint adds up: its ``terms``, but for a per-row scalar the vector ones summed
+    over the row's valid lanes into one (masked-off lanes may hold inf or nan)."""
+    vectors = [t.expr for t in terms if not t.per_row]
+    if per_row and vectors:
+        vectors = [f"tl.sum(tl.where(mask, {' + '.join(vectors)}, 0.0), 0)"]
+    return vectors + [t.expr for t in terms if t.per_row]

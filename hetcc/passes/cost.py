@@ -321,10 +321,12 @@ def _times(
 ) -> tuple[float, float, float, float]:
     """(GPU forward, GPU backward, host forward, host backward) seconds of one node on one device type.
 
-    A fused node runs as one Triton kernel on GPUs. Where Triton does not run (a ``cpu`` device, short
-    of the interpreter used for testing), its original ops run instead. A group without a generated
-    backward kernel (``replays``: row groups, and every group on a ``cpu``) differentiates its
-    original ops, recomputing them first: its backward costs its members' forwards and backwards.
+    A fused node runs as one Triton kernel on GPUs, and so does its generated backward (pointwise and
+    row groups alike): about two memory passes. Where Triton does not run (a ``cpu`` device, short of
+    the interpreter used for testing), its original ops run instead. A group without a generated
+    backward kernel (``replays``: one saved with ``backward="recompute"``, and every group on a ``cpu``)
+    differentiates its original ops, recomputing them first: its backward costs its members' forwards
+    and backwards.
     ``cast``: bytes and tensors autocast casts first (and casts back in backward); ``slow``: a
     bf16/fp16 GEMM off tensor-core alignment. The host terms are zero on a CPU (``_queue``).
     """

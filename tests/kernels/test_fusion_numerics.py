@@ -121,7 +121,7 @@ def test_row_reduction_ends_chain_and_matches_eager(name, dtype):
     module = Chain(fn, *modules).to(dtype)
     fused = assert_matches_eager(module, inputs(dtype, False), dtype)
     assert fused_groups(fused)[0].kind == "row"
-    assert fused_groups(fused)[0].backward == "recompute"
+    assert fused_groups(fused)[0].backward == "generated"
 
 
 @pytest.mark.usefixtures("interpreter")
