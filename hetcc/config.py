@@ -10,6 +10,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from hetcc.errors import HetccError, did_you_mean
+
 
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name, "")
@@ -37,6 +39,26 @@ def _fuse_mode(value: str) -> str:
 
 
 fuse: str = _fuse_mode(os.environ.get("HETCC_FUSE", "cost"))
+# CUDA graphs for each stage's compute between its sends and receives (hetcc.runtime.cudagraphs): "auto"
+# (the default) captures them on CUDA devices where that is safe and holds no more activations than
+# the plan budgets, "on" wherever they can be captured, "off" never. HETCC_CUDA_GRAPHS=0 / 1: off / on.
+CUDA_GRAPHS_MODES = ("off", "auto", "on")
+
+
+def cuda_graphs_mode(value: str) -> str:
+    """``value`` (an environment string or a patched knob) as one of ``CUDA_GRAPHS_MODES``; anything
+    else is an error naming the choices, since a mistyped mode would silently change what runs."""
+    mode = {"0": "off", "1": "on"}.get(str(value).strip(), str(value).strip().lower())
+    if mode not in CUDA_GRAPHS_MODES:
+        raise HetccError(
+            f"HETCC_CUDA_GRAPHS / config.cuda_graphs is {value!r}, not a CUDA graphs mode"
+            f"{did_you_mean(mode, CUDA_GRAPHS_MODES)}",
+            hint=f"use one of {', '.join(CUDA_GRAPHS_MODES)} (0 and 1 mean off and on)",
+        )
+    return mode
+
+
+cuda_graphs: str = cuda_graphs_mode(os.environ.get("HETCC_CUDA_GRAPHS", "auto"))
 # Seconds a rank waits on any send/recv/collective before raising RuntimeFailure.
 comm_timeout_s: float = float(os.environ.get("HETCC_COMM_TIMEOUT_S", "120"))
 # Device orders searched exactly up to this many distinct orders; beyond it, heuristic + local search.

@@ -20,6 +20,10 @@ the caller's optimizer (``hetcc.train``). The layout's ``recompute`` runs the fo
 ``torch.utils.checkpoint`` (the transport replays what was received), its ``precision`` under autocast,
 with loss scaling agreed by every rank for fp16 (``runtime.precision``). ``forward_only`` runs the
 forwards alone, without gradients or dropout: an evaluation, or a build compiled for inference.
+
+On a CUDA device the training forwards run the stage's compute between its sends and receives as CUDA
+graphs (``runtime.cudagraphs``; ``config.cuda_graphs``), captured at the second step from the shapes of
+the first; ``cuda_graphs`` says whether they are on, and why not where they are off.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
+from hetcc import config
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import StageGraph
+from hetcc.runtime.cudagraphs import graphs_for_stage
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.precision import LossScaler, forward_context
@@ -85,6 +91,16 @@ class StageExecutor:
         self.params = _unique_parameters(self.module)
         self.roots: dict[int, list[torch.Tensor]] = {}  # microbatch -> where its backward starts
         self.recorder = ActionRecorder(links.rank)
+        self.graphs, self._graphs_off = graphs_for_stage(
+            self.module, self.device, self.precision, recompute=self.recompute,
+            mode=config.cuda_graphs_mode(config.cuda_graphs),
+        )  # fmt: skip
+
+    @property
+    def cuda_graphs(self) -> str:
+        """Whether the stage's training forwards run as CUDA graphs, and why not where they do not
+        (``on: ...`` / ``pending: ...`` / ``off: ...``), for the run's per-rank record."""
+        return self.graphs.reason if self.graphs is not None else self._graphs_off
 
     def run(self, inputs: Mapping[int, dict], targets: Mapping[int, object] | None, actions: list[Action],
             step: int = 0) -> StepResult:  # fmt: skip
@@ -93,6 +109,8 @@ class StageExecutor:
         holds its full-batch gradient. Under fp16 loss scaling the gradients are unscaled; if any rank
         found an inf or nan, every rank drops its gradients (an optimizer step then changes nothing)."""
         _maybe_inject_fault(self.links.rank, step)
+        if self.graphs is not None:  # before any transfer of the step: none is in flight on this rank
+            self.graphs.begin_step(actions)
         for param in self.params:
             param.grad = None
         result = StepResult()
@@ -167,9 +185,12 @@ class StageExecutor:
     def _forward(self, m: int, inputs: dict, target, result: StepResult) -> None:
         args = [_to(inputs[name], self.device) for name in self.stage.inputs]
         training = torch.is_grad_enabled()
-        with forward_context(self.precision, self.device):
+        graphed = training and self.graphs is not None and self.graphs.active
+        with self.graphs.context() if graphed else forward_context(self.precision, self.device):
             if self.recompute and training:  # keeps the inputs only; backward runs the forward again
                 outputs = checkpoint(self.module, *args, use_reentrant=False)
+            elif graphed:
+                outputs = self.graphs(m, *args)
             else:
                 outputs = self.module(*args)
             loss = self._loss(outputs, _to(target, self.device), training) if self.stage.is_last else None
@@ -178,7 +199,8 @@ class StageExecutor:
             result.microbatches.append(m)
         roots = outputs  # the send tokens of a non-last stage
         if loss is not None:
-            result.losses.append(loss.detach().float())
+            # a copy: under CUDA graphs the loss is a graph's output, which its next replay overwrites
+            result.losses.append(loss.detach().float().clone())
             scaled = self.scaler.scale_loss(loss) if self.scaler is not None else loss
             roots = (scaled / self.microbatches,)
         if training:

@@ -66,12 +66,15 @@ class RunResult:
       generated kernel on a GPU, generated kernel through ``TRITON_INTERPRET=1``, original ops.
     - ``backward_triton`` / ``backward_interpreter``: generated backward kernel launches;
       ``backward_recompute``: group backwards that differentiated the original ops instead.
+    - ``cuda_graphs`` (a string): whether the stage's compute ran as CUDA graphs, or why not
+      (``StageExecutor.cuda_graphs``); fused groups inside a graph count their launches while it is
+      captured (warm-up included), not when it replays.
     """
 
     losses: list[float] = field(default_factory=list)
     outputs: tuple = ()
     grads: dict[str, torch.Tensor] = field(default_factory=dict)
-    stats: list[dict[str, int]] = field(default_factory=list)
+    stats: list[dict[str, int | str]] = field(default_factory=list)
     first_step: int = 0
     records: list[dict[str, Any]] = field(default_factory=list)
     eval_losses: list[tuple[int, float | None]] = field(default_factory=list)

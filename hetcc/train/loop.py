@@ -90,7 +90,8 @@ def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any
     return {
         "losses": [r["loss"] for r in records], "records": records, "eval_losses": evals, "first_step": first_step,
         "notes": notes, "outputs": dict(zip(last.microbatches, last.outputs)) if last is not None else {},
-        "grads": rank.executor.named_grads(), "stats": {**transfer_stats(), **launch_stats()},
+        "grads": rank.executor.named_grads(),
+        "stats": {**transfer_stats(), **launch_stats(), "cuda_graphs": rank.executor.cuda_graphs},
         "summary": _summary(rank, figures, step_times, busy), "metrics": str(log.path) if log is not None else None,
     }  # fmt: skip
 

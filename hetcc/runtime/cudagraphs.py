@@ -1,0 +1,207 @@
+"""CUDA graphs for a stage's compute: their capture and replay.
+
+On a GPU the host issues a stage's many small ops more slowly than the GPU runs them; a CUDA graph
+records the kernels of a run of ops once and replays them with one launch. ``runtime.segments`` finds the
+maximal runs of compute between a stage's communication (``hetcc.recv``/``hetcc.send``) and the ops a
+graph cannot hold; ``GraphedStage`` runs the stage with each run a call to
+``torch.cuda.make_graphed_callables``, which captures the backward too, so autograd through the stage,
+and the gradients its ops send back, work as before.
+
+A replay reuses memory: a graph's outputs, the activations its backward keeps and the gradients it
+returns live at fixed addresses that its next replay overwrites. A pipeline holds several microbatches
+between their forward and backward, so each microbatch gets graphs of its own (its *slot*), captured at
+the start of the second training step on the inputs the first step recorded (real shapes; no transfer
+of this rank in flight), each in its own memory pool (autograd, not the capture order, decides in which
+order independent segments run backward). Graphs per microbatch hold every microbatch's activations,
+which a 1F1B plan does not budget, so ``auto`` captures only where the schedule holds them all anyway.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+from hetcc.runtime.precision import autocast_dtype
+from hetcc.runtime.segments import MIN_SEGMENT_OPS, SegmentPlan, plan_segments, split_at_segments
+from hetcc.solver.schedules import Action
+
+
+class SegmentCall(torch.nn.Module):
+    """One segment as the split stage calls it: the CUDA graph captured for the current microbatch
+    (``slot``) where there is one and the inputs are of the kind it was captured on, else the segment's
+    own ops, recording the first inputs each slot runs on (for its capture)."""
+
+    def __init__(self, compute: fx.GraphModule):
+        super().__init__()
+        self.compute, self.slot = compute, None
+        self.samples: dict[int, tuple] = {}  # slot -> static copies of the inputs it first ran on
+        self.kinds: dict[int, tuple[list, list]] = {}  # slot -> (_kinds of its inputs, of its outputs)
+        self.graphed: dict[int, Callable] = {}  # slot -> graphed copy of ``compute``
+
+    def forward(self, *args):
+        graphed = self.graphed.get(self.slot)
+        if graphed is not None and _kinds(args) == self.kinds[self.slot][0]:
+            return _grad_as_recorded(graphed(*args), self.kinds[self.slot][1])
+        outputs = self.compute(*args)
+        if self.slot is not None and self.slot not in self.samples:
+            self.samples[self.slot] = map_aggregate(args, _static_copy)
+            self.kinds[self.slot] = (_kinds(args), _kinds(outputs))
+        return outputs
+
+    def capture(self, slot: int) -> None:
+        """Graph a copy of the segment (the same parameters and buffers) on the inputs ``slot`` recorded."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.compute.graph, {}))
+        copy = fx.GraphModule(self.compute, graph, class_name=type(self.compute).__name__).train(
+            self.training
+        )
+        self.graphed[slot] = torch.cuda.make_graphed_callables(
+            copy, self.samples[slot], allow_unused_input=True
+        )
+
+    def forget(self) -> None:
+        """Drop the samples and graphs (and the memory they hold)."""
+        self.samples, self.kinds, self.graphed = {}, {}, {}
+
+
+def _static_copy(value: object) -> object:
+    """A tensor's copy for a graph's static input (non-tensors stay, and capture then refuses them)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().clone().requires_grad_(value.requires_grad)
+
+
+def _kinds(values: object) -> list:
+    """What a graph fixes of its inputs and outputs: each tensor's shape, dtype, device, requires_grad."""
+    kinds: list = []
+
+    def kind(value: object) -> object:
+        if isinstance(value, torch.Tensor):
+            return value.shape, value.dtype, value.device, value.requires_grad
+        return value
+
+    map_aggregate(values, lambda value: kinds.append(kind(value)))
+    return kinds
+
+
+def _grad_as_recorded(outputs: object, kinds: list) -> object:
+    """A graph's outputs, detached where the segment's own ops gave none a gradient (a graph's autograd
+    function marks every floating output), so later segments get inputs of the kind they recorded."""
+    recorded = iter(kinds)
+
+    def leaf(value: object) -> object:
+        kind = next(recorded)
+        return value.detach() if isinstance(value, torch.Tensor) and not kind[3] else value
+
+    return map_aggregate(outputs, leaf)
+
+
+def capture_context(precision: str, device: torch.device):
+    """The forward's autocast (``precision.forward_context``) without its cache of cast weights, which
+    ``make_graphed_callables`` refuses: a graph replays the casts instead."""
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype, cache_enabled=False)
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: torch.nn.Module) -> Iterator[None]:
+    """Capture runs each segment's forward several times (warm-up, capture): restore the buffers those
+    runs update (train-mode BatchNorm statistics) afterwards."""
+    saved = [(buffer, buffer.clone()) for buffer in module.buffers() if not buffer.requires_grad]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, before in saved:
+                buffer.copy_(before)
+
+
+def in_flight_peak(actions: Sequence[Action]) -> int:
+    """The most microbatches between their forward and backward at once in ``actions``."""
+    peak = held = 0
+    for action in actions:
+        held += {"F": 1, "B": -1}.get(action.kind, 0)
+        peak = max(peak, held)
+    return peak
+
+
+class GraphedStage:
+    """A stage module run with CUDA graphs per segment and microbatch: the first training step runs the
+    segments' own ops and records their inputs, the next step captures them (``begin_step``), and later
+    forwards replay them. ``reason`` says whether graphs are on, and why not where they are off."""
+
+    def __init__(self, module: fx.GraphModule, plan: SegmentPlan, device: torch.device, precision: str,
+                 mode: str):  # fmt: skip
+        self.module, self.plan, self.device, self.precision, self.mode = module, plan, device, precision, mode
+        self.split = split_at_segments(module, plan, SegmentCall)
+        self.calls: list[SegmentCall] = [
+            self.split.get_submodule(f"segment_{s.index}") for s in plan.segments
+        ]
+        self.captured: set[int] = set()
+        self.active, self.checked = True, False
+        self.reason = f"pending: {self._summary()}, captured at the second training step"
+
+    def context(self):
+        """What the stage's forward (and loss) runs in while graphs are on."""
+        return capture_context(self.precision, self.device)
+
+    def __call__(self, microbatch: int, *args):
+        for call in self.calls:
+            call.slot = microbatch
+        return self.split(*args)
+
+    def begin_step(self, actions: Sequence[Action]) -> None:
+        """Before a training step: under ``auto``, turn graphs off if the schedule holds fewer
+        microbatches at once than the step has; capture what the previous step recorded. A capture
+        that fails leaves the stage uncaptured, with the failure as the reason."""
+        if not self.active:
+            return
+        forwards, peak = sum(a.kind == "F" for a in actions), in_flight_peak(actions)
+        if self.mode == "auto" and not self.checked and peak < forwards:
+            held = f"the schedule holds {peak} of its {forwards} microbatches at once"
+            return self._off(f"{held}; graphs per microbatch would hold all (HETCC_CUDA_GRAPHS=on does)")
+        self.checked = True
+        recorded = sorted(set(self.calls[0].samples) - self.captured)
+        try:
+            with _buffers_kept(self.module), self.context():
+                for slot in recorded:
+                    for call in self.calls:
+                        call.capture(slot)
+                    self.captured.add(slot)
+        except Exception as error:  # noqa: BLE001 - any capture failure: run uncaptured, say why
+            return self._off(f"capture failed: {type(error).__name__}: {(str(error) or '-').splitlines()[0]}")
+        if self.captured:
+            self.reason = f"on: {self._summary()} x {len(self.captured)} microbatches"
+
+    def _summary(self) -> str:
+        return f"{len(self.plan.segments)} segments ({sum(s.ops for s in self.plan.segments)} ops)"
+
+    def _off(self, why: str) -> None:
+        self.active, self.reason = False, f"off: {why}"
+        for call in self.calls:
+            call.forget()
+
+
+def graphs_for_stage(
+    module: fx.GraphModule, device: torch.device, precision: str, *, recompute: bool, mode: str
+) -> tuple[GraphedStage | None, str]:
+    """The graphed form of a stage module on ``device`` (already there), or None and why graphs are
+    off: ``mode`` off, not a CUDA device, a recomputed stage (``torch.utils.checkpoint`` runs its forward
+    again in backward, outside any graph), or no run of compute long enough."""
+    if mode == "off":
+        return None, "off: config.cuda_graphs is off"
+    if device.type != "cuda":
+        return None, f"off: a {device.type} device (CUDA graphs need a CUDA device)"
+    if recompute:
+        return None, "off: the stage recomputes its forward in backward (torch.utils.checkpoint)"
+    plan = plan_segments(module.graph, device)
+    if not plan.segments:
+        return None, f"off: no run of {MIN_SEGMENT_OPS} or more ops between the stage's communication"
+    graphs = GraphedStage(module, plan, device, precision, mode)
+    return graphs, graphs.reason
