@@ -40,8 +40,8 @@ def _fuse_mode(value: str) -> str:
 
 fuse: str = _fuse_mode(os.environ.get("HETCC_FUSE", "cost"))
 # CUDA graphs for each stage's compute between its sends and receives (hetcc.runtime.cudagraphs): "auto"
-# (the default) captures them on CUDA devices where that is safe and holds no more activations than
-# the plan budgets, "on" wherever they can be captured, "off" never. HETCC_CUDA_GRAPHS=0 / 1: off / on.
+# (the default) captures them on CUDA devices where that is safe and the first step's measured memory
+# shows the device holds graphs for every microbatch, "on" wherever they can be captured, "off" never. HETCC_CUDA_GRAPHS=0 / 1: off / on.
 CUDA_GRAPHS_MODES = ("off", "auto", "on")
 
 

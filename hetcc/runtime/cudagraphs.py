@@ -13,7 +13,8 @@ between their forward and backward, so each microbatch gets graphs of its own (i
 the start of the second training step on the inputs the first step recorded (real shapes; no transfer
 of this rank in flight), each in its own memory pool (autograd, not the capture order, decides in which
 order independent segments run backward). Graphs per microbatch hold every microbatch's activations,
-which a 1F1B plan does not budget, so ``auto`` captures only where the schedule holds them all anyway.
+which a 1F1B plan does not budget, so ``auto`` captures only where the first step's measured memory
+shows the device holds them all (``room_for_graphs``); ``on`` captures anyway.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class GraphedStage:
         ]
         self.captured: set[int] = set()
         self.active, self.checked = True, False
+        self.first_step: int | None = None  # memory allocated when the first training step began
         self.reason = f"pending: {self._summary()}, captured at the second training step"
 
     def context(self):
@@ -157,15 +159,25 @@ class GraphedStage:
         return self.split(*args)
 
     def begin_step(self, actions: Sequence[Action]) -> None:
-        """Before a training step: under ``auto``, turn graphs off if the schedule holds fewer
-        microbatches at once than the step has; capture what the previous step recorded. A capture
-        that fails leaves the stage uncaptured, with the failure as the reason."""
+        """Before a training step: the first one measures the memory the stage's step takes; the next
+        captures what the first recorded, under ``auto`` only where the device holds every microbatch's
+        activations at once (``_room_for_graphs``). A capture that fails leaves the stage uncaptured,
+        with the failure as the reason."""
         if not self.active:
             return
-        forwards, peak = sum(a.kind == "F" for a in actions), in_flight_peak(actions)
-        if self.mode == "auto" and not self.checked and peak < forwards:
-            held = f"the schedule holds {peak} of its {forwards} microbatches at once"
-            return self._off(f"{held}; graphs per microbatch would hold all (HETCC_CUDA_GRAPHS=on does)")
+        cuda = self.device.type == "cuda"
+        if self.first_step is None:  # the first training step runs uncaptured and is measured
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self.first_step = torch.cuda.memory_allocated(self.device) if cuda else 0
+            return
+        if self.mode == "auto" and not self.checked and cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            forwards, held = sum(a.kind == "F" for a in actions), in_flight_peak(actions)
+            refusal = room_for_graphs(peak - self.first_step, peak, total, forwards, held)
+            if refusal is not None:
+                return self._off(f"{refusal} (HETCC_CUDA_GRAPHS=on captures anyway)")
         self.checked = True
         recorded = sorted(set(self.calls[0].samples) - self.captured)
         try:
@@ -186,6 +198,21 @@ class GraphedStage:
         self.active, self.reason = False, f"off: {why}"
         for call in self.calls:
             call.forget()
+
+
+def room_for_graphs(step_bytes: float, peak_bytes: float, device_bytes: float, forwards: int,
+                    held: int) -> str | None:  # fmt: skip
+    """Why a device cannot hold graphs for every microbatch of a step (None: it can). Graphs per
+    microbatch keep each one's activations for good, where the schedule holds ``held`` of ``forwards``
+    at once: the first step's peak (``peak_bytes``) grows by the activations of the others (each about
+    the step's growth ``step_bytes`` / ``held``, and a tenth more for the graphs' static inputs), against
+    90% of the device's memory."""
+    per_microbatch = step_bytes / max(held, 1)
+    need = peak_bytes + 1.1 * per_microbatch * max(forwards - held, 0)
+    if need <= 0.9 * device_bytes:
+        return None
+    return (f"graphs for all {forwards} microbatches would need {need / 2**30:.1f} GiB of the device's "
+            f"{device_bytes / 2**30:.1f} GiB (the schedule holds {held} at once)")  # fmt: skip
 
 
 def graphs_for_stage(

@@ -14,7 +14,7 @@ from hetcc import config
 from hetcc.errors import HetccError
 from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import split_stages
-from hetcc.runtime.cudagraphs import GraphedStage, graphs_for_stage, in_flight_peak
+from hetcc.runtime.cudagraphs import GraphedStage, graphs_for_stage, in_flight_peak, room_for_graphs
 from hetcc.runtime.segments import barrier_reason, plan_segments, split_at_segments
 from hetcc.sendrecv import LocalTransport, use_transport
 from hetcc.solver.schedules import Action
@@ -255,7 +255,7 @@ def test_a_stage_that_cannot_be_captured_runs_uncaptured_and_says_why(mlp_stages
     assert call.samples == {} and call.graphed == {}
 
 
-def test_auto_leaves_graphs_off_where_the_schedule_holds_fewer_microbatches(mlp_stages):
+def test_auto_captures_only_where_the_device_holds_every_microbatchs_graphs(mlp_stages):
     one_f_one_b = [
         Action(kind, m) for kind, m in [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
     ]
@@ -263,9 +263,14 @@ def test_auto_leaves_graphs_off_where_the_schedule_holds_fewer_microbatches(mlp_
     module = mlp_stages[1].module
     graphs, reason = graphs_for_stage(module, CUDA, "fp32", recompute=False, mode="auto")
     assert reason == "pending: 1 segments (2 ops), captured at the second training step"
-    graphs.begin_step(one_f_one_b)
-    assert graphs.reason == ("off: the schedule holds 2 of its 3 microbatches at once; graphs per microbatch "
-                             "would hold all (HETCC_CUDA_GRAPHS=on does)")  # fmt: skip
+    gib = 2**30
+    # 1F1B holds 2 of 8 microbatches; the first step grew by 4 GiB to a 10 GiB peak: 6 more microbatches
+    # of 2 GiB (+10% for static inputs) need 23.2 GiB, which 80 GiB holds and 24 GiB does not
+    assert room_for_graphs(4 * gib, 10 * gib, 80 * gib, forwards=8, held=2) is None
+    assert room_for_graphs(4 * gib, 10 * gib, 24 * gib, forwards=8, held=2) == (
+        "graphs for all 8 microbatches would need 23.2 GiB of the device's 24.0 GiB (the schedule holds 2 at once)"
+    )
+    assert room_for_graphs(4 * gib, 10 * gib, 12 * gib, forwards=2, held=2) is None  # GPipe holds all anyway
 
 
 def test_why_graphs_are_off(mlp_stages):
