@@ -47,6 +47,7 @@ from hetcc.passes.trace import drop_dtype_asserts, trace
 from hetcc.plan import PRECISIONS, Plan
 from hetcc.report import write_report
 from hetcc.runtime.contract import PlanSpace, pipeline_meta_for
+from hetcc.runtime.cudagraphs import graphs_note
 from hetcc.runtime.store import Pipeline, pipeline_meta
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.export import export
@@ -209,6 +210,7 @@ def _compile_at(
     sources = functools.cache(lambda: [stage_source(s) for s in stages])  # only made when dumped
     with _step(dumper, "codegen", lambda: "\n".join(sources()), None):
         codegen(stages)
+    plan = _with_graphs_note(plan, stages, cluster)
     if dumper.folder is not None:  # beside the numbered steps: the plan, its problem, each stage's program
         dumper.write("plan.json", plan.to_json(), numbered=False)
         dumper.write("problem.json", problem.to_json(), numbered=False)
@@ -222,6 +224,15 @@ def _compile_at(
         state_dict=_state_dict_keys(model), plan_space=PlanSpace(replicate, recompute),
     )  # fmt: skip
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
+
+
+def _with_graphs_note(plan: Plan, stages: Sequence, cluster: Cluster) -> Plan:
+    """The plan with a note on which stages the runtime will capture as CUDA graphs, and why not others."""
+    vendor = {t.name: t.vendor for t in cluster.types}
+    on_gpu = [vendor[s.device_type] != "cpu" for s in plan.stages]
+    recompute = [s.recompute for s in plan.stages]
+    note = graphs_note(stages, on_gpu, recompute, config.cuda_graphs_mode(config.cuda_graphs))
+    return replace(plan, notes=(*plan.notes, note)) if note else plan
 
 
 def _fuse_for_stages(gm: torch.fx.GraphModule, plan: Plan, choice: FusionChoice, analysis: Analysis) -> Plan:

@@ -54,13 +54,19 @@ def module_for_device(stage: StageGraph, device: torch.device | str) -> fx.Graph
     device = torch.device(device)
     if device.type == "cpu":
         return stage.module
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(stage.module.graph, {}))
-    _retarget_devices(graph, device)
-    module = fx.GraphModule(stage.module, graph, class_name=f"Stage{stage.index}")
+    module = fx.GraphModule(stage.module, graph_for_device(stage, device), class_name=f"Stage{stage.index}")
     if hasattr(stage.module, ANCHOR_NAME):
         attach_anchor(module, device)
     return module
+
+
+def graph_for_device(stage: StageGraph, device: torch.device) -> fx.Graph:
+    """A copy of the stage's graph whose traced device constants name ``device``: what a rank on
+    ``device`` runs (``module_for_device``)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(stage.module.graph, {}))
+    _retarget_devices(graph, device)
+    return graph
 
 
 def _retarget_devices(graph: fx.Graph, device: torch.device) -> None:

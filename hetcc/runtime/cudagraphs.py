@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_aggregate
 
+from hetcc.passes.codegen import graph_for_device
 from hetcc.runtime.precision import autocast_dtype
 from hetcc.runtime.segments import MIN_SEGMENT_OPS, SegmentPlan, plan_segments, split_at_segments
 from hetcc.solver.schedules import Action
@@ -232,3 +233,28 @@ def graphs_for_stage(
         return None, f"off: no run of {MIN_SEGMENT_OPS} or more ops between the stage's communication"
     graphs = GraphedStage(module, plan, device, precision, mode)
     return graphs, graphs.reason
+
+
+def graphs_note(stages: Sequence, on_gpu: Sequence[bool], recompute: Sequence[bool], mode: str) -> str | None:
+    """The plan's note on CUDA graphs for ``stages`` (``StageGraph``s; ``on_gpu`` / ``recompute`` per
+    stage): which stages the runtime will capture, with how many segments, and why the others run
+    uncaptured. None where no stage runs on a GPU."""
+    if not any(on_gpu):
+        return None
+    if mode == "off":
+        return "cuda graphs: off (HETCC_CUDA_GRAPHS=off)"
+    captured, uncaptured = [], []
+    for stage, gpu, recomputes in zip(stages, on_gpu, recompute):
+        cuda = torch.device("cuda")
+        segments = plan_segments(graph_for_device(stage, cuda), cuda).segments
+        why = ("a CPU device" if not gpu else "it recomputes its forward in backward" if recomputes
+               else "no run of compute long enough" if not segments else None)  # fmt: skip
+        if why is None:
+            captured.append(f"{stage.index} ({len(segments)} segment{'s' * (len(segments) != 1)})")
+        else:
+            uncaptured.append(f"stage {stage.index} uncaptured: {why}")
+    when = "at the second step" + (
+        " where the device holds every microbatch's graphs" if mode == "auto" else ""
+    )
+    parts = [f"stages {', '.join(captured)} captured {when}"] if captured else []
+    return f"cuda graphs ({mode}): " + "; ".join(parts + uncaptured)

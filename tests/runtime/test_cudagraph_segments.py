@@ -14,7 +14,13 @@ from hetcc import config
 from hetcc.errors import HetccError
 from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import split_stages
-from hetcc.runtime.cudagraphs import GraphedStage, graphs_for_stage, in_flight_peak, room_for_graphs
+from hetcc.runtime.cudagraphs import (
+    GraphedStage,
+    graphs_for_stage,
+    graphs_note,
+    in_flight_peak,
+    room_for_graphs,
+)
 from hetcc.runtime.segments import barrier_reason, plan_segments, split_at_segments
 from hetcc.sendrecv import LocalTransport, use_transport
 from hetcc.solver.schedules import Action
@@ -344,3 +350,22 @@ def test_captured_stages_match_uncaptured_ones_on_cuda(gpt2_compiled, precision)
         if step > 0:
             assert all(g.reason.startswith("on: ") for g in graphs), [g.reason for g in graphs]
             assert eager_runs[0] == runs_before  # every segment replayed its graph
+
+
+def test_the_plan_says_which_stages_run_as_cuda_graphs_and_why_not_the_others(gpt2_compiled):
+    compiled, _ = gpt2_compiled
+    stages = compiled.pipeline.stages
+    assert not any(note.startswith("cuda graphs") for note in compiled.plan.notes)  # CPU devices only
+    note = graphs_note(stages, on_gpu=[True, True], recompute=[False, True], mode="auto")
+    assert note == (
+        "cuda graphs (auto): stages 0 (1 segment) captured at the second step where the device holds every "
+        "microbatch's graphs; stage 1 uncaptured: it recomputes its forward in backward"
+    )
+    note = graphs_note(stages, on_gpu=[False, True], recompute=[False, False], mode="on")
+    assert (
+        note
+        == "cuda graphs (on): stages 1 (1 segment) captured at the second step; stage 0 uncaptured: a CPU device"
+    )
+    assert (
+        graphs_note(stages, [True, True], [False, False], "off") == "cuda graphs: off (HETCC_CUDA_GRAPHS=off)"
+    )
