@@ -15,8 +15,8 @@ A calibration file (YAML or JSON, one per device type and machine) looks like::
     kernel_overhead_s: 4.1e-06                   # seconds (or "4.1 us")
     host_op_s: 1.4e-05                           # optional (GPUs): host seconds per graph op,
     host_backward_op_s: 6.4e-05                  # and per op's backward (see passes.cost);
-    host_fused_op_s: 1.9e-04                     # the same per fused-group call
-    host_fused_backward_op_s: 6.9e-04
+    host_fused_op_s: 6.0e-05                     # the same per fused-group call
+    host_fused_backward_op_s: 1.2e-04
 
 ``Calibration.load`` checks a file against that format (``_FILE``, a ``hetcc.hardware.schema`` record), so
 errors name the file, the field and the closest valid key.

@@ -111,11 +111,13 @@ class DeviceType:
     # gave 14.2 us and 63.8 us, the defaults.
     host_op_s: float = 14e-6
     host_backward_op_s: float = 64e-6
-    # The same for one fused group's call (torch.ops.hetcc.fusion_group: a custom op's Python dispatch
-    # and autograd wrapper around the Triton launch), measured by ``hetcc.calibrate`` too; the H200's
-    # host gave 191 us and 694 us.
-    host_fused_op_s: float = 190e-6
-    host_fused_backward_op_s: float = 690e-6
+    # The same for one fused group's call (``hetcc.kernels.launch.fused``: its cached launch, autograd
+    # function and Triton's launcher), measured by ``hetcc.calibrate`` too. Estimated, not yet measured
+    # on a GPU: the launcher's own Python takes 15 us forward / 39 us backward on the CPU where the
+    # previous call path (a torch.library custom op, 72 / 193 us there) took 191 / 694 us on the H200's
+    # host, 2.6x as long; times 2.6, plus ~20 us for each Triton launch.
+    host_fused_op_s: float = 60e-6
+    host_fused_backward_op_s: float = 120e-6
 
     def __post_init__(self) -> None:
         try:
