@@ -323,10 +323,10 @@ def _times(
 
     A fused node runs as one Triton kernel on GPUs, and so does its generated backward (pointwise and
     row groups alike): about two memory passes. Where Triton does not run (a ``cpu`` device, short of
-    the interpreter used for testing), its original ops run instead. A group without a generated
-    backward kernel (``replays``: one saved with ``backward="recompute"``, and every group on a ``cpu``)
-    differentiates its original ops, recomputing them first: its backward costs its members' forwards
-    and backwards.
+    the interpreter used for testing), its original ops run instead, under autograd: it costs what
+    they cost, forward and backward. A group without a generated backward kernel (``replays``: one
+    saved with ``backward="recompute"``) differentiates its original ops on a GPU, recomputing them
+    first: its backward costs its members' forwards and backwards.
     ``cast``: bytes and tensors autocast casts first (and casts back in backward); ``slow``: a
     bf16/fp16 GEMM off tensor-core alignment. The host terms are zero on a CPU (``_queue``).
     """
@@ -342,7 +342,8 @@ def _times(
         parts = [_times(rate, member, key, has_backward, kind="op") for member in record.members]
         members_fwd = sum(p[0] for p in parts)
         fwd = members_fwd if on_cpu else rate.time_s(record.fwd_flops, record.bytes, key)
-        bwd = sum(p[1] for p in parts) + members_fwd if has_backward else 0.0
+        recomputed = 0.0 if on_cpu else members_fwd
+        bwd = sum(p[1] for p in parts) + recomputed if has_backward else 0.0
         # a replay differentiates the members under torch autograd, after the group op's own wrapper
         replayed = host[1] + sum(p[2] + p[3] for p in parts) if not on_cpu else 0.0
         return fwd, bwd, host[0], replayed
