@@ -58,7 +58,7 @@ class StepResult:
     """What one training step produced on this rank (losses and outputs only on the last stage)."""
 
     losses: list[torch.Tensor] = field(default_factory=list)  # per microbatch this rank ran
-    outputs: list[tuple] = field(default_factory=list)  # per microbatch: the model's flat outputs
+    outputs: list[tuple] = field(default_factory=list)  # per microbatch: the model's flat outputs, detached
     microbatches: list[int] = field(default_factory=list)  # which microbatch each loss/output is
     mean_loss: float | None = None  # over all M microbatches, every replica's (last stage only)
     skipped: bool = False  # fp16: an inf/nan gradient on some rank; gradients dropped, no update
@@ -91,6 +91,7 @@ class StageExecutor:
         self.params = _unique_parameters(self.module)
         self.roots: dict[int, list[torch.Tensor]] = {}  # microbatch -> where its backward starts
         self.recorder = ActionRecorder(links.rank)
+        self._keep_outputs = True
         self.graphs, self._graphs_off = graphs_for_stage(
             self.module, self.device, self.precision, recompute=self.recompute,
             mode=config.cuda_graphs_mode(config.cuda_graphs),
@@ -103,11 +104,14 @@ class StageExecutor:
         return self.graphs.reason if self.graphs is not None else self._graphs_off
 
     def run(self, inputs: Mapping[int, dict], targets: Mapping[int, object] | None, actions: list[Action],
-            step: int = 0) -> StepResult:  # fmt: skip
+            step: int = 0, *, keep_outputs: bool = True) -> StepResult:  # fmt: skip
         """Forward and backward of every microbatch of ``actions`` (``inputs[m]``: model input name ->
         value; ``targets[m]``: the loss function's target), then the gradient sums, so each parameter
         holds its full-batch gradient. Under fp16 loss scaling the gradients are unscaled; if any rank
-        found an inf or nan, every rank drops its gradients (an optimizer step then changes nothing)."""
+        found an inf or nan, every rank drops its gradients (an optimizer step then changes nothing).
+        ``keep_outputs``: the last stage keeps each microbatch's outputs (detached, where they are: a
+        language model's logits are the largest tensors of a step) in ``outputs``."""
+        self._keep_outputs = keep_outputs
         _maybe_inject_fault(self.links.rank, step)
         if self.graphs is not None:  # before any transfer of the step: none is in flight on this rank
             self.graphs.begin_step(actions)
@@ -195,7 +199,8 @@ class StageExecutor:
                 outputs = self.module(*args)
             loss = self._loss(outputs, _to(target, self.device), training) if self.stage.is_last else None
         if self.stage.is_last:
-            result.outputs.append(tuple(_detach(o) for o in outputs))
+            if self._keep_outputs or not training:
+                result.outputs.append(tuple(_detach(o) for o in outputs))
             result.microbatches.append(m)
         roots = outputs  # the send tokens of a non-last stage
         if loss is not None:
@@ -314,7 +319,7 @@ def _to(value, device: torch.device):
 
 
 def _detach(value):
-    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
+    return value.detach() if isinstance(value, torch.Tensor) else value
 
 
 def _maybe_inject_fault(rank: int, step: int) -> None:

@@ -70,7 +70,8 @@ def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any
         for step in range(first_step, first_step + settings.steps):
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
-            last, norm = _step(rank, next(batches), optimizer, scheduler, settings.clip_grad_norm)
+            final = step == first_step + settings.steps - 1  # only its outputs are returned
+            last, norm = _step(rank, next(batches), optimizer, scheduler, settings.clip_grad_norm, final)
             step_times.append(time.perf_counter() - started)
             busy.append(last.busy_s)
             record = {"step": step, "loss": last.mean_loss, "lr": lr, "grad_norm": norm,
@@ -89,20 +90,30 @@ def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any
         log.close()
     return {
         "losses": [r["loss"] for r in records], "records": records, "eval_losses": evals, "first_step": first_step,
-        "notes": notes, "outputs": dict(zip(last.microbatches, last.outputs)) if last is not None else {},
+        "notes": notes, "outputs": _outputs_on_cpu(last),
         "grads": rank.executor.named_grads(),
         "stats": {**transfer_stats(), **launch_stats(), "cuda_graphs": rank.executor.cuda_graphs},
         "summary": _summary(rank, figures, step_times, busy), "metrics": str(log.path) if log is not None else None,
     }  # fmt: skip
 
 
-def _step(rank: PipelineRank, batch, optimizer, scheduler, clip: float | None) -> tuple[Any, float | None]:
+def _outputs_on_cpu(last) -> dict[int, tuple]:
+    """The last step's outputs per microbatch, copied to the host (what ``RunResult.outputs`` returns)."""
+    if last is None:
+        return {}
+    host = lambda value: value.cpu() if isinstance(value, torch.Tensor) else value  # noqa: E731
+    return {m: tuple(map(host, outputs)) for m, outputs in zip(last.microbatches, last.outputs)}
+
+
+def _step(
+    rank: PipelineRank, batch, optimizer, scheduler, clip: float | None, keep_outputs: bool
+) -> tuple[Any, float | None]:
     """One step: forward and backward, the global gradient norm (clipped), the optimizer and the
     schedule; a build compiled for inference evaluates instead. Returns the step's result and norm."""
     if not rank.training:
         rank.steps_done += 1
         return rank.evaluate(batch), None
-    result = rank.step(batch)
+    result = rank.step(batch, keep_outputs=keep_outputs)
     norm = rank.clip_grad_norm_(clip) if clip else rank.grad_norm()
     if optimizer is not None:
         optimizer.step()

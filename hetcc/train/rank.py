@@ -157,10 +157,12 @@ class PipelineRank:
         """This rank's share of each global batch of ``data`` (``hetcc.train.data``), from ``position``."""
         return RankData(data, self.needs, seed=seed, position=position)
 
-    def step(self, batch: RankBatch | Mapping[str, Any]) -> StepResult:
+    def step(self, batch: RankBatch | Mapping[str, Any], *, keep_outputs: bool = True) -> StepResult:
         """One training step: forward and backward of this rank's microbatches, gradients summed (see the
         module docstring). ``batch``: from ``data()``, or one global batch as a dict (this rank takes the
-        inputs its stage reads; a batch without them fails here, naming the input)."""
+        inputs its stage reads; a batch without them fails here, naming the input). ``keep_outputs``
+        False: the last stage keeps no outputs (they stay where they are, detached, until the next step
+        otherwise)."""
         if not self.training:
             raise HetccError(
                 f"{self.directory} was compiled for inference: it runs forward only",
@@ -168,7 +170,9 @@ class PipelineRank:
             )
         share = self._share(batch)
         actions = self.layout.actions(self.schedule, self.rank)
-        result = self.executor.run(share.inputs, share.targets, actions, step=self.steps_done)
+        result = self.executor.run(
+            share.inputs, share.targets, actions, step=self.steps_done, keep_outputs=keep_outputs
+        )
         self.steps_done += 1
         return result
 
