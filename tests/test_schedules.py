@@ -97,3 +97,35 @@ def test_bad_arguments_name_the_culprit():
         stage_actions("1f1b", 2, 0)
     with pytest.raises(PlanFormatError, match="num_stages"):
         format_grid("gpipe", 1.5, 2)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(1, 3), (2, 5), (4, 8), (5, 3), (6, 16)])
+def test_zb_h1_defers_each_stages_weight_gradients_and_holds_min_m_p(stages, microbatches):
+    orders = stage_actions("zb-h1", stages, microbatches)
+    one_f_one_b = stage_actions("1f1b", stages, microbatches)
+    for s, actions in enumerate(orders):
+        # 1F1B's forwards and input gradients, in 1F1B's order
+        assert [a for a in actions if a.kind != "W"] == one_f_one_b[s]
+        weights = [a.microbatch for a in actions if a.kind == "W"]
+        if s == 0:  # the first stage's inputs take no gradient: its backward stays whole
+            assert weights == [] and max_inflight(actions) == min(microbatches, stages)
+            continue
+        assert weights == list(range(microbatches))
+        position = {str(a): i for i, a in enumerate(actions)}
+        for m in range(microbatches):  # W(m) after B(m + s) (or the last B): s weight gradients deferred
+            after = min(m + s, microbatches - 1)
+            assert position[f"B{after}"] < position[f"W{m}"]
+        assert max_inflight(actions) == min(microbatches, stages)  # held until W, on every stage
+    if microbatches >= stages > 1:  # the closed form, in unit steps (B and W one step each)
+        assert len(unit_step_timeline(orders)[0]) == 3 * microbatches + stages - 1
+
+
+def test_zb_h1_grid_golden():
+    # 3M + p - 1 = 14 unit steps; the last rank defers two weight gradients, the middle one one
+    assert format_grid("zb-h1", 3, 4, comm=False) == "\n".join([
+        "       | 0   1   2   3   4   5   6   7   8   9   10  11  12  13",
+        "---------------------------------------------------------------",
+        "rank 0 | F0  F1  F2  .   .   B0  F3  B1  .   .   B2  .   B3  .",
+        "rank 1 | .   F0  F1  .   B0  F2  B1  W0  F3  B2  W1  B3  W2  W3",
+        "rank 2 | .   .   F0  B0  F1  B1  F2  B2  W0  F3  B3  W1  W2  W3",
+    ])  # fmt: skip

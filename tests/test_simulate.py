@@ -180,3 +180,33 @@ def test_a_skip_tensor_goes_from_its_producer_straight_to_its_consumer():
     sends = [(e.stage, e.start_s, e.end_s) for e in direct.events if e.kind == "SEND_F"]
     assert (0, 1.0, 101.0) in sends or (0, 2.0, 102.0) in sends  # one link per pair: 0->1 and 0->2
     assert direct.step_time_s < chained.step_time_s
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 5), (4, 4), (4, 8), (6, 16), (8, 8)])
+def test_zb_h1_on_equal_stages_has_a_third_of_1f1bs_bubble(stages, microbatches):
+    """F = B = W = 1 (a backward of 2 whose weight gradient is half): 1F1B takes 3M + 3(p - 1) units,
+    ZB-H1 3M + (p - 1), the paper's (p - 1) / 3M bubble against 1F1B's (p - 1) / M (Qi et al., sec. 3)."""
+    one_f_one_b, zb = (homogeneous(stages, microbatches, schedule) for schedule in ("1f1b", "zb-h1"))
+    zb.wgrad_s = {"t": [1.0] * stages}
+    bounds, devices = list(range(stages + 1)), list(range(stages))
+    m, p = microbatches, stages
+    assert simulate(one_f_one_b, bounds, devices).step_time_s == pytest.approx(3 * m + 3 * (p - 1))
+    sim = simulate(zb, bounds, devices)
+    assert sim.step_time_s == pytest.approx(3 * m + (p - 1))
+    assert sim.busy_s == tuple([3.0 * m] * p)  # the same work, split in B and W
+    kinds = {e.kind for e in sim.events if e.stage == p - 1}
+    assert {"F", "B", "W"} <= kinds and not any(e.kind == "W" for e in sim.events if e.stage == 0)
+    # the whole backward as B (nothing split): zb-h1's order is 1F1B's
+    zb.wgrad_s = None
+    assert simulate(zb, bounds, devices).step_time_s == pytest.approx(3 * m + 3 * (p - 1))
+
+
+def test_a_recomputing_stage_runs_its_backward_whole_under_zb_h1():
+    problem = homogeneous(4, 8, "zb-h1")
+    problem.wgrad_s = {"t": [1.0] * 4}
+    sim = simulate(problem, list(range(5)), list(range(4)), recompute=[False, False, True, False])
+    assert not any(e.kind == "W" for e in sim.events if e.stage in (0, 2))
+    assert all(
+        e.end_s - e.start_s == pytest.approx(3.0) for e in sim.events if e.stage == 2 and e.kind == "B"
+    )
+    assert sum(e.kind == "W" for e in sim.events) == 2 * 8

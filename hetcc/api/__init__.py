@@ -49,6 +49,7 @@ from hetcc.report import write_report
 from hetcc.runtime.contract import PlanSpace, pipeline_meta_for
 from hetcc.runtime.cudagraphs import graphs_note
 from hetcc.runtime.store import Pipeline, pipeline_meta
+from hetcc.solver.schedules import splits_backward
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.export import export
 from hetcc.train.local import run_local as run_pipeline
@@ -231,7 +232,8 @@ def _with_graphs_note(plan: Plan, stages: Sequence, cluster: Cluster) -> Plan:
     vendor = {t.name: t.vendor for t in cluster.types}
     on_gpu = [vendor[s.device_type] != "cpu" for s in plan.stages]
     recompute = [s.recompute for s in plan.stages]
-    note = graphs_note(stages, on_gpu, recompute, config.cuda_graphs_mode(config.cuda_graphs))
+    split = splits_backward(plan.schedule, recompute) if plan.training else [False] * len(recompute)
+    note = graphs_note(stages, on_gpu, recompute, config.cuda_graphs_mode(config.cuda_graphs), split)
     return replace(plan, notes=(*plan.notes, note)) if note else plan
 
 

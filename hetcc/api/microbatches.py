@@ -74,7 +74,7 @@ def search_microbatches(
         change = choice.act_bytes_change([b.name for b in at.blocks], subs) if settings.training else None
         problem = build_problem(
             symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m),
-            (fwd, bwd), act_change=change,
+            (fwd, bwd), act_change=change, subs=subs,
         )  # fmt: skip
         try:
             tried.append((m, solve(problem, rerank=RERANK).simulated_s))

@@ -20,6 +20,7 @@ from pathlib import Path
 from hetcc.cli import train as cli_train
 from hetcc.errors import HetccError
 from hetcc.plan import PRECISIONS
+from hetcc.solver.schedules import SCHEDULES
 
 FACTORY_FORM = "pkg.module:factory or path/to/file.py:factory"  # as hetcc.train.sources reads it
 
@@ -225,9 +226,10 @@ def _add_compile(commands) -> None:
     compile_cmd.add_argument(
         "--no-replicate", action="store_true", help="one device per stage (no replicated stages)"
     )
-    compile_cmd.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b",
+    compile_cmd.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
                              help="pipeline schedule: 1f1b holds fewer activations, gpipe runs all "
-                             "forwards first (default 1f1b)")  # fmt: skip
+                             "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles "
+                             "(default 1f1b)")  # fmt: skip
     compile_cmd.add_argument("--optimizer", default="adam",
                              help="optimizer whose state the memory plan counts: adam, adamw, sgd, "
                              "sgd_momentum or none (default adam)")  # fmt: skip

@@ -21,7 +21,7 @@ from hetcc import ir
 from hetcc.errors import HetccError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, TiedParam
-from hetcc.passes.cost import block_times
+from hetcc.passes.cost import block_times, op_name
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
@@ -101,14 +101,15 @@ def partition(
 def build_problem(
     gm: torch.fx.GraphModule, chain: Sequence[Block], tied: Sequence[TiedParam], cluster: Cluster,
     settings: PlanSettings, times: tuple[dict, dict] | None = None,
-    act_change: Sequence[float] | None = None,
+    act_change: Sequence[float] | None = None, subs: dict | None = None,
 ) -> PartitionProblem:  # fmt: skip
     """The partition problem for the chain of ``gm`` (costed with ``passes.cost``, or ``times`` =
     per-type forward and backward seconds of each block) on ``cluster``; ``act_change``: per block,
-    what fusion changes in its saved activations."""
+    what fusion changes in its saved activations; ``subs``: the sizes of a symbolic ``gm``."""
     training = settings.training
     type_names = [t.name for t in cluster.types]
     fwd, bwd = times if times is not None else block_times(gm, [b.nodes for b in chain], type_names)
+    shares = weight_grad_shares(gm, chain, subs) if training else [0.0] * len(chain)
     multiplier = state_multiplier(training, settings.optimizer, settings.precision)
     params = [float(b.param_bytes) for b in chain]
     index = {b.name: i for i, b in enumerate(chain)}
@@ -143,10 +144,47 @@ def build_problem(
         recompute=settings.recompute is not False and training,
         recompute_all=settings.recompute is True and training,
         param_bytes=params,
+        wgrad_s={t: [b * share for b, share in zip(bwd[t], shares)] for t in bwd} if training else None,
         precision=settings.precision,
         optimizer=settings.optimizer,
         batch_size=settings.batch_rows,
     )
+
+
+# Ops whose backward computes a parameter's gradient as one more GEMM of the forward's size (dW = dY^T X):
+# what a zero-bubble schedule defers to its W pass. Others' parameter gradients (a bias, a norm's
+# weight) are reductions riding on the input gradient's memory passes, left in B.
+_WEIGHT_GEMMS = frozenset({"mm", "addmm", "linear", "matmul", "bmm", "baddbmm", "addbmm", "convolution"})
+
+
+def weight_grad_shares(
+    gm: torch.fx.GraphModule, chain: Sequence[Block], subs: dict | None = None
+) -> list[float]:
+    """Per block, the share of its backward FLOPs that compute weight gradients: each GEMM reading a
+    parameter does its forward's FLOPs once more for them. A FLOP share, so the microbatch search
+    (``subs``: sizes of a symbolic trace) and the compile agree; it prices W as that share of the
+    block's backward seconds."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    value = (lambda v: float(ir.number_at(v, subs))) if subs else float
+    shares = []
+    for block in chain:
+        weight = total = 0.0
+        for name in block.nodes:
+            node = by_name[name]
+            record = ir.info(node)
+            total += value(record.bwd_flops)
+            if op_name(node) in _WEIGHT_GEMMS and any(map(_parameter, node.all_input_nodes)):
+                weight += min(value(record.fwd_flops), value(record.bwd_flops))
+        shares.append(weight / total if total > 0 else 0.0)
+    return shares
+
+
+def _parameter(node: torch.fx.Node, depth: int = 3) -> bool:
+    """Whether ``node`` is a parameter, or a view of one (``t``, ``permute``, ``alias``, ...)."""
+    if node.op == "get_attr":
+        return ir.info(node).param_bytes > 0
+    view = node.op == "call_function" and getattr(node.target, "is_view", False)
+    return depth > 0 and view and any(_parameter(a, depth - 1) for a in node.all_input_nodes)
 
 
 def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> Plan:

@@ -166,6 +166,10 @@ class GraphedStage:
         with the failure as the reason."""
         if not self.active:
             return
+        if any(a.kind == "W" for a in actions):
+            return self._off(
+                "the schedule splits the stage's backward (zb-h1); a captured graph runs it whole"
+            )
         cuda = self.device.type == "cuda"
         if self.first_step is None:  # the first training step runs uncaptured and is measured
             if cuda:
@@ -235,19 +239,23 @@ def graphs_for_stage(
     return graphs, graphs.reason
 
 
-def graphs_note(stages: Sequence, on_gpu: Sequence[bool], recompute: Sequence[bool], mode: str) -> str | None:
-    """The plan's note on CUDA graphs for ``stages`` (``StageGraph``s; ``on_gpu`` / ``recompute`` per
-    stage): which stages the runtime will capture, with how many segments, and why the others run
-    uncaptured. None where no stage runs on a GPU."""
+def graphs_note(
+    stages: Sequence, on_gpu: Sequence[bool], recompute: Sequence[bool], mode: str, split: Sequence[bool] = ()
+) -> str | None:
+    """The plan's note on CUDA graphs for ``stages`` (``StageGraph``s; ``on_gpu`` / ``recompute`` /
+    ``split``, its backward run as B and W, per stage): which stages the runtime will capture, with how
+    many segments, and why the others run uncaptured. None where no stage runs on a GPU."""
     if not any(on_gpu):
         return None
     if mode == "off":
         return "cuda graphs: off (HETCC_CUDA_GRAPHS=off)"
     captured, uncaptured = [], []
-    for stage, gpu, recomputes in zip(stages, on_gpu, recompute):
+    split = list(split) or [False] * len(stages)
+    for stage, gpu, recomputes, splits in zip(stages, on_gpu, recompute, split):
         cuda = torch.device("cuda")
         segments = plan_segments(graph_for_device(stage, cuda), cuda).segments
         why = ("a CPU device" if not gpu else "it recomputes its forward in backward" if recomputes
+               else "the schedule splits its backward in B and W, which a graph runs whole" if splits
                else "no run of compute long enough" if not segments else None)  # fmt: skip
         if why is None:
             captured.append(f"{stage.index} ({len(segments)} segment{'s' * (len(segments) != 1)})")

@@ -10,7 +10,9 @@ interprets the actions of ``hetcc.solver.schedules.stage_actions``:
   what was sent from the transport and hand it the gradients of what was received; the last stage
   starts from ``loss_m / M``, so gradients are the mean over microbatches: full-batch gradients when the
   loss is a mean over equal microbatches. Then the transport sends the gradients back, in the order the
-  plan fixes, and receives those no op asked for (``LinkTransport.settle_gradients``).
+  plan fixes, and receives those no op asked for (``LinkTransport.settle_gradients``). Under a split
+  schedule (zb-h1) ``B m`` computes only the gradients of what the stage received, and
+- ``W m`` its weight gradients, from what ``B m`` kept (``runtime.split_backward``); it moves nothing.
 
 A replicated stage runs on several ranks, each with the actions of the microbatches routed to it
 (``RankLayout.actions``). After the last action the sends are waited for, the replicas' gradients are
@@ -45,8 +47,9 @@ from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.precision import LossScaler, forward_context
 from hetcc.runtime.recorder import ActionRecorder
+from hetcc.runtime.split_backward import DeferredWeights, input_gradients, weight_gradients
 from hetcc.runtime.transport import LinkTransport
-from hetcc.sendrecv import use_transport
+from hetcc.sendrecv import ANCHOR_NAME, use_transport
 from hetcc.solver.schedules import Action
 
 # Fault injection for tests of failure handling: "RANK:STEP" makes that rank exit at that step.
@@ -90,6 +93,7 @@ class StageExecutor:
         )
         self.params = _unique_parameters(self.module)
         self.roots: dict[int, list[torch.Tensor]] = {}  # microbatch -> where its backward starts
+        self.deferred: dict[int, DeferredWeights | None] = {}  # microbatch -> what its W needs
         self.recorder = ActionRecorder(links.rank)
         self._keep_outputs = True
         self.graphs, self._graphs_off = graphs_for_stage(
@@ -118,14 +122,17 @@ class StageExecutor:
         for param in self.params:
             param.grad = None
         result = StepResult()
+        split = any(action.kind == "W" for action in actions)  # a zero-bubble schedule splits the backward
         with use_transport(self.transport):
             for action in actions:
                 m = self.transport.microbatch = action.microbatch
                 with self.recorder.record(action.kind, m, result):
                     if action.kind == "F":
                         self._forward(m, inputs[m], targets[m] if targets is not None else None, result)
+                    elif action.kind == "B":
+                        self._backward(m, split)
                     else:
-                        self._backward(m)
+                        self._weights(m)
         self.links.wait_sends()
         self._reduce_replica_grads()
         self._reduce_tied_grads()
@@ -211,12 +218,17 @@ class StageExecutor:
         if training:
             self.roots[m] = [root for root in roots if root.requires_grad]
 
-    def _backward(self, m: int) -> None:
+    def _backward(self, m: int, split: bool = False) -> None:
+        """B: the whole backward, or under a split schedule the gradient of the stage's inputs (what the
+        previous stage waits for), keeping what ``_weights`` needs (``runtime.split_backward``)."""
         roots = self.roots.pop(m)
         self.transport.replaying = self.recompute  # a forward op running now is the recomputation
         buffers = _buffer_snapshot(self.module) if self.recompute else []
+        anchor = getattr(self.module, ANCHOR_NAME, None)
         try:
-            if roots:
+            if roots and split and anchor is not None:
+                self.deferred[m] = input_gradients(roots, anchor, self.params)
+            elif roots:
                 torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])
         finally:
             self.transport.replaying = False
@@ -225,6 +237,12 @@ class StageExecutor:
                 buffer.copy_(before)
         self.transport.forget(m)
         self.transport.settle_gradients()
+
+    def _weights(self, m: int) -> None:
+        """W: the weight gradients ``_backward`` deferred for microbatch ``m`` (none where it ran whole)."""
+        deferred = self.deferred.pop(m, None)
+        if deferred is not None:
+            weight_gradients(deferred)
 
     def _loss(self, outputs: tuple, target, required: bool) -> torch.Tensor | None:
         """``loss_fn(output, target)``, else the model's first output if it is a scalar loss; training

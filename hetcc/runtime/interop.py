@@ -47,6 +47,11 @@ def pipelining_schedule(
     device: torch.device | str = "cpu",
 ):
     """This rank's ``torch.distributed.pipelining`` schedule for a chain-shaped split."""
+    if schedule not in _SCHEDULES:
+        raise PlanFormatError(
+            f"hetcc hands torch.distributed.pipelining its {', '.join(_SCHEDULES)} schedules, not {schedule!r}",
+            hint="run this plan with hetcc's runtime, or compile it with schedule='1f1b' for torch",
+        )
     _check_chain(stages)
     previous = stages[rank - 1] if rank > 0 else None
     module = PipeliningModule(stages[rank], previous).to(device)

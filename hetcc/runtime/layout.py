@@ -52,8 +52,9 @@ class RankLayout:
         placement = self.ranks[rank]
         replicas = [sum(1 for r in self.ranks if r.stage == k) for k in range(len(self.routing))]
         every = stage_actions(
-            schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas
-        )[placement.stage]
+            schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas,
+            recompute=self.recompute,
+        )[placement.stage]  # fmt: skip
         return [a for a in every if self.routing[placement.stage][a.microbatch] == placement.replica]
 
     def replica_groups(self) -> list[list[int]]:

@@ -44,6 +44,7 @@ from hetcc.solver.problem import (
     slowest_link,
     steady_share,
 )
+from hetcc.solver.schedules import SPLIT_SCHEDULES
 
 PROBES_PER_ROUND = 32
 _BOUND_RTOL = 1e-12  # slack on b so a term equal to a candidate value is never lost to rounding
@@ -141,6 +142,8 @@ class Chain:
             d, r = group[0], len(group)
             device = problem.devices[d]
             held, slots = self._by_depth(depths[j])
+            if problem.schedule in SPLIT_SCHEDULES and j > 0:  # held until the deferred W: the first stage's
+                held = self._by_depth(depths[0])[0]
             held = replica_inflight(held, r) if problem.training else 1
             link, link_share = None, 1.0
             if j + 1 < k:

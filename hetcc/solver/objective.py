@@ -82,8 +82,9 @@ def stage_costs(problem, boundaries, devices, recompute=None) -> tuple[StageCost
     ]
     routes = [route_microbatches(problem.microbatches, s) for s in seconds]
     actions = stage_actions(
-        problem.schedule, k, problem.microbatches, training=problem.training, replicas=replicas
-    )
+        problem.schedule, k, problem.microbatches, training=problem.training, replicas=replicas,
+        recompute=recompute,
+    )  # fmt: skip
     return tuple(
         _stage_plan(problem, boundaries, groups, routes, seconds[j], actions[j], recompute[j], j)
         for j in range(k)
@@ -98,6 +99,14 @@ def replica_seconds(problem: PartitionProblem, start: int, stop: int, device: in
     if not problem.training:
         return fwd, 0.0
     return fwd, math.fsum(problem.bwd_s[kind][start:stop]) + (fwd if recompute else 0.0)
+
+
+def weight_grad_s(problem: PartitionProblem, start: int, stop: int, device: int) -> float:
+    """Seconds of one microbatch's backward of blocks ``[start, stop)`` on ``device`` that compute
+    weight gradients (``problem.wgrad_s``; 0 where the problem does not say)."""
+    if problem.wgrad_s is None or not problem.training:
+        return 0.0
+    return math.fsum(problem.wgrad_s[problem.devices[device].type][start:stop])
 
 
 def _objective_s(problem: PartitionProblem, stages: tuple[StageCost, ...]) -> tuple[float, float]:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, fields
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.problem_checks import validate_problem
+from hetcc.solver.schedules import SPLIT_SCHEDULES
 
 # Relative slack on memory capacity, so that a plan filling a device exactly is not lost to rounding.
 MEMORY_RTOL = 1e-9
@@ -67,6 +68,9 @@ class PartitionProblem:
     # simulator replays exactly that (the search's chain formula charges ``cut_bytes`` on each link it
     # passes). None: the chain model alone.
     cut_tensors: list[list] | None = None
+    # Per device type, the seconds of each block's backward that compute weight gradients (a zero-bubble
+    # schedule defers them: ``schedules.SPLIT_SCHEDULES``); None: none of it (the backward runs whole).
+    wgrad_s: dict[str, list[float]] | None = None
     # Self-description for outside planners (the costs above already include them).
     precision: str = "fp32"
     optimizer: str = ""
@@ -227,11 +231,14 @@ def inflight_microbatches(
 ) -> int:
     """Microbatches whose saved activations stage ``stage`` (all its replicas together) holds at its peak:
     W_j = min(M, sum of the replica counts of stages j..K-1) for 1F1B (min(M, K - j) without
-    replicas), M for GPipe, 1 for inference."""
+    replicas), for zb-h1 that of the first stage on every later one (each holds its microbatches until
+    their deferred weight gradient), M for GPipe, 1 for inference."""
     if not problem.training:
         return 1
     if problem.schedule == "gpipe":
         return problem.microbatches
+    if problem.schedule in SPLIT_SCHEDULES and stage > 0:  # held until their deferred W
+        return min(problem.microbatches, warmup_depth(0, num_stages, replicas))
     return min(problem.microbatches, warmup_depth(stage, num_stages, replicas))
 
 
@@ -254,11 +261,11 @@ def round_trip_slots(
 ) -> int | None:
     """W_j when stage ``stage`` must finish a backward before it may start another forward, else None.
 
-    That is a training 1F1B stage whose in-flight limit W_j is below M. GPipe stages, stages whose
+    That is a training 1F1B (or zb-h1) stage whose warm-up W_j is below M. GPipe stages, stages whose
     warm-up already covers all M microbatches, and inference never wait on a backward.
     """
-    inflight = inflight_microbatches(problem, stage, num_stages, replicas)
-    if problem.training and problem.schedule == "1f1b" and inflight < problem.microbatches:
+    inflight = min(problem.microbatches, warmup_depth(stage, num_stages, replicas))  # forwards before a B
+    if problem.training and problem.schedule != "gpipe" and inflight < problem.microbatches:
         return inflight
     return None
 

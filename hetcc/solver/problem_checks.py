@@ -127,10 +127,25 @@ def validate_problem(problem) -> None:
                 f"{device.name}: memory_bytes {device.memory_bytes!r} is negative",
                 "give usable memory in bytes",
             )
+    _check_weight_grads(problem, n)
     if len({dev.name for dev in problem.devices}) != d:
         raise _fail("devices", "device names repeat", "name every device uniquely")
     _check_matrix("bandwidth_bps", problem.bandwidth_bps, d, positive=True)
     _check_matrix("latency_s", problem.latency_s, d, positive=False)
+
+
+def _check_weight_grads(problem, n: int) -> None:
+    """``wgrad_s``: per device type of ``bwd_s``, one share of each block's backward (never more)."""
+    if problem.wgrad_s is None:
+        return
+    if not isinstance(problem.wgrad_s, dict) or set(problem.wgrad_s) != set(problem.bwd_s):
+        raise _fail("wgrad_s", "must name the device types bwd_s names", "one list per device type, or null")
+    for kind, values in problem.wgrad_s.items():
+        _check_vector(f"wgrad_s[{kind!r}]", values, n)
+        for i, (w, b) in enumerate(zip(values, problem.bwd_s[kind])):
+            if w > b * (1 + 1e-9) + 1e-15:
+                raise _fail(f"wgrad_s[{kind!r}]", f"entry {i} ({w!r}) exceeds the block's backward ({b!r})",
+                            "the weight gradient is a part of the backward")  # fmt: skip
 
 
 def _check_vector(field: str, values, length: int) -> None:

@@ -1,8 +1,9 @@
 """Pipeline schedules: the order in which each stage runs its microbatches' forwards and backwards.
 
 A schedule is policy only: per stage, a list of compute actions (``F3`` = forward of microbatch 3,
-``B3`` = its backward). The runtime executes the list with send/recv around each action; the
-simulator replays it with costs; ``format_grid`` prints it as a rank x step grid.
+``B3`` = its backward; under a zero-bubble schedule ``B3`` is the gradient of the stage's inputs only
+and ``W3`` the gradient of its weights, deferred). The runtime executes the list with send/recv around
+each action; the simulator replays it with costs; ``format_grid`` prints it as a rank x step grid.
 
 - ``gpipe``: every forward, then every backward (in microbatch order 0..M-1). Each stage holds the
   activations of all M microbatches at once.
@@ -10,8 +11,16 @@ simulator replays it with costs; ``format_grid`` prints it as a rank x step grid
   and one forward, then drains the remaining backwards. This is the order of
   ``torch.distributed.pipelining.Schedule1F1B``; stage ``s`` holds at most ``min(M, K - s)``
   microbatches' activations.
+- ``zb-h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", the H1 schedule; torch's
+  ``ScheduleInterleavedZeroBubble`` with one stage per rank): 1F1B's order of forwards and input
+  gradients, with each weight gradient ``W`` deferred: stage ``s`` runs ``W(m)`` once ``s`` further input
+  gradients have run (the first stage at once), and the last ones after its final ``B``. The bubble is
+  a third of 1F1B's at equal F, B and W (3M + p - 1 unit steps against 3M + 3(p - 1)); every stage holds
+  min(M, p) microbatches' activations until their ``W`` (1F1B: p - s until ``B``). A stage whose
+  backward cannot be split (``splits_backward``: the first stage, whose inputs take no gradient, and a
+  recomputing one) runs its whole backward as ``B`` and no ``W``: 1F1B's order.
 
-With ``training=False`` both schedules reduce to forwards only, in microbatch order.
+With ``training=False`` every schedule reduces to forwards only, in microbatch order.
 """
 
 from __future__ import annotations
@@ -21,12 +30,14 @@ from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+SPLIT_SCHEDULES = ("zb-h1",)  # the schedules that run input and weight gradients apart
 
 
 @dataclass(frozen=True)
 class Action:
-    """One compute action of a stage: ``kind`` is ``"F"`` (forward) or ``"B"`` (backward)."""
+    """One compute action of a stage: ``kind`` is ``"F"`` (forward), ``"B"`` (backward: under a split
+    schedule the input gradient only) or ``"W"`` (the weight gradient of a split backward)."""
 
     kind: str
     microbatch: int
@@ -49,6 +60,13 @@ def check_schedule_args(schedule: str, num_stages: int, microbatches: int) -> No
             )
 
 
+def splits_backward(schedule: str, recompute: Sequence[bool]) -> list[bool]:
+    """Per stage, whether its backward runs as ``B`` (input gradient) then ``W`` (weight gradient): under
+    a split schedule, every stage but the first (whose inputs take no gradient: its whole backward is
+    weight gradient) and those that recompute (their backward runs the forward again, once)."""
+    return [schedule in SPLIT_SCHEDULES and j > 0 and not r for j, r in enumerate(recompute)]
+
+
 def stage_actions(
     schedule: str,
     num_stages: int,
@@ -56,13 +74,16 @@ def stage_actions(
     *,
     training: bool = True,
     replicas: Sequence[int] | None = None,
+    recompute: Sequence[bool] | None = None,
 ) -> list[list[Action]]:
     """Per stage (index = stage), its compute actions in execution order.
 
     With ``replicas`` (devices per stage), a 1F1B stage warms up with min(M, replicas of stages
     s..K-1) forwards, enough to keep every downstream replica busy; each replica then runs the
     subsequence of its stage's actions whose microbatches it owns (``replica_actions``). Dropping
-    actions only removes waits, so the replicated schedule is as deadlock-free as this one.
+    actions only removes waits, so the replicated schedule is as deadlock-free as this one. A zb-h1
+    stage defers as many weight gradients as the replicas before it (s without replicas), so every
+    stage holds min(M, all replicas) microbatches; ``recompute`` (per stage) says which cannot split.
     """
     check_schedule_args(schedule, num_stages, microbatches)
     if replicas is not None and (len(replicas) != num_stages or any(r < 1 for r in replicas)):
@@ -77,7 +98,15 @@ def stage_actions(
     if schedule == "gpipe":
         return [forwards + backwards for _ in range(num_stages)]
     counts = [1] * num_stages if replicas is None else list(replicas)
-    return [_one_f_one_b(forwards, backwards, min(microbatches, sum(counts[s:]))) for s in range(num_stages)]
+    orders = [
+        _one_f_one_b(forwards, backwards, min(microbatches, sum(counts[s:]))) for s in range(num_stages)
+    ]
+    if schedule not in SPLIT_SCHEDULES:
+        return orders
+    split = splits_backward(schedule, recompute or [False] * num_stages)
+    return [
+        _deferred_weights(order, sum(counts[:s])) if split[s] else order for s, order in enumerate(orders)
+    ]
 
 
 def replica_actions(actions: Sequence[Action], route: Sequence[int], replica: int) -> list[Action]:
@@ -95,11 +124,27 @@ def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -
     return order
 
 
+def _deferred_weights(order: list[Action], lag: int) -> list[Action]:
+    """``order`` (F and B) with a ``W`` for every ``B``: ``W(k)`` once ``lag`` more ``B`` have run after
+    ``B(k)``, before the forward that follows; the rest after the last ``B`` (ZB-H1's rule)."""
+    out: list[Action] = []
+    pending: list[int] = []
+    for action in order:
+        out.append(action)
+        if action.kind == "B":
+            pending.append(action.microbatch)
+            if len(pending) > lag:
+                out.append(Action("W", pending.pop(0)))
+    return out + [Action("W", m) for m in pending]
+
+
 def max_inflight(actions: list[Action]) -> int:
-    """Most microbatches whose forward ran but whose backward has not yet (activations held)."""
+    """Most microbatches whose forward ran but whose backward has not yet (activations held): released by
+    ``W`` where the actions split their backwards, else by ``B``."""
+    release = "W" if any(a.kind == "W" for a in actions) else "B"
     held = peak = 0
     for action in actions:
-        held += 1 if action.kind == "F" else -1
+        held += 1 if action.kind == "F" else -1 if action.kind == release else 0
         peak = max(peak, held)
     return peak
 
@@ -108,8 +153,9 @@ def unit_step_timeline(actions: list[list[Action]]) -> list[list[Action | None]]
     """Replay ``actions`` with every compute taking one step and transfers taking none.
 
     A stage runs its next action at the first step after its inputs exist: F(m) after F(m) on the
-    previous stage, B(m) after B(m) on the next stage (the last stage's B(m) after its own F(m),
-    which its order already guarantees). Returns, per stage, the action at each step or None.
+    previous stage, B(m) after B(m) on the next stage (the last stage's B(m) after its own F(m), and
+    W(m) after its own B(m), which its order already guarantees). Returns, per stage, the action at
+    each step or None.
     """
     num_stages = len(actions)
     done_at: dict[tuple[int, str, int], int] = {}
@@ -135,8 +181,8 @@ def _ready(actions, stage: int, index: int, done_at: dict, step: int) -> bool:
         return False
     action = actions[stage][index]
     source = stage - 1 if action.kind == "F" else stage + 1
-    if source < 0 or source >= len(actions):
-        return True
+    if action.kind == "W" or source < 0 or source >= len(actions):
+        return True  # a weight gradient waits only for its own stage's B, which comes before it
     finished = done_at.get((source, action.kind, action.microbatch))
     return finished is not None and finished < step
 
@@ -166,7 +212,7 @@ def format_grid(
 def _cell(action: Action | None, stage: int, num_stages: int, comm: bool) -> str:
     if action is None:
         return "."
-    if not comm:
+    if not comm or action.kind == "W":  # a weight gradient moves nothing
         return str(action)
     # Forwards receive from the previous rank and send to the next; backwards the other way.
     has_prev, has_next = stage > 0, stage < num_stages - 1

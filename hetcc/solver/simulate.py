@@ -7,7 +7,9 @@ its gradient. After a compute, its output is sent asynchronously (the stage does
 send): a link between two devices carries one transfer at a time, both directions sharing it, which
 is what the planner's C_j (activations forward, plus gradients back where there are any) per
 microbatch assumes. Transfers on a link go in the order they were issued. A recomputing stage's
-backward includes the forward it recomputes. A replicated stage ends with the all-reduce of its
+backward includes the forward it recomputes. Under a split schedule (zb-h1) a stage's B(m) is its
+backward less the weight gradients (``problem.wgrad_s``) and sends the gradients back; W(m) is those
+weight gradients, which wait for nothing but the stage and send nothing. A replicated stage ends with the all-reduce of its
 gradients, once all its replicas are done; then a parameter tied across stages (``tied_blocks``) is
 summed over every device holding it, which the search's formula leaves out; the step ends when the
 last device does.
@@ -20,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.objective import Device, StageCost, replica_seconds, stage_costs
+from hetcc.solver.objective import Device, StageCost, replica_seconds, stage_costs, weight_grad_s
 from hetcc.solver.problem import PartitionProblem, device_ring_s, transfer_s
-from hetcc.solver.schedules import replica_actions, stage_actions
+from hetcc.solver.schedules import replica_actions, splits_backward, stage_actions
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,7 @@ class Event:
     """One interval on the timeline; a send belongs to the replica that issues it."""
 
     stage: int
-    kind: str  # "F", "B", "SEND_F", "SEND_B" or "ALLREDUCE"
+    kind: str  # "F", "B", "W", "SEND_F", "SEND_B" or "ALLREDUCE"
     microbatch: int  # -1 for the all-reduce
     start_s: float
     end_s: float
@@ -73,7 +75,9 @@ def simulate(
         problem.microbatches,
         training=problem.training,
         replicas=[len(g) for g in groups],
+        recompute=[s.recompute for s in stages],
     )
+    split = splits_backward(problem.schedule, [s.recompute for s in stages])
     routes = [s.route for s in stages]
     lanes = [
         _Lane(
@@ -82,6 +86,7 @@ def simulate(
             d,
             replica_actions(actions[j], routes[j], r),
             *replica_seconds(problem, *stages[j].blocks, d, stages[j].recompute),
+            weight_grad_s(problem, *stages[j].blocks, d) if split[j] else 0.0,
         )  # fmt: skip
         for j in range(k)
         for r, d in enumerate(groups[j])
@@ -109,7 +114,8 @@ class _Lane:
     device: int
     actions: list
     fwd_s: float
-    bwd_s: float
+    bwd_s: float  # the whole backward: B's and, where the stage splits, W's
+    wgrad_s: float = 0.0  # W's share of it where the stage splits
     cursor: int = 0
     free_s: float = 0.0
     busy_s: float = 0.0
@@ -152,7 +158,7 @@ class _Timeline:
                     transfer_s(self.problem, lane.device, peer, nbytes),
                 )
             sends.append(((target, kind, m), *wire))
-        duration = lane.fwd_s if kind == "F" else lane.bwd_s
+        duration = {"F": lane.fwd_s, "B": lane.bwd_s - lane.wgrad_s, "W": lane.wgrad_s}[kind]
         return (stage, kind, m), self.expected.get((stage, kind), 0), duration, tuple(sends), kind, m
 
     def run(self, lane: _Lane) -> int:

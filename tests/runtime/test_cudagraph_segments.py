@@ -369,3 +369,13 @@ def test_the_plan_says_which_stages_run_as_cuda_graphs_and_why_not_the_others(gp
     assert (
         graphs_note(stages, [True, True], [False, False], "off") == "cuda graphs: off (HETCC_CUDA_GRAPHS=off)"
     )
+    split = graphs_note(stages, [True, True], [False, False], "auto", split=[False, True])
+    assert split.endswith(
+        "stage 1 uncaptured: the schedule splits its backward in B and W, which a graph runs whole"
+    )
+
+
+def test_a_stage_whose_backward_the_schedule_splits_runs_uncaptured(mlp_stages):
+    graphs, _ = graphs_for_stage(mlp_stages[1].module, CUDA, "fp32", recompute=False, mode="on")
+    graphs.begin_step([Action("F", 0), Action("B", 0), Action("W", 0)])
+    assert not graphs.active and graphs.reason.startswith("off: the schedule splits the stage's backward")

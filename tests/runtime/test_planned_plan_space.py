@@ -8,6 +8,7 @@ import torch
 from models import eager_training, gpt2, token_ids
 
 import hetcc
+from hetcc.solver.schedules import splits_backward
 
 # Slow cards on fast links: compute dominates, so replicas (no bubbles) beat a 4-deep pipeline.
 FOUR_SLOW_CARDS = """
@@ -47,14 +48,45 @@ def test_replicated_recomputing_plan_trains_like_eager(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("share", "precision"), [(0.75, "fp32"), (0.44, "bf16-mixed")])
+def test_zb_h1_plans_train_like_eager(tmp_path, share, precision):
+    """Zero-bubble H1 as hetcc plans it: at 75% memory two replicated stages (the second splits its
+    backward in B and W), at 44% four stages, the first and last recomputing (their backward runs
+    whole), under bf16 autocast; GPT-2's tied embedding; fused groups (the suite fuses them all)."""
+    model = gpt2(n_layer=4, n_embd=64, vocab=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = token_ids(8, 16)
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    cluster = tmp_path / "cluster.yaml"
+    state = sum(p.numel() * 4 for p in model.parameters()) * 4
+    cluster.write_text(FOUR_SLOW_CARDS.replace("MEMORY", str(int(state * share))))
+    compiled = hetcc.compile(
+        model, cluster, example_kwargs=inputs, microbatches=4, schedule="zb-h1", precision=precision
+    )
+    layout = [(len(s.devices), s.recompute) for s in compiled.plan.stages]
+    split = splits_backward("zb-h1", [s.recompute for s in compiled.plan.stages])
+    assert compiled.plan.schedule == "zb-h1" and any(split), layout
+    if share == 0.75:
+        assert layout == [(2, False), (2, False)]
+    else:
+        assert layout == [(1, True), (1, False), (1, False), (1, True)]
+    result = hetcc.run_local(compiled, inputs, steps=2, optimizer=ADAM)
+    autocast = torch.bfloat16 if precision == "bf16-mixed" else None
+    losses, grads = eager_training(model, inputs, None, None, steps=2, microbatches=4, optimizer=ADAM,
+                                   autocast=autocast)  # fmt: skip
+    assert result.losses == pytest.approx(losses, rel=1e-5 if autocast is None else 1e-3)
+    if autocast is None:
+        for name, grad in result.grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=1e-4, atol=1e-4, msg=name)
+    assert set(result.grads) <= set(grads) and len(result.grads) > 0
+
+
+@pytest.mark.slow
 def test_bf16_mixed_plan_trains_like_eager_under_autocast(tmp_path):
     model = gpt2(n_layer=2, n_embd=64, vocab=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ids = token_ids(4, 16)
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     cluster = "examples/clusters/mixed_a100_t4.yaml"
-    with hetcc.config.patch(
-        fuse="cost"
-    ):  # the default: a group fuses where one call beats its ops' host time
+    with hetcc.config.patch(fuse="cost"):  # the default: fuse where one call beats the ops' host time
         plain = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=2, precision="bf16-mixed")
     # the two 8-op gelu chains fuse; the 2-3 op residual groups stay ops (their ops cost the host less)
     assert any("2 of 7 fused" in note and note.startswith("fusion:") for note in plain.plan.notes)
