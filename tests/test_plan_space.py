@@ -217,3 +217,39 @@ def test_a_plan_with_replicas_allowed_is_not_slower_than_the_pure_pipeline():
     assert found.simulated_s == pytest.approx(
         simulate(problem, found.boundaries, found.groups, found.recompute).step_time_s
     )
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.sampled_from([0.0, 0.3, 0.5]))
+def test_zb_h1_plans_simulate_no_faster_than_the_bound(problem, share):
+    """The bound holds for zero-bubble plans too: it charges no fill, so deferring W cannot beat it."""
+    problem = dataclasses.replace(
+        problem,
+        schedule="zb-h1",
+        wgrad_s={t: [b * share for b in times] for t, times in problem.bwd_s.items()},
+    )
+    try:
+        solution = solve(problem, rerank=RERANK)
+    except InfeasiblePlanError:
+        return
+    assert solution.simulated_s >= lower_bound(problem) * (1 - 1e-9)
+
+
+def test_auto_schedule_keeps_the_faster_of_1f1b_and_zb_h1():
+    from hetcc.passes.partition import solve_schedules
+
+    problem = PartitionProblem.from_json(
+        (Path(__file__).parent / "data" / "gpt2_medium_three_nodes.problem.json").read_text()
+    )
+    problem.wgrad_s = {t: [0.45 * b for b in times] for t, times in problem.bwd_s.items()}
+    pinned = {
+        name: solve_schedules(dataclasses.replace(problem, schedule=name), name)[1]
+        for name in ("1f1b", "zb-h1")
+    }
+    kept, solution, note = solve_schedules(problem, "auto")
+    best = min(pinned, key=lambda name: pinned[name].simulated_s)
+    assert kept.schedule == best and solution.simulated_s == pytest.approx(
+        pinned[best].simulated_s, rel=1e-12
+    )
+    assert pinned["zb-h1"].simulated_s < pinned["1f1b"].simulated_s  # weight gradients fill the bubbles
+    assert note.startswith(f"schedule: {best} kept by simulation (1f1b ") and "zb-h1" in note

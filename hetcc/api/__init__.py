@@ -128,6 +128,9 @@ def compile(  # noqa: A001 - the public API name
     ``microbatches`` equal microbatches, and every cost is per microbatch. ``microbatches="auto"``
     tries every divisor of the batch, pricing each from one trace with a symbolic batch dimension
     (``hetcc.api.microbatches.search_microbatches``), and keeps the count whose plan simulates fastest.
+    ``schedule``: "1f1b", "gpipe", "zb-h1" (zero-bubble H1: weight gradients deferred into the
+    bubbles; ``hetcc.solver.schedules``) or "auto" (plans 1f1b and zb-h1 at every count tried and keeps
+    the fastest simulated; the plan's notes give both figures).
 
     ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer
     state; fp16 with loss scaling), priced at each device's peak for that format. ``recompute``:

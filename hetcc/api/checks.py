@@ -48,8 +48,10 @@ def check_compile_args(model, cluster, example_inputs, example_kwargs, schedule,
             hint="hetcc.Cluster.from_file('cluster.yaml')",
         )
     check_examples(example_inputs, example_kwargs)  # microbatches: split_microbatches names the input
-    if schedule not in SCHEDULES:
-        raise HetccError(f"schedule must be one of {', '.join(SCHEDULES)}, got {short_repr(schedule)}")
+    if schedule not in (*SCHEDULES, "auto"):
+        raise HetccError(
+            f"schedule must be 'auto' or one of {', '.join(SCHEDULES)}, got {short_repr(schedule)}"
+        )
     _check_flag(training, "training")
     _check_dump_dir(dump_dir)
 

@@ -20,8 +20,7 @@ from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.cost import block_times_at
 from hetcc.passes.fuse import fusion_candidates
-from hetcc.passes.partition import RERANK, PlanSettings, build_problem
-from hetcc.solver.solve import solve
+from hetcc.passes.partition import PlanSettings, build_problem, solve_schedules
 from hetcc.train.data import split_microbatches
 
 
@@ -77,7 +76,7 @@ def search_microbatches(
             (fwd, bwd), act_change=change, subs=subs,
         )  # fmt: skip
         try:
-            tried.append((m, solve(problem, rerank=RERANK).simulated_s))
+            tried.append((m, solve_schedules(problem, settings.schedule)[1].simulated_s))
         except InfeasiblePlanError:
             tried.append((m, math.inf))
     best_s, best_m = min((s, m) for m, s in tried)

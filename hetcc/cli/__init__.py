@@ -226,10 +226,10 @@ def _add_compile(commands) -> None:
     compile_cmd.add_argument(
         "--no-replicate", action="store_true", help="one device per stage (no replicated stages)"
     )
-    compile_cmd.add_argument("--schedule", choices=SCHEDULES, default="1f1b",
+    compile_cmd.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default="1f1b",
                              help="pipeline schedule: 1f1b holds fewer activations, gpipe runs all "
-                             "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles "
-                             "(default 1f1b)")  # fmt: skip
+                             "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles, auto "
+                             "plans 1f1b and zb-h1 and keeps the faster (default 1f1b)")  # fmt: skip
     compile_cmd.add_argument("--optimizer", default="adam",
                              help="optimizer whose state the memory plan counts: adam, adamw, sgd, "
                              "sgd_momentum or none (default adam)")  # fmt: skip

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.fx
 
 from hetcc import ir
-from hetcc.errors import HetccError
+from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, TiedParam
 from hetcc.passes.cost import block_times, op_name
@@ -89,8 +89,10 @@ def partition(
     """Plan ``chain`` over ``cluster`` and annotate every node of ``gm`` with its stage.
     ``act_change``: per block, what fusion changes in its saved activations (``FusionChoice``)."""
     problem = build_problem(gm, chain, tied, cluster, settings, act_change=act_change)
-    solution = solve(problem, rerank=RERANK)
+    problem, solution, note = solve_schedules(problem, settings.schedule)
     plan = _plan(problem, solution, chain, settings)
+    if note:
+        plan = replace(plan, notes=(*plan.notes, note))
     stage_of = plan.stage_of
     for node in gm.graph.nodes:
         if node.name in stage_of:
@@ -138,7 +140,7 @@ def build_problem(
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
         latency_s=cluster.latency_matrix_s(),
         microbatches=settings.microbatches,
-        schedule=settings.schedule,
+        schedule=AUTO_SCHEDULES[0] if settings.schedule == "auto" else settings.schedule,
         training=training,
         replicate=bool(settings.replicate),
         recompute=settings.recompute is not False and training,
@@ -149,6 +151,33 @@ def build_problem(
         optimizer=settings.optimizer,
         batch_size=settings.batch_rows,
     )
+
+
+# What ``schedule="auto"`` tries, each solved and simulated; the fastest is kept (ties: the earlier).
+# GPipe is left out: it has 1F1B's bubble and holds every microbatch.
+AUTO_SCHEDULES = ("1f1b", "zb-h1")
+
+
+def solve_schedules(
+    problem: PartitionProblem, schedule: str
+) -> tuple[PartitionProblem, PartitionSolution, str]:
+    """``problem`` solved under ``schedule``, or under ``"auto"`` once per schedule of ``AUTO_SCHEDULES``
+    (a schedule no plan fits under is skipped); the problem and solution kept, and a note saying what
+    each tried schedule simulated (empty unless ``"auto"``)."""
+    if schedule != "auto":
+        return problem, solve(problem, rerank=RERANK), ""
+    tried, first_error = [], None
+    for name in AUTO_SCHEDULES:
+        candidate = replace(problem, schedule=name)
+        try:
+            tried.append((candidate, solve(candidate, rerank=RERANK)))
+        except InfeasiblePlanError as error:
+            first_error = first_error or error
+    if not tried:
+        raise first_error
+    best = min(tried, key=lambda pair: pair[1].simulated_s)
+    figures = ", ".join(f"{p.schedule} {s.simulated_s * 1e3:.2f} ms" for p, s in tried)
+    return (*best, f"schedule: {best[0].schedule} kept by simulation ({figures})")
 
 
 # Ops whose backward computes a parameter's gradient as one more GEMM of the forward's size (dW = dY^T X):

@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.schedules import SPLIT_SCHEDULES
 
 ROUNDS = 300
 
@@ -16,7 +17,9 @@ def lower_bound(problem: PartitionProblem) -> float:
     """A simulated step time no plan (replicated, recomputing or not) can beat: the larger of
 
     - the chain: microbatch 0 runs every block's forward, then every backward, one after the other, so
-      the step takes at least ``sum_i min_t c_t[i]``;
+      the step takes at least ``sum_i min_t c_t[i]``; under a split schedule (zb-h1) only the input
+      gradients are on that chain (a stage's weight gradients may run beside the stages before it),
+      except the first block's, whose stage runs its backward whole;
     - the balance with memory: a device is busy at most the whole step. Let x[i, t] be the share of
       block i's M microbatches run by devices of class t (a type and memory size, n_t devices of
       capacity K_t). Then ``step >= M * sum_i x[i, t] * c_t[i] / n_t`` for every t, and, since a device
@@ -30,9 +33,18 @@ def lower_bound(problem: PartitionProblem) -> float:
     costs = np.array([problem.block_cost_s(t) for t, _ in classes], dtype=float)
     counts = np.array([sum((d.type, d.memory_bytes) == c for d in problem.devices) for c in classes], float)
     capacity = np.array([m for _, m in classes], dtype=float)
-    chain = float(costs.min(axis=0).sum())
+    chain = float(_chain_costs(problem, classes, costs).min(axis=0).sum())
     state = np.asarray(problem.state_bytes, dtype=float)
     return max(chain, _memory_balance_bound(costs, counts, capacity, state, problem.microbatches))
+
+
+def _chain_costs(problem: PartitionProblem, classes, costs: np.ndarray) -> np.ndarray:
+    """Per class and block, what one microbatch's chain of forwards and backwards must spend on it."""
+    if problem.schedule not in SPLIT_SCHEDULES or problem.wgrad_s is None or not problem.training:
+        return costs
+    weights = np.array([problem.wgrad_s[t] for t, _ in classes], dtype=float)
+    weights[:, 0] = 0.0  # the first block is in the first stage, which does not split
+    return costs - weights
 
 
 def _memory_balance_bound(costs, counts, capacity, state, microbatches: int) -> float:
