@@ -57,10 +57,21 @@ def gpt2_clusters() -> None:
         ours = hetcc.compile(model, cluster, example_kwargs=batch)
         took = time.perf_counter() - start
         pure = hetcc.compile(model, cluster, example_kwargs=batch, replicate=False)
+        start = time.perf_counter()
+        auto = hetcc.compile(model, cluster, example_kwargs=batch, schedule="auto")
+        auto_took = time.perf_counter() - start
         at8 = hetcc.compile(model, cluster, example_kwargs=batch, microbatches=8)
         peer_s = simulate(at8.problem, bounds, _groups(at8.problem, prefixes)).step_time_s
         print(_plan_line("hetcc", ours.plan) + f"   (compile {took:.0f} s)")
         print(_plan_line("hetcc, pure pipeline", pure.plan))
+        print(
+            _plan_line(f"hetcc, schedule auto: {auto.plan.schedule}", auto.plan)
+            + f"   (compile {auto_took:.0f} s)"
+        )
+        print(
+            f"  schedule auto vs the best 1F1B pure pipeline: {pure.plan.step_time_s / auto.plan.step_time_s:.2f}x "
+            f"({1 - auto.plan.step_time_s / pure.plan.step_time_s:.0%} faster); bound {auto.plan.lower_bound_s * 1e3:.1f} ms"
+        )
         print(
             f"  {'Metis-style peer plan':<28} M=8   simulated {peer_s * 1e3:8.1f} ms   {prefixes} cuts {bounds}"
         )
@@ -72,12 +83,13 @@ def gpt2_clusters() -> None:
         print(f"  microbatch search (M: simulated ms): {tried}\n")
 
 
-def llama_70b_run() -> None:
+def llama_70b_run(schedule: str) -> None:
     model, batch = llama_70b(batch=64, seq=4096)
     cluster = CLUSTERS / "llama70b_64gpus.yaml"
-    print("Llama-2-70B shape, batch 64 x 4096, bf16-mixed, Adam, 1F1B on 32 H100 + 16 MI250X + 16 A100-40GB")
+    print(f"Llama-2-70B shape, batch 64 x 4096, bf16-mixed, Adam, schedule {schedule} on 32 H100 + 16 MI250X "
+          "+ 16 A100-40GB")  # fmt: skip
     start = time.perf_counter()
-    compiled = hetcc.compile(model, cluster, example_kwargs=batch, precision="bf16-mixed")
+    compiled = hetcc.compile(model, cluster, example_kwargs=batch, precision="bf16-mixed", schedule=schedule)
     took = time.perf_counter() - start
     plan = compiled.plan
     used = sum(len(s.devices) for s in plan.stages)
@@ -109,10 +121,11 @@ def solver_time() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-llama", action="store_true", help="leave out the 80-layer Llama plan")
+    parser.add_argument("--llama-schedule", default="1f1b", help="the Llama plan's schedule (e.g. auto)")
     args = parser.parse_args()
     gpt2_clusters()
     if not args.skip_llama:
-        llama_70b_run()
+        llama_70b_run(args.llama_schedule)
     solver_time()
 
 

@@ -1,0 +1,101 @@
+"""ZB-H1 against 1F1B on the same split, measured on CPU ranks and simulated.
+
+A GPT-2 (random weights) is planned with 1F1B for two or more CPU devices calibrated on this machine,
+then run through ``hetcc.run_local`` (one process per rank, gloo) under 1F1B and under ZB-H1 on that
+same split, the runs interleaved; each run's step is the median after its warm-up steps. Prints the
+measured ZB-H1 / 1F1B ratio (one run) and each schedule's measured step against what the simulator
+predicts for it on that split.
+
+    python benchmarks/schedules_measured.py                      # 2 ranks (this machine has 2 cores)
+    python benchmarks/schedules_measured.py --ranks 4 --microbatches 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import hetcc  # noqa: E402
+from hetcc.solver.simulate import simulate  # noqa: E402
+from hetcc.train.local import run_local  # noqa: E402
+
+SCHEDULES = ("1f1b", "zb-h1")
+
+
+def _cluster(ranks: int, calibration) -> hetcc.Cluster:
+    spec = {"nodes": [{"name": "host", "intra_link": {"kind": "loopback", "bandwidth": "5 GB/s", "latency": "30 us"},
+                       "devices": [{"type": "cpu", "count": ranks}]}]}  # fmt: skip
+    return hetcc.apply_to_cluster(hetcc.Cluster.from_spec(spec), [calibration])
+
+
+def _model(layers: int, hidden: int):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=512, n_positions=256, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def _step_s(result, warmup: int) -> float:
+    times = [record["step_s"] for record in result.records][warmup:]
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each schedule, interleaved")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    calibration = hetcc.calibrate("cpu")
+    model = _model(args.layers, args.hidden)
+    ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    compiled = hetcc.compile(model, _cluster(args.ranks, calibration), example_kwargs=inputs,
+                             microbatches=args.microbatches, schedule="1f1b", replicate=False)  # fmt: skip
+    plan, problem, solution = compiled.plan, compiled.problem, compiled.solution
+    print(plan.explain())
+    simulated = {
+        name: simulate(replace(problem, schedule=name), solution.boundaries, solution.groups, solution.recompute,
+                       events=False).step_time_s
+        for name in SCHEDULES
+    }  # fmt: skip
+    measured: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    for _ in range(args.rounds):
+        for name in SCHEDULES:
+            result = run_local(compiled.pipeline, inputs, steps=args.steps, schedule=name,
+                               optimizer={"name": "sgd", "lr": 1e-3})  # fmt: skip
+            measured[name].append(_step_s(result, warmup=2))
+    step = {name: min(times) for name, times in measured.items()}
+    print(
+        f"\n{args.ranks} CPU ranks, {len(plan.stages)} stages, M = {args.microbatches}, the 1F1B plan's split:"
+    )
+    for name in SCHEDULES:
+        error = step[name] / simulated[name] - 1
+        print(f"  {name:6s} measured {step[name] * 1e3:8.2f} ms (runs: "
+              f"{', '.join(f'{t * 1e3:.2f}' for t in measured[name])}), simulated {simulated[name] * 1e3:8.2f} ms "
+              f"({error:+.1%})")  # fmt: skip
+    print(
+        f"  zb-h1 / 1f1b: measured {step['zb-h1'] / step['1f1b']:.3f}x, "
+        f"simulated {simulated['zb-h1'] / simulated['1f1b']:.3f}x"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
