@@ -10,9 +10,10 @@ import torch
 import yaml
 
 from hetcc.errors import ClusterError
+from hetcc.hardware.calibration import MIN_KERNEL_SHARE
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.measure import Calibration, apply, apply_to_cluster, calibrate, preset_for_device_name
-from hetcc.hardware.presets import PRESETS
+from hetcc.hardware.presets import PRESETS, RateCurve
 
 A100, T4, CPU = PRESETS["A100-80GB"], PRESETS["T4"], PRESETS["cpu"]
 T, G = 1e12, 1e9
@@ -51,11 +52,29 @@ def test_quick_cpu_calibration_gives_plausible_figures(measured):
     assert datetime.datetime.fromisoformat(measured.date.replace("Z", "+00:00")).tzinfo is not None
 
 
+def test_quick_cpu_calibration_records_rates_by_size(measured):
+    curves = measured.flops_by_size
+    assert {"gemm", "gemm_unaligned", "sdpa"} <= set(curves) <= {*curves, "sdpa_backward"}
+    for op_class, by_dtype in curves.items():
+        assert list(by_dtype) == ["fp32", "bf16"], op_class
+        for points in by_dtype.values():
+            assert points and all(0 < f < math.inf and 0 < rate < math.inf for f, rate in points)
+            assert [f for f, _ in points] == sorted({f for f, _ in points})  # distinct, by size
+    widths = [round((f / 2) ** (1 / 3)) for f, _ in curves["gemm"]["fp32"]]
+    assert widths[:3] == [64, 128, 256]  # the quick plan's widths, always timed; larger ones if affordable
+    unaligned = {2 * n * n * (n - 1) for n in (64, 128, 256, 512)}  # an odd output width, n - 1
+    assert {f for f, _ in curves["gemm_unaligned"]["fp32"]} <= unaligned
+    cpu = apply(CPU, measured)  # the curves become shares of the calibrated peaks
+    assert {(c.op_class, c.dtype) for c in cpu.rate_curves} == {(c, k) for c in curves for k in curves[c]}
+    assert all(0 < share < math.inf for c in cpu.rate_curves for _, share in c.points)
+
+
 def test_measured_calibration_describes_itself(measured):
     text = measured.describe()
     assert text.startswith("calibration of cpu (") and ", 1 thread)" in text
     assert "matmul fp32" in text and "matmul bf16" in text and "GB/s" in text and " us" in text
     assert "datasheet" not in text  # a CPU has no datasheet peak to compare with
+    assert "gemm fp32" in text and "sdpa bf16" in text and "(FLOP/s @ FLOPs per call)" in text
 
 
 def test_gpu_calibration_describes_its_share_of_the_datasheet():
@@ -118,9 +137,33 @@ def test_save_load_round_trip_is_exact(tmp_path, measured, suffix):
     for calibration in (
         measured,
         make(matmul_flops={"fp32": 1 / 3 * T, "bf16": math.pi * 1e14}, threads=None),
+        make(flops_by_size=CURVES),
     ):
         path = calibration.save(tmp_path / f"cal{suffix}")
         assert Calibration.load(path) == calibration
+
+
+CURVES = {
+    "gemm": {"fp32": ((1e6, 1 * T), (1 / 3 * 1e9, 12 * T)), "bf16": ((2**40, 250 * T),)},
+    "gemm_unaligned": {"fp32": ((1e9, 3 * T),)},
+    "sdpa": {"fp32": ((1.7e10, 9 * T),)},
+    "sdpa_backward": {"fp32": ((1.7e10, 7 * T),)},
+}
+
+
+def test_version_1_files_load_without_rates_by_size(tmp_path):
+    path = tmp_path / "old.yaml"  # as hetcc wrote them before rates by size
+    path.write_text(
+        "version: 1\ndevice_type: A100-80GB\nmatmul_flops:\n  fp32: 15000000000000.0\n"
+        "memory_bandwidth_bps: 1600000000000.0\nkernel_overhead_s: 7.0e-06\nhost_op_s: null\n"
+        "host_backward_op_s: null\nhost_fused_op_s: null\nhost_fused_backward_op_s: null\n"
+        "device_name: NVIDIA A100-SXM4-80GB\nhost: node0\ntorch_version: 2.13.0\nthreads: 8\n"
+        "date: '2026-11-30T03:00:00Z'\n"
+    )
+    old = Calibration.load(path)
+    assert old == make() and old.flops_by_size == {}
+    assert apply(A100, old).rate_curves == () and "FLOPs per call" not in old.describe()
+    assert "version: 2" in make().save(tmp_path / "new.yaml").read_text()
 
 
 def test_hand_written_file_may_use_units_and_unquoted_dates(tmp_path):
@@ -156,7 +199,18 @@ GOOD = {
         ({"threads": 0}, ["threads", "positive integer"]),
         ({"device_type": ""}, ["device_type", "non-empty string"]),
         ({"host": 7}, ["host", "expected a string"]),
-        ({"version": 2}, ["version", "unsupported version 2"]),
+        ({"version": 3}, ["version", "unsupported version 3; this hetcc reads 1 and 2"]),
+        (
+            {"flops_by_size": {"gemm": {"fp32": [[1e6]]}}},
+            ["flops_by_size.gemm.fp32[0]", "[FLOPs per call, FLOP/s]"],
+        ),
+        ({"flops_by_size": {"gemm": {"fp32": [[1e6, -1]]}}}, ["flops_by_size.gemm.fp32[0][1]", "positive"]),
+        ({"flops_by_size": {"gemm": {"fp32": []}}}, ["flops_by_size.gemm.fp32", "non-empty list"]),
+        ({"flops_by_size": {"gem": {"fp32": [[1e6, 1e9]]}}}, ["flops_by_size.gem", "did you mean 'gemm'"]),
+        (
+            {"flops_by_size": {"gemm": {"fp32": [[1e6, 1e9], [1e6, 2e9]]}}},
+            ["flops_by_size.gemm.fp32", "same FLOPs"],
+        ),
     ],
 )
 def test_malformed_file_errors_name_file_and_field(tmp_path, change, fragments):
@@ -268,6 +322,54 @@ MIXED = {
     "inter_node_link": {"kind": "ethernet", "bandwidth": "25 Gb/s"},
     "links": [{"between": ["a100-80gb-1", "t4-0"], "bandwidth": "10 GB/s"}],
 }  # fmt: skip
+
+
+def shares(device_type, op_class, key) -> list[float]:
+    """A type's curve as a flat list: FLOPs, share, FLOPs, share, ..."""
+    return [x for point in device_type.rate_curve(op_class, key).points for x in point]
+
+
+def test_apply_turns_rates_by_size_into_shares_of_the_calibrated_peak():
+    peak = A100.peak_flops["fp32"]
+    calibrated = apply(A100, make(kernel_overhead_s=0.0, flops_by_size={
+        "gemm": {"fp32": ((1e6, 0.2 * peak), (1e9, 0.8 * peak)), "bf16": ((1e9, 156 * T),)},
+        "sdpa": {"fp8": ((1e9, 1 * T),)},  # the A100 has no fp8 peak: left out
+    }))  # fmt: skip
+    assert shares(calibrated, "gemm", "fp32") == pytest.approx([1e6, 0.2, 1e9, 0.8])
+    assert shares(calibrated, "gemm", "bf16") == pytest.approx([1e9, 0.5])  # of 312 TFLOP/s
+    assert calibrated.rate_curve("sdpa", "fp8") is None and calibrated.rate_curve("sdpa", "fp32") is None
+    # the per-kernel overhead the cost model adds to every kernel comes off each measured call ...
+    overhead = apply(A100, make(kernel_overhead_s=5e-6, flops_by_size={"gemm": {"fp32": ((1e8, 1e13),)}}))
+    ((_, share),) = overhead.rate_curve("gemm", "fp32").points
+    assert share * peak == pytest.approx(1e8 / (1e-5 - 5e-6))
+    # ... but leaves at least MIN_KERNEL_SHARE of it, so a call as fast as an empty kernel is not free
+    tiny = apply(A100, make(kernel_overhead_s=5e-6, flops_by_size={"gemm": {"fp32": ((1e6, 1e12),)}}))
+    ((_, share),) = tiny.rate_curve("gemm", "fp32").points
+    assert share * peak == pytest.approx(1e6 / (1e-6 * MIN_KERNEL_SHARE))
+    # on a CPU the shares are of the measured peaks, and may exceed 1 where a shape beats the mix
+    cpu = apply(CPU, make("cpu", matmul_flops={"fp32": 5e10}, kernel_overhead_s=0.0,
+                          flops_by_size={"gemm": {"fp32": ((1e6, 2.5e10), (1e9, 6e10))}}))  # fmt: skip
+    assert shares(cpu, "gemm", "fp32") == pytest.approx([1e6, 0.5, 1e9, 1.2])
+    assert cpu.achievable_flops("fp32") == 5e10  # the constant rate, for other ops, is unchanged
+
+
+def test_rate_curves_are_checked_and_travel_with_the_type():
+    curve = RateCurve("gemm", "fp32", ((1e9, 0.8), (1e6, 0.2)))
+    assert curve.points == ((1e6, 0.2), (1e9, 0.8))  # sorted by size
+    a100 = A100.replace(rate_curves=(curve,))
+    assert a100 != A100 and hash(a100) != hash(A100) and a100.rate_curve("gemm", "fp32") == curve
+    assert type(A100).from_dict(a100.to_dict()) == a100  # to_dict writes plain lists and dicts
+    for bad, fragment in [
+        ({"op_class": "gem", "dtype": "fp32", "points": [(1e6, 0.5)]}, "op class is not one of"),
+        ({"op_class": "gemm", "dtype": "fp32", "points": []}, "all positive"),
+        ({"op_class": "gemm", "dtype": "fp32", "points": [(1e6, 0.0)]}, "all positive"),
+        ({"op_class": "gemm", "dtype": "fp32", "points": [(1e6, 0.5), (1e6, 0.6)]}, "same FLOPs"),
+        ({"op_class": "gemm", "dtype": "fp32", "points": "fast"}, "rate_curves"),
+    ]:
+        with pytest.raises(ClusterError, match=fragment):
+            A100.replace(rate_curves=(bad,))
+    with pytest.raises(ClusterError, match="two curves for one op class and dtype"):
+        A100.replace(rate_curves=(curve, curve))
 
 
 def test_apply_to_cluster_replaces_matching_types_only():

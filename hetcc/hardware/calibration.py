@@ -3,7 +3,7 @@ the datasheet efficiency profile of that type in a cluster.
 
 A calibration file (YAML or JSON, one per device type and machine) looks like::
 
-    version: 1
+    version: 2
     device_type: A100-80GB              # the type the figures are for, matched ignoring case/punctuation
     device_name: NVIDIA A100-SXM4-80GB  # provenance, optional: what the hardware calls itself, host,
     host: node0                         # torch version, threads used, and when it was measured
@@ -17,6 +17,13 @@ A calibration file (YAML or JSON, one per device type and machine) looks like::
     host_backward_op_s: 6.4e-05                  # and per op's backward (see passes.cost);
     host_fused_op_s: 6.0e-05                     # the same per fused-group call
     host_fused_backward_op_s: 1.2e-04
+    flops_by_size:                               # optional (version 2): FLOP/s one call reaches by its
+      gemm: {bf16: [[1.0e+06, 4.1e+11], [1.1e+12, 2.6e+14]]}   # size, [FLOPs per call, FLOP/s] pairs
+      gemm_unaligned: {bf16: [[1.1e+12, 1.2e+14]]}             # per op class (RATE_CLASSES) and dtype
+      sdpa: {bf16: [[1.7e+10, 1.9e+14]]}
+      sdpa_backward: {bf16: [[1.7e+10, 1.4e+14]]}
+
+Version 1 files (no ``flops_by_size``) still load, and price as they always did.
 
 ``Calibration.load`` checks a file against that format (``_FILE``, a ``hetcc.hardware.schema`` record), so
 errors name the file, the field and the closest valid key.
@@ -35,7 +42,10 @@ Rule for ``apply`` (the achievable rates become the measured ones):
   bandwidth at efficiency 1.0; unmeasured dtypes keep their old achievable rate as their peak.
 * Both: ``kernel_overhead_s`` = the measured overhead; the host costs (``host_op_s``,
   ``host_backward_op_s``, ``host_fused_op_s``, ``host_fused_backward_op_s``), where measured, replace
-  the type's.
+  the type's. Each ``flops_by_size`` curve becomes a ``RateCurve`` of the type (for dtypes it has a peak
+  for): each point's share of the calibrated peak, its time taken less the per-kernel overhead (at
+  most ``1 - MIN_KERNEL_SHARE`` of it), since the cost model adds that overhead to every kernel: so the
+  cost model's time of a measured call is the measured time.
 
 ``calibrated_types`` applies calibrations to the device types they name, and ``apply_to_cluster`` to a
 cluster's types; a cluster file's ``calibration:`` key does the latter while the file is read.
@@ -54,10 +64,46 @@ from typing import Any, Protocol, TypeVar
 import yaml
 
 from hetcc.errors import ClusterError, did_you_mean
-from hetcc.hardware.presets import DTYPE_KEYS, HOST_FIELDS, PRESETS, DeviceType, PeakTable, type_key
-from hetcc.hardware.schema import Count, Nullable, Quantity, Record, Table, Text, Where, load_file
+from hetcc.hardware.presets import (
+    DTYPE_KEYS,
+    HOST_FIELDS,
+    PRESETS,
+    RATE_CLASSES,
+    DeviceType,
+    PeakTable,
+    RateCurve,
+    type_key,
+)
+from hetcc.hardware.schema import (
+    Count,
+    ListOf,
+    Nullable,
+    Number,
+    Quantity,
+    Record,
+    Table,
+    Text,
+    Where,
+    load_file,
+    short_repr,
+)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # 1: before flops_by_size
+# The least share of a measured call ``apply`` leaves to the kernel after taking off the per-kernel
+# overhead (a call no slower than an empty kernel is not priced at zero seconds).
+MIN_KERNEL_SHARE = 0.1
+Curve = tuple[tuple[float, float], ...]  # (FLOPs per call, FLOP/s) by increasing FLOPs
+
+
+def _point(value: object, where: Where) -> tuple[float, float]:
+    """One measured point of a curve: ``[FLOPs per call, FLOP/s]``."""
+    if not isinstance(value, list) or len(value) != 2:
+        where.fail(f"expected [FLOPs per call, FLOP/s]; got {short_repr(value)}")
+    return float(Number(positive=True)(value[0], where.at(0))), Quantity("flop/s")(value[1], where.at(1))
+
+
+_CURVES = Table(DTYPE_KEYS, ListOf(_point, nonempty=True), "dtype to [[FLOPs per call, FLOP/s], ...]")
 _FILE = Record(
     {
         "version": Count(),
@@ -70,6 +116,9 @@ _FILE = Record(
         "memory_bandwidth_bps": Quantity("bytes/s"),
         "kernel_overhead_s": Quantity("seconds"),
         **dict.fromkeys(HOST_FIELDS, Nullable(Quantity("seconds"))),
+        "flops_by_size": Table(
+            RATE_CLASSES, _CURVES, "op class to curves per dtype, e.g. {gemm: {fp32: ...}}"
+        ),
     },
     required=("device_type", "matmul_flops", "memory_bandwidth_bps", "kernel_overhead_s"),
     missing_hint="write calibration files with `hetcc calibrate`",
@@ -88,6 +137,8 @@ class Calibration:
     host_backward_op_s: float | None = None  # ... and to run autograd's backward of one
     host_fused_op_s: float | None = None  # the same for one fused-group call
     host_fused_backward_op_s: float | None = None
+    # per op class (RATE_CLASSES) and dtype key: FLOP/s one call reaches by its FLOPs (gross of overhead)
+    flops_by_size: Mapping[str, Mapping[str, Curve]] = dataclasses.field(default_factory=dict, hash=False)
     device_name: str = ""  # what the hardware calls itself ("NVIDIA A100-SXM4-80GB", a CPU model)
     host: str = ""
     torch_version: str = ""
@@ -99,8 +150,17 @@ class Calibration:
             object.__setattr__(self, "matmul_flops", PeakTable(self.matmul_flops))
         except ValueError as error:
             raise ClusterError(f"calibration of {self.device_type!r}: matmul_flops: {error}") from None
-        for field, reason in self._problems():
-            raise ClusterError(f"calibration of {self.device_type!r}: {field}: {reason}")
+        try:  # points as (FLOPs, FLOP/s) float pairs by increasing FLOPs
+            curves = {c: {k: tuple(sorted((float(f), float(r)) for f, r in points)) for k, points in by.items()}
+                      for c, by in self.flops_by_size.items()}  # fmt: skip
+        except (AttributeError, TypeError, ValueError):
+            raise ClusterError(
+                f"calibration of {self.device_type!r}: flops_by_size: expected op class -> dtype -> "
+                f"[(FLOPs per call, FLOP/s), ...]; got {short_repr(self.flops_by_size)}"
+            ) from None
+        object.__setattr__(self, "flops_by_size", curves)
+        for name, reason in self._problems():
+            raise ClusterError(f"calibration of {self.device_type!r}: {name}: {reason}")
 
     def _problems(self) -> Iterator[tuple[str, str]]:
         if not isinstance(self.device_type, str) or not self.device_type.strip():
@@ -126,6 +186,7 @@ class Calibration:
             value = getattr(self, field)
             if value is not None and not (_is_number(value) and 0 <= value < math.inf):
                 yield field, f"must be a number of seconds >= 0; got {value!r}"
+        yield from _curve_problems(self.flops_by_size)
         if self.threads is not None and not (
             _is_number(self.threads) and isinstance(self.threads, int) and self.threads >= 1
         ):
@@ -135,7 +196,15 @@ class Calibration:
     def to_dict(self) -> dict[str, Any]:
         """The file's contents: plain JSON/YAML-ready values in SI units."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {"version": FORMAT_VERSION} | data | {"matmul_flops": dict(self.matmul_flops)}
+        curves = {
+            c: {k: [list(p) for p in points] for k, points in by.items()}
+            for c, by in self.flops_by_size.items()
+        }
+        return (
+            {"version": FORMAT_VERSION}
+            | data
+            | {"matmul_flops": dict(self.matmul_flops), "flops_by_size": curves}
+        )
 
     def save(self, path: str | pathlib.Path) -> pathlib.Path:
         """Write a ``.yaml``/``.yml`` or ``.json`` file (by suffix); returns the path written."""
@@ -149,7 +218,7 @@ class Calibration:
             header = (
                 f"# hetcc calibration of {self.device_type}: see hetcc.hardware.calibration for the format\n"
             )
-            text = header + yaml.safe_dump(self.to_dict(), sort_keys=False)
+            text = header + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=None)
         path.write_text(text, encoding="utf-8")
         return path
 
@@ -200,6 +269,12 @@ class Calibration:
         ):
             if forward is not None and backward is not None:
                 lines.append(_row(label, f"{forward * 1e6:.3g} us forward, {backward * 1e6:.3g} us backward"))
+        for op_class, by_dtype in self.flops_by_size.items():
+            for key, points in by_dtype.items():
+                at = ", ".join(
+                    f"{_rate(rate, '', 3, '')} @ {_rate(flops, '', 3, '')}" for flops, rate in points
+                )
+                lines.append(f"  {op_class + ' ' + key:<19} {at} (FLOP/s @ FLOPs per call)")
         return "\n".join(lines)
 
 
@@ -207,6 +282,23 @@ def _row(label: str, value: str, share: float | None = None, peak: str | None = 
     """One aligned line of ``describe``, with the share of the datasheet peak where there is one."""
     of_peak = f"  ({share:.0%} of the {peak} datasheet peak)" if share else ""
     return f"  {label:<18}{value:>14}{of_peak}"
+
+
+def _curve_problems(curves: Mapping[str, Mapping[str, Curve]]) -> Iterator[tuple[str, str]]:
+    for op_class, by_dtype in curves.items():
+        if op_class not in RATE_CLASSES:
+            yield f"flops_by_size.{op_class}", f"not an op class ({', '.join(RATE_CLASSES)})"
+        for key, points in by_dtype.items():
+            name = f"flops_by_size.{op_class}.{key}"
+            if key not in DTYPE_KEYS:
+                yield name, f"not a dtype key ({', '.join(DTYPE_KEYS)})"
+            elif not points or not all(0 < f < math.inf and 0 < r < math.inf for f, r in points):
+                yield (
+                    name,
+                    f"expected [FLOPs per call, FLOP/s] points, all positive; got {short_repr(points)}",
+                )
+            elif len({f for f, _ in points}) < len(points):
+                yield name, "two points at the same FLOPs per call"
 
 
 def _is_number(value: object) -> bool:
@@ -219,19 +311,21 @@ def _preset_named(name: str) -> DeviceType | None:
     return found[0] if found else None
 
 
-def _rate(value: float, unit: str) -> str:
+def _rate(value: float, unit: str, digits: int = 4, space: str = " ") -> str:
+    """``value`` with an SI prefix: "2.039 TB/s"; ``_rate(1.05e6, "", 3, "")`` is "1.05M"."""
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if value >= factor:
-            return f"{value / factor:.4g} {prefix}{unit}"
-    return f"{value:.4g} {unit}"
+            return f"{value / factor:.{digits}g}{space}{prefix}{unit}"
+    return f"{value:.{digits}g}{space}{unit}"
 
 
 def _read(data: object, where: Where) -> Calibration:
     """The Calibration a parsed file holds, checked against its format (``_FILE``)."""
     fields = _FILE(data, where)
     version = fields.pop("version", FORMAT_VERSION)
-    if version != FORMAT_VERSION:
-        where.at("version").fail(f"unsupported version {version!r}; this hetcc reads {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
+        where.at("version").fail(f"unsupported version {version!r}; this hetcc reads {readable}")
     with where.blame():
         return Calibration(**fields)
 
@@ -245,10 +339,12 @@ def apply(device_type: DeviceType, calibration: Calibration) -> DeviceType:
     """
     if device_type.vendor == "cpu":
         peaks = {k: v * device_type.matmul_efficiency for k, v in device_type.peak_flops.items()}
+        peaks |= dict(calibration.matmul_flops)
         return device_type.replace(
-            peak_flops=peaks | dict(calibration.matmul_flops), matmul_efficiency=1.0,
+            peak_flops=peaks, matmul_efficiency=1.0,
             memory_bandwidth_bps=calibration.memory_bandwidth_bps, memory_efficiency=1.0,
             kernel_overhead_s=calibration.kernel_overhead_s, **_host(calibration),
+            rate_curves=_rate_curves(calibration, peaks),
         )  # fmt: skip
     peaks, matmul_efficiency = _calibrated_peaks(device_type, calibration)
     bandwidth_bps = max(device_type.memory_bandwidth_bps, calibration.memory_bandwidth_bps)
@@ -256,12 +352,28 @@ def apply(device_type: DeviceType, calibration: Calibration) -> DeviceType:
         peak_flops=peaks, matmul_efficiency=matmul_efficiency, memory_bandwidth_bps=bandwidth_bps,
         memory_efficiency=calibration.memory_bandwidth_bps / bandwidth_bps,
         kernel_overhead_s=calibration.kernel_overhead_s, **_host(calibration),
+        rate_curves=_rate_curves(calibration, peaks),
     )  # fmt: skip
 
 
 def _host(calibration: Calibration) -> dict[str, float]:
     """The host costs a calibration measured (none: the type keeps its own)."""
     return {f: getattr(calibration, f) for f in HOST_FIELDS if getattr(calibration, f) is not None}
+
+
+def _rate_curves(calibration: Calibration, peaks: Mapping[str, float]) -> tuple[RateCurve, ...]:
+    """The calibration's ``flops_by_size`` as shares of ``peaks`` (the calibrated type's), each call's
+    seconds less the per-kernel overhead (module docstring); dtypes without a peak are left out."""
+    overhead_s = calibration.kernel_overhead_s
+    curves = []
+    for op_class, by_dtype in calibration.flops_by_size.items():
+        for key, points in by_dtype.items():
+            if key not in peaks:
+                continue
+            kernel_s = [max(f / rate - overhead_s, f / rate * MIN_KERNEL_SHARE) for f, rate in points]
+            shares = tuple((f, f / s / peaks[key]) for (f, _), s in zip(points, kernel_s))
+            curves.append(RateCurve(op_class, key, shares))
+    return tuple(curves)
 
 
 def _calibrated_peaks(device_type: DeviceType, calibration: Calibration) -> tuple[dict[str, float], float]:

@@ -3,7 +3,8 @@
 A ``DeviceType`` holds dense peak FLOP/s per dtype, memory capacity and bandwidth, and an efficiency
 profile (the share of peak a large GEMM or a streaming kernel reaches, and a per-kernel overhead).
 The cost model turns these into time; ``hetcc calibrate`` measures the rates a device reaches, which
-replace the profile (``hetcc.hardware.calibration.apply``).
+replace the profile (``hetcc.hardware.calibration.apply``), and may add ``rate_curves``: the share of
+peak a GEMM or an attention kernel reaches by its size (``RateCurve``), which presets do not have.
 
 Peaks are dense (no 2:4 sparsity) and taken from vendor datasheets. Memory capacities are binary
 (an "80 GB" A100 has 80 GiB of HBM); bandwidths are decimal (bytes/s), as the datasheets state them.
@@ -12,6 +13,7 @@ Everything here imports without torch: a torch dtype is accepted through its ``s
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import difflib
 import math
@@ -91,6 +93,49 @@ class PeakTable(Mapping[str, float]):
 
 
 HOST_FIELDS = ("host_op_s", "host_backward_op_s", "host_fused_op_s", "host_fused_backward_op_s")
+# Kernel classes whose rate ``hetcc calibrate`` measures by size: GEMMs with every dimension a multiple of
+# 8 and with one that is not, and scaled_dot_product_attention's forward and backward.
+RATE_CLASSES = ("gemm", "gemm_unaligned", "sdpa", "sdpa_backward")
+
+
+@dataclass(frozen=True)
+class RateCurve:
+    """The share of its dtype's peak FLOP/s one kernel of a class reaches, against the FLOPs of one call
+    (a backward's at the FLOPs of the forward call it differentiates), as measured: small kernels reach
+    far less than large ones. Between points the share is interpolated in log FLOPs; beyond the ends it
+    is the end's. A share may exceed 1 where the peak is itself a measured mix (a calibrated CPU).
+    """
+
+    op_class: str  # one of RATE_CLASSES
+    dtype: str  # a key of DTYPE_KEYS
+    points: tuple[tuple[float, float], ...]  # (FLOPs per call, share of peak), by increasing FLOPs
+
+    def __post_init__(self) -> None:
+        points = tuple(sorted((float(f), float(s)) for f, s in self.points))
+        object.__setattr__(self, "points", points)
+        where = f"rate curve {self.op_class} {self.dtype}"
+        if self.op_class not in RATE_CLASSES:
+            raise ClusterError(f"{where}: op class is not one of {', '.join(RATE_CLASSES)}")
+        if self.dtype not in DTYPE_KEYS:
+            raise ClusterError(f"{where}: dtype is not one of {', '.join(DTYPE_KEYS)}")
+        if not points or not all(0 < f < math.inf and 0 < s < math.inf for f, s in points):
+            raise ClusterError(
+                f"{where}: expected (FLOPs per call, share) points, all positive; got {points}"
+            )
+        if len({f for f, _ in points}) < len(points):
+            raise ClusterError(f"{where}: two points at the same FLOPs per call")
+
+    def share(self, flops: float) -> float:
+        """The share of peak at ``flops`` per call: log-linear between points, the end's beyond them."""
+        sizes = [f for f, _ in self.points]
+        i = bisect.bisect_left(sizes, flops)
+        if i == 0 or i == len(sizes):
+            return self.points[min(i, len(sizes) - 1)][1]
+        (f0, s0), (f1, s1) = self.points[i - 1], self.points[i]
+        return s0 + (s1 - s0) * math.log(flops / f0) / math.log(f1 / f0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op_class": self.op_class, "dtype": self.dtype, "points": [list(p) for p in self.points]}
 
 
 @dataclass(frozen=True)
@@ -118,12 +163,20 @@ class DeviceType:
     # host, 2.6x as long; times 2.6, plus ~20 us for each Triton launch.
     host_fused_op_s: float = 60e-6
     host_fused_backward_op_s: float = 120e-6
+    # Measured shares of peak by kernel size (``hetcc calibrate``), at most one per class and dtype;
+    # without one, a kernel runs at peak x matmul_efficiency whatever its size.
+    rate_curves: tuple[RateCurve, ...] = ()
 
     def __post_init__(self) -> None:
         try:
             object.__setattr__(self, "peak_flops", PeakTable(self.peak_flops))
         except ValueError as error:
             raise ClusterError(f"device type {self.name!r}: peak_flops: {error}") from None
+        try:  # to_dict writes curves as dicts
+            curves = tuple(c if isinstance(c, RateCurve) else RateCurve(**c) for c in self.rate_curves)
+        except (ClusterError, TypeError, ValueError) as error:
+            raise ClusterError(f"device type {self.name!r}: rate_curves: {error}") from None
+        object.__setattr__(self, "rate_curves", curves)
         for reason in self._problems():
             raise ClusterError(f"device type {self.name!r}: {reason}")
 
@@ -153,6 +206,9 @@ class DeviceType:
         for field in ("kernel_overhead_s", *HOST_FIELDS):
             if not (0 <= getattr(self, field) < math.inf):
                 yield f"{field} must be >= 0, got {getattr(self, field)!r}"
+        classes = [(c.op_class, c.dtype) for c in self.rate_curves]
+        if len(set(classes)) < len(classes):
+            yield "rate_curves has two curves for one op class and dtype"
 
     def peak(self, dtype: object) -> float:
         """Dense peak FLOP/s for ``dtype`` (torch dtype, "bfloat16", "bf16", "tf32", ...)."""
@@ -168,6 +224,10 @@ class DeviceType:
         """FLOP/s a large GEMM reaches: peak × matmul_efficiency."""
         return self.peak(dtype) * self.matmul_efficiency
 
+    def rate_curve(self, op_class: str, key: str) -> RateCurve | None:
+        """The measured curve of ``op_class`` kernels in dtype ``key``, or None (not measured)."""
+        return next((c for c in self.rate_curves if (c.op_class, c.dtype) == (op_class, key)), None)
+
     @property
     def achievable_bandwidth_bps(self) -> float:
         """Bytes/s a streaming kernel reaches: peak bandwidth × memory_efficiency."""
@@ -180,7 +240,10 @@ class DeviceType:
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict, SI units (bytes, bytes/s, FLOP/s, seconds)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return data | {"peak_flops": dict(self.peak_flops)}
+        return data | {
+            "peak_flops": dict(self.peak_flops),
+            "rate_curves": [c.to_dict() for c in self.rate_curves],
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DeviceType:

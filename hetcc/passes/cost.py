@@ -20,6 +20,11 @@ multiple of 8 runs at ``UNALIGNED_TENSOR_CORE_SHARE`` of the aligned rate (tenso
 16-byte rows; GPT-2's vocabulary of 50257 is the classic case). Getitems launch nothing and cost
 nothing.
 
+A calibrated type may carry rates measured by size (``DeviceType.rate_curves``): a GEMM or an
+attention call (``_RATE_CLASS``) then runs at its curve's share of peak for its forward FLOPs per call
+(small kernels reach far less than large ones), an unaligned GEMM at the unaligned curve where one was
+measured (``rates.CURVES``), and the node's notes say so; without curves, the constant rate above.
+
 Fusion is chosen here (the record is ``passes.fuse.FusionChoice``): each group ``passes.fuse`` could make one kernel is priced
 both ways in its block's queue on every device type, and fuses on the types where the kernel call wins;
 the fuse step, after the partition, fuses it in the stages of those types. The microbatch search prices
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -39,21 +45,16 @@ import torch
 import torch.fx
 
 from hetcc import config
-from hetcc.errors import AnalysisError, ClusterError, HetccError
+from hetcc.errors import AnalysisError, HetccError
 from hetcc.hardware.presets import DeviceType, flops_key
 from hetcc.ir import annotate, info, is_concrete, number_at
 from hetcc.kernels import FUSION_META_KEY
 from hetcc.passes.fuse import FusionCandidate, FusionChoice
+from hetcc.passes.rates import CURVE_NOTE, UNALIGNED_TENSOR_CORE_SHARE, Rates, Speed
 
 BACKWARD_MEMORY_PASSES = 2.0
-# When a device type has no peak for a dtype, the nearest format its matrix units run instead.
-# bf16 has no fallback but fp32: a card without bf16 units (T4, V100) runs bf16 matmuls no faster.
-_DTYPE_FALLBACK = {"bf16": "fp32", "fp16": "fp32", "fp8": "fp16", "tf32": "fp32"}
 # A view's host cost against a small op's, forward and backward (an H200's host: 8 vs 14 us, 14 vs 50 us).
 VIEW_HOST_SHARE = (0.5, 0.25)
-# Share of the aligned bf16/fp16 GEMM rate left when a row is not 16 bytes aligned. Measured on an
-# H200: GPT-2's head (N = 50257) ran its three GEMMs at 95-146 TFLOP/s against 658 aligned.
-UNALIGNED_TENSOR_CORE_SHARE = 0.2
 _TENSOR_CORE_KEYS = ("bf16", "fp16")
 CAST_BYTES = 6  # an fp32 -> bf16/fp16 cast reads 4 bytes and writes 2 per element (its gradient too)
 # Ops torch.autocast runs in the lower precision on a GPU (its lower_precision_fp list, as graphs name them).
@@ -64,6 +65,12 @@ LOWER_PRECISION_OPS = frozenset({
 })  # fmt: skip
 # GEMMs and where their first matrix is in args: K is its last dim, N the output's.
 _GEMM_MATRIX_ARG = {"mm": 0, "bmm": 0, "matmul": 0, "linear": 0, "addmm": 1, "addbmm": 1, "baddbmm": 1}
+_ATTENTION_OPS = (
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+)  # fmt: skip
+# The kernel class whose measured rate curve prices an op (a GEMM off alignment: "gemm_unaligned").
+_RATE_CLASS = dict.fromkeys(_GEMM_MATRIX_ARG, "gemm") | dict.fromkeys(_ATTENTION_OPS, "sdpa")
 _NO_LAUNCH = (operator.getitem, getattr)
 _COMPUTE = ("call_function", "call_method", "call_module")  # the node ops that run something
 
@@ -83,7 +90,7 @@ def cost(
     which fusion ``candidates`` fuse (``fuse``: "cost", "all" or "off"; see ``FusionChoice``). On a type
     where a group fuses, its last member carries the kernel's time and the others none, so a fused
     node's time is always the sum of its members' and ``block_times`` needs nothing else."""
-    rates = {t.name: _Rates(t) for t in device_types}
+    rates = {t.name: Rates(t) for t in device_types}
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     for node in nodes:
         _require_concrete(node, info(node))
@@ -94,8 +101,9 @@ def cost(
             fwd_s=tuple((t, priced.fwd[t][i]) for t in rates),
             bwd_s=tuple((t, priced.bwd[t][i]) for t in rates),
         )
-        if priced.unaligned[i] and UNALIGNED_NOTE not in record.notes:
-            annotate(node, notes=(*record.notes, UNALIGNED_NOTE))
+        new = [note for note in priced.notes[i] if note not in record.notes]
+        if new:
+            annotate(node, notes=(*record.notes, *new))
     return priced.choice
 
 
@@ -103,9 +111,19 @@ UNALIGNED_NOTE = "GEMM off tensor-core alignment"
 
 
 def cost_notes(gm: torch.fx.GraphModule) -> list[str]:
-    """The plan's notes about a costed graph: GEMMs off tensor-core alignment."""
-    note = unaligned_gemm_note(gm)
-    return [note] if note else []
+    """The plan's notes about a costed graph: GEMMs off tensor-core alignment, nodes priced by size."""
+    return [note for note in (unaligned_gemm_note(gm), measured_rates_note(gm)) if note]
+
+
+def measured_rates_note(gm: torch.fx.GraphModule) -> str | None:
+    """One line for the plan saying how many nodes each device type priced from rates measured by
+    size (``hetcc calibrate``), or None."""
+    notes = [note for node in gm.graph.nodes for note in info(node).notes if note.startswith(CURVE_NOTE)]
+    counts = Counter(note.removeprefix(CURVE_NOTE).partition(":")[0].strip() for note in notes)
+    if not counts:
+        return None
+    per_type = ", ".join(f"{count} on {name}" for name, count in counts.items())
+    return f"nodes priced at the GEMM / attention rates calibration measured by size: {per_type} (their notes say which)"
 
 
 def unaligned_gemm_note(gm: torch.fx.GraphModule) -> str | None:
@@ -118,7 +136,8 @@ def unaligned_gemm_note(gm: torch.fx.GraphModule) -> str | None:
     more = f" and {len(found) - 4} more" if len(found) > 4 else ""
     return (
         f"{len(found)} half-precision GEMM(s) have a dimension that is not a multiple of 8 and are priced "
-        f"at {UNALIGNED_TENSOR_CORE_SHARE:.0%} of the tensor-core rate: {named}{more}; padding such a "
+        f"below the tensor-core rate ({UNALIGNED_TENSOR_CORE_SHARE:.0%} of it where calibration did not "
+        f"measure them): {named}{more}; padding such a "
         "dimension (a vocabulary, say) to a multiple of 8 makes them about 5x faster"
     )
 
@@ -134,10 +153,10 @@ class _Pricing:
     value: Callable[[Any], float]
 
 
-def _node_parts(node, record, rates, how: _Pricing, group=None) -> tuple[dict, bool]:
+def _node_parts(node, record, rates, how: _Pricing, group=None) -> tuple[dict, tuple[str, ...]]:
     """Per device type, (GPU forward, GPU backward, host forward, host backward) seconds of one node
-    (or of a fusion candidate: ``group`` and its fused ``record``), and whether it is a
-    half-precision GEMM off tensor-core alignment."""
+    (or of a fusion candidate: ``group`` and its fused ``record``), and the node's notes on how it was
+    priced (a half-precision GEMM off tensor-core alignment; a rate measured by size)."""
     key, floating = _flops_key(record, how.dtype)
     has_backward = how.training and floating
     group = group if group is not None else node.meta.get(FUSION_META_KEY)
@@ -146,14 +165,19 @@ def _node_parts(node, record, rates, how: _Pricing, group=None) -> tuple[dict, b
     low = how.autocast and name in LOWER_PRECISION_OPS
     cast = _cast_elements(node) if low else (0, 0)
     cast = (how.value(cast[0]) * CAST_BYTES, cast[1])
-    slow = key in _TENSOR_CORE_KEYS and bool(_unaligned_dims(node, name))
+    unaligned = bool(_unaligned_dims(node, name))
+    slow = key in _TENSOR_CORE_KEYS and unaligned
+    kernel = _RATE_CLASS.get(name) if group is None else None
+    kernel = "gemm_unaligned" if kernel == "gemm" and unaligned else kernel
     numbers = _numbers(record, how.value)
     kind = "op" if group is not None else _launch_kind(node, record)
-    times = {
-        t: _times(rate, numbers, key, has_backward, replays, cast=cast, slow=slow, kind=kind)
-        for t, rate in rates.items()
-    }
-    return times, slow
+    times, notes = {}, [UNALIGNED_NOTE] if slow else []
+    for t, rate in rates.items():
+        speed = rate.speed(key, kernel, numbers.fwd_flops, slow) if numbers.fwd_flops else None
+        times[t] = _times(rate, numbers, key, has_backward, replays, cast=cast, speed=speed, kind=kind)
+        note = speed and speed.note(t)
+        notes += [note] if note else []
+    return times, tuple(notes)
 
 
 def _numbers(record, value) -> SimpleNamespace:
@@ -168,7 +192,7 @@ def _numbers(record, value) -> SimpleNamespace:
 class _Priced:
     fwd: dict[str, list[float]]  # per device type, per node: seconds in that type's queue
     bwd: dict[str, list[float]]
-    unaligned: list[bool]
+    notes: list[tuple[str, ...]]  # per node: how it was priced, on any device type
     choice: FusionChoice
 
 
@@ -180,11 +204,11 @@ def _price(nodes, candidates, rates, how: _Pricing, fuse: str) -> _Priced:
         raise HetccError(
             f"hetcc.config.fuse is {fuse!r}", hint=f"set it (or HETCC_FUSE) to one of {config.FUSE_MODES}"
         )
-    parts, unaligned = [], []
+    parts, notes = [], []
     for node in nodes:
-        times, slow = _node_parts(node, info(node), rates, how)
+        times, node_notes = _node_parts(node, info(node), rates, how)
         parts.append(times)
-        unaligned.append(slow)
+        notes.append(node_notes)
     position = {node: i for i, node in enumerate(nodes)}
     members = [[position[m] for m in c.members] for c in candidates]
     kernels = [_node_parts(c.members[-1], c.record, rates, how, c.group)[0] for c in candidates]
@@ -202,7 +226,9 @@ def _price(nodes, candidates, rates, how: _Pricing, fuse: str) -> _Priced:
             with_kernel = _window_s(window, own, members, group_parts, chosen | {k})
             as_ops = _window_s(window, own, members, group_parts, chosen)
             compared[t].append((with_kernel, as_ops))
-            if fuse == "all" or (fuse == "cost" and with_kernel < as_ops):
+            # A CPU runs a fused group's ops either way (the same seconds; a rounding must not decide).
+            cpu = rates[t].type.vendor == "cpu"
+            if fuse == "all" or (fuse == "cost" and not cpu and with_kernel < as_ops):
                 chosen.add(k)
         sequence = _fused_sequence(range(len(nodes)), own, members, group_parts, chosen)
         queued_f, queued_b = _queue_both([part for _, part in sequence])
@@ -210,7 +236,7 @@ def _price(nodes, candidates, rates, how: _Pricing, fuse: str) -> _Priced:
         for (i, _), f, b in zip(sequence, queued_f, queued_b):
             fwd[t][i], bwd[t][i] = f, b
         fused[t] = frozenset(chosen)
-    return _Priced(fwd, bwd, unaligned, FusionChoice(candidates, fused, compared))
+    return _Priced(fwd, bwd, notes, FusionChoice(candidates, fused, compared))
 
 
 def _fused_sequence(positions, own, members, group_parts, chosen) -> list[tuple[int, tuple]]:
@@ -309,14 +335,14 @@ def _unaligned_dims(node: torch.fx.Node, name: str) -> list[str]:
 
 
 def _times(
-    rate: _Rates,
+    rate: Rates,
     record,
     key: str,
     has_backward: bool,
     replays: bool = False,
     *,
     cast: tuple[float, int] = (0.0, 0),
-    slow: bool = False,
+    speed: Speed | None = None,
     kind: str | None = "op",
 ) -> tuple[float, float, float, float]:
     """(GPU forward, GPU backward, host forward, host backward) seconds of one node on one device type.
@@ -327,13 +353,13 @@ def _times(
     they cost, forward and backward. A group without a generated backward kernel (``replays``: one
     saved with ``backward="recompute"``) differentiates its original ops on a GPU, recomputing them
     first: its backward costs its members' forwards and backwards.
-    ``cast``: bytes and tensors autocast casts first (and casts back in backward); ``slow``: a
-    bf16/fp16 GEMM off tensor-core alignment. The host terms are zero on a CPU (``_queue``).
+    ``cast``: bytes and tensors autocast casts first (and casts back in backward); ``speed``: its
+    kernels' FLOP/s (``Rates.speed``; None: the constant rate). The host terms are zero on a CPU
+    (``_queue``).
     """
     device = rate.type
     on_cpu = device.vendor == "cpu"
     host = _host_s(device, kind) if not on_cpu else (0.0, 0.0)
-    share = UNALIGNED_TENSOR_CORE_SHARE if slow else 1.0
     cast_s = cast[0] / device.achievable_bandwidth_bps if cast[1] else 0.0
     cast_host = cast[1] * device.kernel_overhead_s
     if record.members and not on_cpu:  # one call of the fused-group op
@@ -347,10 +373,11 @@ def _times(
         # a replay differentiates the members under torch autograd, after the group op's own wrapper
         replayed = host[1] + sum(p[2] + p[3] for p in parts) if not on_cpu else 0.0
         return fwd, bwd, host[0], replayed
-    fwd = rate.time_s(record.fwd_flops, record.bytes, key, share) + cast_s
+    fwd = rate.time_s(record.fwd_flops, record.bytes, key, speed and speed.fwd_flops_per_s) + cast_s
     if not has_backward:
         return fwd, 0.0, host[0] + cast_host, 0.0
-    bwd = rate.time_s(record.bwd_flops, BACKWARD_MEMORY_PASSES * record.bytes, key, share) + cast_s
+    bwd_rate = speed and speed.bwd_flops_per_s
+    bwd = rate.time_s(record.bwd_flops, BACKWARD_MEMORY_PASSES * record.bytes, key, bwd_rate) + cast_s
     return fwd, bwd, host[0] + cast_host, host[1] + cast_host
 
 
@@ -359,38 +386,6 @@ def _host_s(device: DeviceType, kind: str | None) -> tuple[float, float]:
         return 0.0, 0.0
     shares = VIEW_HOST_SHARE if kind == "view" else (1.0, 1.0)
     return device.host_op_s * shares[0], device.host_backward_op_s * shares[1]
-
-
-class _Rates:
-    """Achievable rates of one device type, with dtype fallback resolved once per dtype."""
-
-    def __init__(self, device_type: DeviceType):
-        self.type = device_type
-        self._flops: dict[str, float] = {}
-
-    def flops_per_s(self, key: str) -> float:
-        if key not in self._flops:
-            self._flops[key] = self._resolve(key)
-        return self._flops[key]
-
-    def _resolve(self, key: str) -> float:
-        probe = key
-        while probe is not None:
-            if probe in self.type.peak_flops:
-                return self.type.achievable_flops(probe)
-            probe = _DTYPE_FALLBACK.get(probe)
-        raise ClusterError(
-            f"device type {self.type.name} has no FLOP/s figure for {key} or a fallback format",
-            hint="add peak_flops for it in the cluster file (custom_types) or compile with another dtype",
-        )
-
-    def time_s(self, flops: float, nbytes: float, key: str, share: float = 1.0) -> float:
-        """Roofline seconds of one kernel (``share`` of the achievable FLOP/s: an unaligned GEMM)."""
-        if not flops and not nbytes:
-            return 0.0
-        compute_s = flops / (self.flops_per_s(key) * share) if flops else 0.0
-        memory_s = nbytes / self.type.achievable_bandwidth_bps
-        return max(compute_s, memory_s) + self.type.kernel_overhead_s
 
 
 def _require_concrete(node: torch.fx.Node, record) -> None:
@@ -417,7 +412,7 @@ def block_times_at(
     """``block_times`` of a symbolic analysis (sizes in sympy dims) at the dims ``subs`` gives, and
     the ``FusionChoice`` there, without annotating the graph: how the microbatch search prices every
     microbatch size from one trace, as ``cost`` prices the graph traced at that size."""
-    rates = {t.name: _Rates(t) for t in device_types}
+    rates = {t.name: Rates(t) for t in device_types}
     owner = {name: i for i, names in enumerate(block_nodes) for name in names}
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
     how = _Pricing(dtype, training, autocast, lambda v: number_at(v, subs))

@@ -5,9 +5,10 @@ import torch
 
 import hetcc
 from hetcc.errors import AnalysisError, ClusterError
-from hetcc.hardware.presets import HOST_FIELDS, get_preset
+from hetcc.hardware.calibration import Calibration, apply
+from hetcc.hardware.presets import HOST_FIELDS, RateCurve, get_preset
 from hetcc.ir import info
-from hetcc.passes.cost import block_times, cost
+from hetcc.passes.cost import UNALIGNED_TENSOR_CORE_SHARE, block_times, cost
 
 
 class MLP(torch.nn.Module):
@@ -251,7 +252,7 @@ def test_autocast_prices_the_casts_of_fp32_inputs_of_lower_precision_ops():
 
 
 def test_bf16_gemms_off_tensor_core_alignment_run_at_a_fraction_of_the_rate():
-    from hetcc.passes.cost import UNALIGNED_TENSOR_CORE_SHARE, unaligned_gemm_note
+    from hetcc.passes.cost import unaligned_gemm_note
 
     a100 = _no_host(get_preset("A100-80GB"))
 
@@ -277,3 +278,137 @@ def test_bf16_gemms_off_tensor_core_alignment_run_at_a_fraction_of_the_rate():
     assert "%linear (N=50257)" in note and "multiple of 8" in note
     assert unaligned_gemm_note(costed(50304, torch.bfloat16).graph) is None
     assert unaligned_gemm_note(costed(50257, torch.float32).graph) is None
+
+
+# ---- rates measured by size (hetcc calibrate's curves) ---------------------------------------------
+def _calibrated(flops_by_size):
+    """An A100 calibrated with ``flops_by_size`` (FLOP/s given as shares of its peaks) and a constant
+    rate of 0.8 of peak, no per-kernel overhead, no host cost and unbounded bandwidth: a GEMM's time
+    is its FLOPs over its rate."""
+    a100 = get_preset("A100-80GB")
+    curves = {
+        op_class: {
+            key: [(f, share * a100.peak_flops[key]) for f, share in points] for key, points in by.items()
+        }
+        for op_class, by in flops_by_size.items()
+    }
+    calibration = Calibration(
+        device_type="A100-80GB", matmul_flops={"fp32": 0.8 * a100.peak_flops["fp32"]},
+        memory_bandwidth_bps=1e18, kernel_overhead_s=0.0, flops_by_size=curves,
+    )  # fmt: skip
+    return _no_host(apply(a100, calibration))
+
+
+def _seconds_per_flop(analysis, name, type_name="A100-80GB"):
+    record = info(_node(analysis, name))
+    return dict(record.fwd_s)[type_name] / record.fwd_flops, dict(record.bwd_s)[type_name] / record.bwd_flops
+
+
+def test_a_rate_curve_interpolates_in_log_flops_and_clamps_at_its_ends():
+    curve = RateCurve("gemm", "fp32", ((1e6, 0.2), (1e9, 0.8), (1e12, 0.9)))
+    assert curve.share(1e3) == curve.share(1e6) == 0.2 and curve.share(1e15) == curve.share(1e12) == 0.9
+    assert curve.share(math.sqrt(1e6 * 1e9)) == pytest.approx(0.5)  # halfway in log FLOPs
+    assert curve.share(1e7) == pytest.approx(0.2 + 0.6 / 3) and curve.share(1e9) == pytest.approx(0.8)
+    assert RateCurve("sdpa", "bf16", ((1e9, 0.4),)).share(1.0) == 0.4  # one point: a constant
+
+
+def test_a_small_gemm_runs_at_its_measured_small_share():
+    a100 = _calibrated({"gemm": {"fp32": [(1e6, 0.2), (1e9, 0.8)]}})
+    small = _costed(MLP(16), (torch.randn(8, 16),), [a100])  # 16 kFLOP per linear: below the curve
+    large = _costed(MLP(1024), (torch.randn(4096, 1024),), [a100])  # 34 GFLOP: above it
+    small_fwd, small_bwd = _seconds_per_flop(small, "linear")
+    large_fwd, large_bwd = _seconds_per_flop(large, "linear")
+    assert small_fwd / large_fwd == pytest.approx(4.0) and small_bwd / large_bwd == pytest.approx(4.0)
+    assert large_fwd == pytest.approx(1 / (0.8 * a100.peak_flops["fp32"]))
+    # in between, the share interpolated at the node's FLOPs per call
+    flops = info(_node(small, "linear")).fwd_flops
+    middle = _costed(
+        MLP(16),
+        (torch.randn(8, 16),),
+        [_calibrated({"gemm": {"fp32": [(flops / 10, 0.2), (flops * 10, 0.8)]}})],
+    )
+    assert _seconds_per_flop(middle, "linear")[0] == pytest.approx(1 / (0.5 * a100.peak_flops["fp32"]))
+
+
+def test_nodes_priced_from_a_curve_say_so_in_their_notes_and_the_plan():
+    from hetcc.passes.cost import cost_notes
+
+    a100 = _calibrated({"gemm": {"fp32": [(1e6, 0.2), (1e9, 0.8)]}})
+    analysis = _costed(MLP(16), (torch.randn(8, 16),), [a100, get_preset("cpu")])
+    notes = info(_node(analysis, "linear")).notes
+    assert "rate by size measured on A100-80GB: gemm 20% of peak" in notes
+    assert not any("cpu" in note for note in notes)  # the preset has no curve: the constant rate
+    assert not any("rate by size" in note for note in info(_node(analysis, "gelu")).notes)
+    (line,) = [n for n in cost_notes(analysis.graph) if "measured by size" in n]
+    assert "2 on A100-80GB" in line
+
+
+def test_an_old_calibration_without_curves_prices_exactly_as_before(tmp_path):
+    path = tmp_path / "a100.yaml"
+    path.write_text(
+        "version: 1\ndevice_type: A100-80GB\nmatmul_flops: {fp32: 1.5e13}\n"
+        "memory_bandwidth_bps: 1.6e12\nkernel_overhead_s: 7.0e-06\n"
+    )
+    a100 = _no_host(apply(get_preset("A100-80GB"), Calibration.load(path)))
+    assert a100.rate_curves == ()
+    analysis = _costed(MLP(), (torch.randn(512, 256),), [a100])
+    for name in ("linear", "linear_1"):
+        record = info(_node(analysis, name))
+        compute, memory = record.fwd_flops / a100.achievable_flops("fp32"), record.bytes / 1.6e12
+        assert dict(record.fwd_s)["A100-80GB"] == max(compute, memory) + 7e-6
+        assert not any("rate by size" in note for note in record.notes)
+
+
+class Head(torch.nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.head = torch.nn.Linear(1024, vocab, bias=False)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def test_an_unaligned_half_precision_gemm_runs_at_its_own_measured_curve():
+    aligned_curve, unaligned_curve = [(1e6, 0.1), (1e10, 0.6)], [(1e6, 0.05), (1e10, 0.3)]
+    both = _calibrated({"gemm": {"bf16": aligned_curve}, "gemm_unaligned": {"bf16": unaligned_curve}})
+    aligned_only = _calibrated({"gemm": {"bf16": aligned_curve}}).replace(name="aligned-only")
+
+    def seconds(vocab, type_name):
+        analysis = _costed(
+            Head(vocab), (torch.randn(4096, 1024),), [both, aligned_only], dtype=torch.bfloat16
+        )
+        return dict(info(_node(analysis, "linear")).fwd_s)[type_name], info(_node(analysis, "linear")).notes
+
+    (aligned, _), (odd, notes) = seconds(50304, "A100-80GB"), seconds(50257, "A100-80GB")
+    assert odd / aligned == pytest.approx(50257 / 50304 * 0.6 / 0.3)  # both beyond the curves' ends
+    assert "rate by size measured on A100-80GB: gemm_unaligned 30% of peak" in notes
+    # without an unaligned curve, the aligned one with the fixed penalty
+    assert seconds(50257, "aligned-only")[0] / seconds(50304, "aligned-only")[0] == pytest.approx(
+        50257 / 50304 / UNALIGNED_TENSOR_CORE_SHARE
+    )
+
+
+class Attention(torch.nn.Module):
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_attention_runs_at_its_measured_forward_and_backward_shares():
+    qkv = tuple(torch.randn(2, 4, 128, 32) for _ in range(3))
+    gemm = [(1e3, 0.5)]  # beside the constant rate's 0.8 (matmul_efficiency)
+    measured = _calibrated(
+        {"gemm": {"fp32": gemm}, "sdpa": {"fp32": [(1e9, 0.3)]}, "sdpa_backward": {"fp32": [(1e9, 0.15)]}}
+    )
+    forward_only = _calibrated({"sdpa": {"fp32": [(1e9, 0.3)]}}).replace(name="forward-only")
+    gemms_only = _calibrated({"gemm": {"fp32": gemm}}).replace(name="gemms-only")
+    analysis = _costed(Attention(), qkv, [measured, forward_only, gemms_only])
+    (name,) = [n.name for n in analysis.graph.graph.nodes if "scaled_dot_product" in str(n.target)]
+    peak = measured.peak_flops["fp32"]
+    assert _seconds_per_flop(analysis, name) == pytest.approx((1 / (0.3 * peak), 1 / (0.15 * peak)))
+    assert _seconds_per_flop(analysis, name, "forward-only") == pytest.approx((1 / (0.3 * peak),) * 2)
+    # a GEMM curve does not price attention: the constant rate does, as before
+    assert _seconds_per_flop(analysis, name, "gemms-only") == pytest.approx((1 / (0.8 * peak),) * 2)
+    assert (
+        "rate by size measured on A100-80GB: sdpa 30%, sdpa_backward 15% of peak"
+        in info(_node(analysis, name)).notes
+    )
