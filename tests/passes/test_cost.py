@@ -35,6 +35,15 @@ def _no_host(device_type):
     return device_type.replace(**dict.fromkeys(HOST_FIELDS, 0.0))
 
 
+class Head(torch.nn.Module):
+    def __init__(self, vocab):
+        super().__init__()
+        self.head = torch.nn.Linear(1024, vocab, bias=False)
+
+    def forward(self, x):
+        return self.head(x)
+
+
 def test_roofline_time_is_the_max_of_compute_and_memory_plus_overhead():
     a100 = _no_host(get_preset("A100-80GB"))
     analysis = _costed(MLP(), (torch.randn(512, 256),), [a100])
@@ -256,14 +265,6 @@ def test_bf16_gemms_off_tensor_core_alignment_run_at_a_fraction_of_the_rate():
 
     a100 = _no_host(get_preset("A100-80GB"))
 
-    class Head(torch.nn.Module):
-        def __init__(self, vocab):
-            super().__init__()
-            self.head = torch.nn.Linear(1024, vocab, bias=False)
-
-        def forward(self, x):
-            return self.head(x)
-
     def costed(vocab, dtype):
         return _costed(Head(vocab), (torch.randn(4096, 1024),), [a100], dtype=dtype)
 
@@ -357,15 +358,6 @@ def test_an_old_calibration_without_curves_prices_exactly_as_before(tmp_path):
         compute, memory = record.fwd_flops / a100.achievable_flops("fp32"), record.bytes / 1.6e12
         assert dict(record.fwd_s)["A100-80GB"] == max(compute, memory) + 7e-6
         assert not any("rate by size" in note for note in record.notes)
-
-
-class Head(torch.nn.Module):
-    def __init__(self, vocab):
-        super().__init__()
-        self.head = torch.nn.Linear(1024, vocab, bias=False)
-
-    def forward(self, x):
-        return self.head(x)
 
 
 def test_an_unaligned_half_precision_gemm_runs_at_its_own_measured_curve():
