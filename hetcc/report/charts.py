@@ -192,8 +192,10 @@ def gantt_chart(saved: SavedPlan) -> str:
     body += x_axis(LABEL_W, y, CHART_W, top, "ms (simulated step)", 1e3)
     legend_y = y + 40
     x = 10
-    for kind, name in (("F", "forward"), ("B", "backward"), ("SEND_F", "send activation"),
-                       ("SEND_B", "send gradient"), ("ALLREDUCE", "replica all-reduce")):  # fmt: skip
+    kinds = {event.kind for event in simulation.events}
+    legend = [("F", "forward"), ("B", "backward"), ("W", "weight gradient"), ("SEND_F", "send activation"),
+              ("SEND_B", "send gradient"), ("ALLREDUCE", "replica all-reduce")]  # fmt: skip
+    for kind, name in (entry for entry in legend if entry[0] != "W" or "W" in kinds):
         body.append(rect(x, legend_y, 10, 10, KIND_COLOURS[kind]))
         body.append(text(x + 14, legend_y + 9, name, 10))
         x += 125

@@ -11,6 +11,7 @@ STAGE_COLOURS = ("#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
 KIND_COLOURS = {
     "F": "#4e79a7",
     "B": "#59a14f",
+    "W": "#8cd17d",  # a zero-bubble schedule's deferred weight gradient
     "SEND_F": "#f28e2b",
     "SEND_B": "#e15759",
     "ALLREDUCE": "#b07aa1",

@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-CATEGORIES = {"F": "forward", "B": "backward", "SEND_F": "send", "SEND_B": "send", "ALLREDUCE": "allreduce"}
+CATEGORIES = {"F": "forward", "B": "backward", "W": "weight gradient", "SEND_F": "send", "SEND_B": "send",
+              "ALLREDUCE": "allreduce"}  # fmt: skip
 
 Row = tuple[int, int]  # (stage, replica)
 

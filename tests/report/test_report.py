@@ -179,3 +179,23 @@ def test_every_bar_of_the_baseline_chart_names_its_stage_and_devices(dump):
     first = saved.stages[0].devices[0]
     assert labels[0][0] == "0" and labels[0][1].startswith(first)
     assert "bar: compute, in the stage&#x27;s colour; grey: cut transfers" in chart  # what the colours mean
+
+
+def test_a_zero_bubble_schedules_weight_gradients_show_in_the_gantt_chart_and_the_trace():
+    from types import SimpleNamespace
+
+    from test_simulate import homogeneous
+
+    from hetcc.report.charts import gantt_chart
+    from hetcc.solver.simulate import simulate
+
+    problem = homogeneous(3, 4, "zb-h1")
+    problem.wgrad_s = {"t": [1.0] * 3}
+    simulation = simulate(problem, [0, 1, 2, 3], [0, 1, 2])
+    page = gantt_chart(SimpleNamespace(simulation=simulation, rows={}))
+    assert "weight gradient" in page and "<title>W0:" in page
+    trace = simulated_trace(simulation, {(k, 0): f"gpu{k}" for k in range(3)})
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert (
+        sum(e["cat"] == "weight gradient" for e in spans) == 2 * 4
+    )  # the split stages' W, one per microbatch
