@@ -110,8 +110,13 @@ def _simulate(args: argparse.Namespace) -> None:
         print(f"  stage {k} on {devices[k]}: busy {busy * 1e3:.2f} ms, bubble {bubble:.0%}")
     print(
         format_grid(
-            problem.schedule, len(devices), problem.microbatches, training=problem.training, comm=False
-        )
+            problem.schedule,
+            len(devices),
+            problem.microbatches,
+            training=problem.training,
+            comm=False,
+            recompute=[s.recompute for s in saved.stages],
+        )  # fmt: skip
     )
     if args.trace:
         path = write_trace(simulated_trace(result, saved.rows), args.trace)

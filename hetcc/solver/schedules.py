@@ -188,16 +188,24 @@ def _ready(actions, stage: int, index: int, done_at: dict, step: int) -> bool:
 
 
 def format_grid(
-    schedule: str, num_stages: int, microbatches: int, training: bool = True, *, comm: bool = True
+    schedule: str,
+    num_stages: int,
+    microbatches: int,
+    training: bool = True,
+    *,
+    comm: bool = True,
+    recompute: Sequence[bool] | None = None,
 ) -> str:
     """The schedule as a rank x step grid (one row per rank, one column per unit compute step).
 
     Every compute takes one step and transfers none, so the grid shows order and overlap, not time.
     With ``comm`` a cell also names the transfers around its compute: ``RECV_F3 F3 SEND_F3`` on a
     middle rank (activations arrive from the previous rank and leave for the next), ``RECV_B3 B3
-    SEND_B3`` for gradients going the other way. Idle cells print ``.``.
+    SEND_B3`` for gradients going the other way. Idle cells print ``.``. ``recompute`` (per stage):
+    the stages whose backward a split schedule cannot split.
     """
-    timeline = unit_step_timeline(stage_actions(schedule, num_stages, microbatches, training=training))
+    actions = stage_actions(schedule, num_stages, microbatches, training=training, recompute=recompute)
+    timeline = unit_step_timeline(actions)
     rows = [[_cell(action, s, num_stages, comm) for action in row] for s, row in enumerate(timeline)]
     widths = [max(len(str(t)), *(len(row[t]) for row in rows)) for t in range(len(rows[0]))]
     labels = [f"rank {s}" for s in range(num_stages)]
