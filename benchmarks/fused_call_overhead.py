@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import hetcc  # noqa: E402
+from hetcc.kernels import execute, launch  # noqa: E402
 from hetcc.kernels import group as g  # noqa: E402
-from hetcc.kernels import launch  # noqa: E402
 from hetcc.kernels.cache import TRITON  # noqa: E402
 from hetcc.kernels.op import register_group  # noqa: E402
 from hetcc.passes.codegen import compute_module  # noqa: E402
@@ -89,11 +89,11 @@ def launcher_host_time() -> None:
     """The launcher's Python on the Triton path, the launch itself stubbed out."""
     group = two_op_group()
     x, grad = torch.randn(8, 64, requires_grad=True), torch.ones(8, 64)
-    saved = launch.choose_backend, launch.compiled, launch.launch_kernel, launch.run_backward
+    saved = launch.choose_backend, execute.compiled, execute.launch_kernel, execute.run_backward
     launch.choose_backend = lambda device_type: (TRITON, "stub")
-    launch.compiled = lambda typed: type("Stub", (), {"forward": None, "backward": None})()
-    launch.launch_kernel = lambda kernel, where, args, stat: None
-    launch.run_backward = lambda typed, inputs, grads: [torch.empty_like(inputs[0])]
+    execute.compiled = lambda typed: type("Stub", (), {"forward": None, "backward": None})()
+    execute.launch_kernel = lambda kernel, where, args, stat: None
+    execute.run_backward = lambda typed, inputs, grads: [torch.empty_like(inputs[0])]
     launch.forget_calls()
     try:
         forward = best_of({"launcher": lambda: launch.fused([x], group.name)}, 2000)["launcher"]
@@ -101,7 +101,7 @@ def launcher_host_time() -> None:
             {"launcher": lambda: torch.autograd.backward(launch.fused([x], group.name), [grad])}, 1000
         )
     finally:
-        launch.choose_backend, launch.compiled, launch.launch_kernel, launch.run_backward = saved
+        launch.choose_backend, execute.compiled, execute.launch_kernel, execute.run_backward = saved
         launch.forget_calls()
     print(
         f"launcher on the Triton path, launch stubbed: forward {forward * 1e6:.1f} us,"

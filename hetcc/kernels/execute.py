@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -104,7 +104,7 @@ def _autocast(device_type: str, state: AutocastState | None):
 
 def run_eager(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The group's original ops, one torch call each (exactly what the unfused graph computed)."""
-    values = _eager_values(group, inputs)
+    values = eager_values(eager_steps(group), inputs)
     outputs = [values[j] for j in group.outputs]
     # A custom op's outputs may alias neither its inputs nor each other.
     seen: set[int] = {id(x) for x in inputs}
@@ -115,24 +115,26 @@ def run_eager(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.
     return fresh
 
 
-def _eager_values(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Every instruction's value. Dtypes are eager's for these inputs (promotion, autocast) except a
-    cast's, which the graph fixed; a clone or dropout keeps its operand's dtype."""
+EagerStep = tuple  # (torch function, operands as (kind, value), the dtype a cast makes or None)
+
+
+def eager_steps(group: FusionGroup) -> tuple[EagerStep, ...]:
+    """What ``eager_values`` runs for ``group``, one step per instruction (the launcher keeps them)."""
+    return tuple(
+        (rule(i.op).eager, tuple(tuple(a) for a in i.args), i.dtype if i.op == "cast" else None)
+        for i in group.instrs
+    )
+
+
+def eager_values(steps: Sequence[EagerStep], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Every instruction's value, each op called on inputs (``in``), earlier values (``tmp``) or
+    constants (None for an absent weight/bias). Dtypes are eager's for these inputs (promotion,
+    autocast) except a cast's, which the graph fixed; a clone or dropout keeps its operand's dtype."""
     values: list[torch.Tensor] = []
-    for instr in group.instrs:
-        operands = [_eager_operand(arg, inputs, values) for arg in instr.args]
-        result = rule(instr.op).eager(*operands)
-        values.append(result.to(instr.dtype) if instr.op == "cast" else result)
+    for op, operands, cast in steps:
+        result = op(*[inputs[v] if k == "in" else values[v] if k == "tmp" else v for k, v in operands])
+        values.append(result.to(cast) if cast is not None else result)
     return values
-
-
-def _eager_operand(arg: tuple, inputs: Sequence[torch.Tensor], values: list[torch.Tensor]):
-    kind, value = arg
-    if kind == "in":
-        return inputs[value]
-    if kind == "tmp":
-        return values[value]
-    return value  # a constant, or None for an absent weight/bias
 
 
 def recompute_backward(
@@ -178,7 +180,7 @@ def specialize(
     if key not in _SPECIALIZED:
         with torch.no_grad(), _autocast(device_type, autocast):
             probes = [x.new_zeros((1,) * x.dim()) for x in inputs]
-            dtypes = [value.dtype for value in _eager_values(group, probes)]
+            dtypes = [value.dtype for value in eager_values(eager_steps(group), probes)]
         _SPECIALIZED[key] = retyped(group, [x.dtype for x in inputs], dtypes)
     return _SPECIALIZED[key]
 
@@ -192,16 +194,70 @@ def has_kernel(group: FusionGroup) -> bool:
 def run_forward(group: FusionGroup, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Forward on the backend the inputs' device allows (see ``choose_backend``), by the kernel for the
     inputs' dtypes (``specialize``)."""
-    device = compute_device(inputs)
-    typed = specialize(group, inputs) if choose_backend(device.type)[0] == TRITON else None
-    if typed is None or not has_kernel(typed):
+    device_type = compute_device(inputs).type
+    triton = choose_backend(device_type)[0] == TRITON
+    launch = forward_launch(group, inputs, autocast_state(device_type)) if triton else None
+    if launch is None:
         _launches["fused_eager"] += 1
         return run_eager(group, inputs)
+    return launch_forward(launch, inputs)
+
+
+@dataclass(frozen=True)
+class ForwardLaunch:
+    """What launching a group's forward kernel on one input signature needs (the launcher caches it)."""
+
+    typed: FusionGroup  # the group retyped for the inputs' dtypes and autocast state (``specialize``)
+    kernel: object  # its compiled forward kernel
+    shape: torch.Size  # the iteration shape (every output's)
+    where: Geometry
+    output_dtypes: tuple[torch.dtype, ...]
+    autocast: AutocastState  # the forward's, for its backward
+
+
+def forward_launch(
+    group: FusionGroup, inputs: Sequence[torch.Tensor], autocast: AutocastState
+) -> ForwardLaunch | None:
+    """The forward launch of ``group`` on inputs like ``inputs`` under ``autocast``; None where no
+    kernel is generated for the dtypes (e.g. float64: the original ops run)."""
+    typed = specialize(group, inputs, autocast)
+    if not has_kernel(typed):
+        return None
     shape = iteration_shape(typed, inputs)
-    outputs = [torch.empty(shape, dtype=d, device=device) for d in typed.output_dtypes]
-    args = [*prepared_inputs(typed, inputs, shape), *outputs]
-    launch_kernel(compiled(typed).forward, geometry(typed, shape, inputs), args, stat="fused")
+    where = geometry(typed, shape, inputs)
+    return ForwardLaunch(typed, compiled(typed).forward, shape, where, tuple(typed.output_dtypes), autocast)
+
+
+def launch_forward(launch: ForwardLaunch, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run ``launch`` on ``inputs``: the outputs, freshly allocated."""
+    device = compute_device(inputs)
+    outputs = [torch.empty(launch.shape, dtype=d, device=device) for d in launch.output_dtypes]
+    args = [*prepared_inputs(launch.typed, inputs, launch.shape), *outputs]
+    launch_kernel(launch.kernel, launch.where, args, stat="fused")
     return outputs
+
+
+def group_input_grads(
+    group: FusionGroup,
+    typed: FusionGroup | None,
+    inputs: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor | None],
+    autocast: AutocastState,
+    backward: Callable | None = None,
+) -> list[torch.Tensor | None]:
+    """The gradients of a group's inputs (None where none reaches) from its outputs' ``grads`` (None
+    for outputs no gradient reached): its generated backward kernel for ``typed``, the group retyped
+    as its forward ran, launched by ``backward(typed, inputs, grads)`` (default ``run_backward``); or,
+    where ``typed`` is None, its original ops differentiated by torch (``recompute_backward``)."""
+    if all(g is None for g in grads):
+        return [None] * len(inputs)
+    if typed is None:
+        return recompute_backward(group, inputs, grads, autocast)
+    shape, device = iteration_shape(typed, inputs), compute_device(inputs)
+    filled = [torch.zeros(shape, device=device) if g is None else g for g in grads]
+    found = (backward or run_backward)(typed, inputs, filled)
+    reached = set(differentiable_inputs(typed))
+    return [g if i in reached else None for i, g in enumerate(found)]
 
 
 def generated_backward(

@@ -19,29 +19,23 @@ dispatch and no pytree wrapper on the way, as there is for ``torch.ops.hetcc.fus
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from hetcc.kernels.cache import TRITON, choose_backend, compiled
+from hetcc.kernels.cache import TRITON, choose_backend
 from hetcc.kernels.execute import (
-    Geometry,
+    ForwardLaunch,
     autocast_state,
     compute_device,
     count_launch,
-    geometry,
-    has_kernel,
-    iteration_shape,
-    launch_kernel,
-    prepared_inputs,
-    recompute_backward,
-    run_backward,
-    specialize,
+    eager_steps,
+    eager_values,
+    forward_launch,
+    group_input_grads,
+    launch_forward,
 )
 from hetcc.kernels.group import FusionGroup
-from hetcc.kernels.lowering import rule
 from hetcc.kernels.op import registered_group
-from hetcc.kernels.source import differentiable_inputs
 
 
 def fused(inputs: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
@@ -62,8 +56,8 @@ class FusedCall:
 
     def __init__(self, group: FusionGroup):
         self.group = group
-        self._steps = _eager_steps(group)
-        self._plans: dict[tuple, _Launch | None] = {}  # input signature -> launch (None: fall back)
+        self._steps = eager_steps(group)
+        self._launches: dict[tuple, ForwardLaunch | None] = {}  # input signature -> launch (None: ops)
 
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if _traced(inputs):
@@ -80,44 +74,17 @@ class FusedCall:
 
     def run_ops(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The group's original ops, one torch call each, recorded by autograd as the unfused graph's."""
-        values: list[torch.Tensor] = []
-        for op, operands, cast in self._steps:
-            result = op(*[inputs[v] if k == "in" else values[v] if k == "tmp" else v for k, v in operands])
-            values.append(result.to(cast) if cast is not None else result)
+        values = eager_values(self._steps, inputs)
         return [values[j] for j in self.group.outputs]
 
-    def launch_for(self, inputs: Sequence[torch.Tensor]) -> _Launch | None:
+    def launch_for(self, inputs: Sequence[torch.Tensor]) -> ForwardLaunch | None:
         """The cached launch for these inputs' shapes, strides, dtypes, device and autocast state."""
         device = compute_device(inputs)
         autocast = autocast_state(device.type)
         key = (device, autocast, *[(x.dtype, x.shape, x.stride()) for x in inputs])
-        if key not in self._plans:
-            self._plans[key] = _plan_launch(self.group, inputs, autocast)
-        return self._plans[key]
-
-
-@dataclass(frozen=True)
-class _Launch:
-    """What launching a group's forward kernel on one input signature needs."""
-
-    typed: FusionGroup  # the group retyped for the inputs' dtypes and autocast state
-    kernel: object  # the compiled forward kernel
-    shape: torch.Size  # the iteration shape (every output's)
-    where: Geometry  # grid, scalar arguments, BLOCK
-    output_dtypes: tuple[torch.dtype, ...]
-    differentiable: tuple[bool, ...]  # per output: floating point, so it carries a gradient
-    autocast: tuple  # the forward's autocast state, for the backward
-
-
-def _plan_launch(group: FusionGroup, inputs: Sequence[torch.Tensor], autocast) -> _Launch | None:
-    typed = specialize(group, inputs, autocast)
-    if not has_kernel(typed):
-        return None  # e.g. float64: the original ops run
-    dtypes = tuple(typed.output_dtypes)
-    shape = iteration_shape(typed, inputs)
-    floating = tuple(d.is_floating_point for d in dtypes)
-    where = geometry(typed, shape, inputs)
-    return _Launch(typed, compiled(typed).forward, shape, where, dtypes, floating, autocast)
+        if key not in self._launches:
+            self._launches[key] = forward_launch(self.group, inputs, autocast)
+        return self._launches[key]
 
 
 class _FusedKernel(torch.autograd.Function):
@@ -125,45 +92,21 @@ class _FusedKernel(torch.autograd.Function):
     has one, else the group's ops differentiated by torch (``recompute_backward``)."""
 
     @staticmethod
-    def forward(ctx, call: FusedCall, launch: _Launch, *inputs: torch.Tensor):
-        device = compute_device(inputs)
-        outputs = [torch.empty(launch.shape, dtype=d, device=device) for d in launch.output_dtypes]
-        args = [*prepared_inputs(launch.typed, inputs, launch.shape), *outputs]
-        launch_kernel(launch.kernel, launch.where, args, stat="fused")
+    def forward(ctx, call: FusedCall, launch: ForwardLaunch, *inputs: torch.Tensor):
+        outputs = launch_forward(launch, inputs)
         ctx.call, ctx.launch = call, launch
         ctx.save_for_backward(*inputs)
-        ctx.mark_non_differentiable(*[o for o, f in zip(outputs, launch.differentiable) if not f])
+        ctx.mark_non_differentiable(*[o for o in outputs if not o.dtype.is_floating_point])
         ctx.set_materialize_grads(False)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        inputs = list(ctx.saved_tensors)
-        found = _input_grads(ctx.call.group, ctx.launch, inputs, grads)
+        # the forward ran the kernels, so the Triton backend is there: generated where the group has one
+        launch = ctx.launch
+        typed = launch.typed if launch.typed.backward == "generated" else None
+        found = group_input_grads(ctx.call.group, typed, list(ctx.saved_tensors), grads, launch.autocast)
         return (None, None, *found)
-
-
-def _input_grads(group: FusionGroup, launch: _Launch, inputs: list[torch.Tensor], grads) -> list:
-    """The inputs' gradients: the generated backward kernel for the types the forward ran (its Triton
-    backend is there), or the group's ops differentiated by torch where the group has no such kernel."""
-    if all(g is None for g in grads):
-        return [None] * len(inputs)
-    typed = launch.typed
-    if typed.backward != "generated":
-        return recompute_backward(group, inputs, grads, launch.autocast)
-    device = compute_device(inputs)
-    filled = [torch.zeros(launch.shape, device=device) if g is None else g for g in grads]
-    found = run_backward(typed, inputs, filled)
-    reached = set(differentiable_inputs(typed))
-    return [g if i in reached else None for i, g in enumerate(found)]
-
-
-def _eager_steps(group: FusionGroup) -> list[tuple]:
-    """Per instruction: its torch function, its operands as (kind, value), and the dtype a cast makes."""
-    return [
-        (rule(i.op).eager, tuple(tuple(a) for a in i.args), i.dtype if i.op == "cast" else None)
-        for i in group.instrs
-    ]
 
 
 def _traced(inputs: Sequence[torch.Tensor]) -> bool:

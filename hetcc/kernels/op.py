@@ -20,8 +20,8 @@ from hetcc.kernels.execute import (
     autocast_state,
     compute_device,
     generated_backward,
+    group_input_grads,
     iteration_shape,
-    recompute_backward,
     run_backward,
     run_forward,
     specialize,
@@ -121,19 +121,16 @@ def _setup_context(ctx, inputs: tuple, output) -> None:
 
 
 def _backward(ctx, grads: Sequence[torch.Tensor | None]):
-    """Generated kernel where the group has one and Triton runs; else torch autograd on the ops."""
+    """Generated kernel where the group has one and Triton runs, through the backward op (so a traced
+    backward shows one node); else torch autograd on the ops."""
     group, inputs = registered_group(ctx.name), list(ctx.saved_tensors)
-    if all(g is None for g in grads):
-        return [None] * len(inputs), None
     typed = generated_backward(group, inputs, ctx.autocast)
-    if typed is None:
-        return recompute_backward(group, inputs, grads, ctx.autocast), None
+    return group_input_grads(group, typed, inputs, grads, ctx.autocast, _backward_op), None
+
+
+def _backward_op(typed: FusionGroup, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> list:
     register_group(typed)  # the backward op finds the retyped group by its name
-    device, shape = compute_device(inputs), iteration_shape(group, inputs)
-    filled = [torch.zeros(shape, device=device) if g is None else g for g in grads]
-    found = torch.ops.hetcc.fusion_group_backward(inputs, filled, typed.name)
-    reached = set(differentiable_inputs(typed))
-    return [g if i in reached else None for i, g in enumerate(found)], None
+    return torch.ops.hetcc.fusion_group_backward(inputs, grads, typed.name)
 
 
 fusion_group.register_autograd(_backward, setup_context=_setup_context)
