@@ -95,7 +95,6 @@ class StageExecutor:
         self.roots: dict[int, list[torch.Tensor]] = {}  # microbatch -> where its backward starts
         self.deferred: dict[int, DeferredWeights | None] = {}  # microbatch -> what its W needs
         self.recorder = ActionRecorder(links.rank)
-        self._keep_outputs = True
         self.graphs, self._graphs_off = graphs_for_stage(
             self.module, self.device, self.precision, recompute=self.recompute,
             mode=config.cuda_graphs_mode(config.cuda_graphs),
@@ -115,7 +114,6 @@ class StageExecutor:
         found an inf or nan, every rank drops its gradients (an optimizer step then changes nothing).
         ``keep_outputs``: the last stage keeps each microbatch's outputs (detached, where they are: a
         language model's logits are the largest tensors of a step) in ``outputs``."""
-        self._keep_outputs = keep_outputs
         _maybe_inject_fault(self.links.rank, step)
         if self.graphs is not None:  # before any transfer of the step: none is in flight on this rank
             self.graphs.begin_step(actions)
@@ -128,7 +126,8 @@ class StageExecutor:
                 m = self.transport.microbatch = action.microbatch
                 with self.recorder.record(action.kind, m, result):
                     if action.kind == "F":
-                        self._forward(m, inputs[m], targets[m] if targets is not None else None, result)
+                        target = targets[m] if targets is not None else None
+                        self._forward(m, inputs[m], target, result, keep_outputs)
                     elif action.kind == "B":
                         self._backward(m, split)
                     else:
@@ -193,7 +192,7 @@ class StageExecutor:
         if self.scaler is not None and state.get("loss_scale"):
             self.scaler.load_state_dict(state["loss_scale"])
 
-    def _forward(self, m: int, inputs: dict, target, result: StepResult) -> None:
+    def _forward(self, m: int, inputs: dict, target, result: StepResult, keep_outputs: bool = True) -> None:
         args = [_to(inputs[name], self.device) for name in self.stage.inputs]
         training = torch.is_grad_enabled()
         graphed = training and self.graphs is not None and self.graphs.active
@@ -206,7 +205,7 @@ class StageExecutor:
                 outputs = self.module(*args)
             loss = self._loss(outputs, _to(target, self.device), training) if self.stage.is_last else None
         if self.stage.is_last:
-            if self._keep_outputs or not training:
+            if keep_outputs:
                 result.outputs.append(tuple(_detach(o) for o in outputs))
             result.microbatches.append(m)
         roots = outputs  # the send tokens of a non-last stage
