@@ -167,9 +167,7 @@ class GraphedStage:
         if not self.active:
             return
         if any(a.kind == "W" for a in actions):
-            return self._off(
-                "the schedule splits the stage's backward (zb-h1); a captured graph runs it whole"
-            )
+            return self._off(uncaptured_reason(self.device.type, split=True))
         cuda = self.device.type == "cuda"
         if self.first_step is None:  # the first training step runs uncaptured and is measured
             if cuda:
@@ -220,6 +218,22 @@ def room_for_graphs(step_bytes: float, peak_bytes: float, device_bytes: float, f
             f"{device_bytes / 2**30:.1f} GiB (the schedule holds {held} at once)")  # fmt: skip
 
 
+def uncaptured_reason(
+    device_type: str, recompute: bool = False, split: bool = False, segments: Sequence | None = None
+) -> str | None:
+    """Why a stage runs uncaptured (None: nothing stops it): the one rule the runtime and the plan's
+    note share. ``segments``: its ``plan_segments`` (None: not planned yet)."""
+    if device_type != "cuda":
+        return f"a {device_type} device (CUDA graphs need a CUDA device)"
+    if recompute:
+        return "the stage recomputes its forward in backward (torch.utils.checkpoint)"
+    if split:
+        return "the schedule splits the stage's backward (zb-h1); a captured graph runs it whole"
+    if segments is not None and not segments:
+        return f"no run of {MIN_SEGMENT_OPS} or more ops between the stage's communication"
+    return None
+
+
 def graphs_for_stage(
     module: fx.GraphModule, device: torch.device, precision: str, *, recompute: bool, mode: str
 ) -> tuple[GraphedStage | None, str]:
@@ -228,13 +242,10 @@ def graphs_for_stage(
     again in backward, outside any graph), or no run of compute long enough."""
     if mode == "off":
         return None, "off: config.cuda_graphs is off"
-    if device.type != "cuda":
-        return None, f"off: a {device.type} device (CUDA graphs need a CUDA device)"
-    if recompute:
-        return None, "off: the stage recomputes its forward in backward (torch.utils.checkpoint)"
-    plan = plan_segments(module.graph, device)
-    if not plan.segments:
-        return None, f"off: no run of {MIN_SEGMENT_OPS} or more ops between the stage's communication"
+    plan = plan_segments(module.graph, device) if device.type == "cuda" and not recompute else None
+    why = uncaptured_reason(device.type, recompute, segments=plan.segments if plan else ())
+    if why is not None:
+        return None, f"off: {why}"
     graphs = GraphedStage(module, plan, device, precision, mode)
     return graphs, graphs.reason
 
@@ -251,12 +262,10 @@ def graphs_note(
         return "cuda graphs: off (HETCC_CUDA_GRAPHS=off)"
     captured, uncaptured = [], []
     split = list(split) or [False] * len(stages)
+    cuda = torch.device("cuda")
     for stage, gpu, recomputes, splits in zip(stages, on_gpu, recompute, split):
-        cuda = torch.device("cuda")
-        segments = plan_segments(graph_for_device(stage, cuda), cuda).segments
-        why = ("a CPU device" if not gpu else "it recomputes its forward in backward" if recomputes
-               else "the schedule splits its backward in B and W, which a graph runs whole" if splits
-               else "no run of compute long enough" if not segments else None)  # fmt: skip
+        segments = plan_segments(graph_for_device(stage, cuda), cuda).segments if gpu else None
+        why = uncaptured_reason("cuda" if gpu else "cpu", recomputes, splits, segments)
         if why is None:
             captured.append(f"{stage.index} ({len(segments)} segment{'s' * (len(segments) != 1)})")
         else:

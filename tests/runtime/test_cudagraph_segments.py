@@ -359,19 +359,20 @@ def test_the_plan_says_which_stages_run_as_cuda_graphs_and_why_not_the_others(gp
     note = graphs_note(stages, on_gpu=[True, True], recompute=[False, True], mode="auto")
     assert note == (
         "cuda graphs (auto): stages 0 (1 segment) captured at the second step where the device holds every "
-        "microbatch's graphs; stage 1 uncaptured: it recomputes its forward in backward"
+        "microbatch's graphs; stage 1 uncaptured: the stage recomputes its forward in backward "
+        "(torch.utils.checkpoint)"
     )
     note = graphs_note(stages, on_gpu=[False, True], recompute=[False, False], mode="on")
-    assert (
-        note
-        == "cuda graphs (on): stages 1 (1 segment) captured at the second step; stage 0 uncaptured: a CPU device"
+    assert note == (
+        "cuda graphs (on): stages 1 (1 segment) captured at the second step; "
+        "stage 0 uncaptured: a cpu device (CUDA graphs need a CUDA device)"
     )
     assert (
         graphs_note(stages, [True, True], [False, False], "off") == "cuda graphs: off (HETCC_CUDA_GRAPHS=off)"
     )
     split = graphs_note(stages, [True, True], [False, False], "auto", split=[False, True])
     assert split.endswith(
-        "stage 1 uncaptured: the schedule splits its backward in B and W, which a graph runs whole"
+        "stage 1 uncaptured: the schedule splits the stage's backward (zb-h1); a captured graph runs it whole"
     )
 
 
