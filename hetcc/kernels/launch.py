@@ -62,12 +62,9 @@ class FusedCall:
     def __call__(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if _traced(inputs):
             return torch.ops.hetcc.fusion_group(list(inputs), self.group.name)
-        device_type = compute_device(inputs).type
-        if choose_backend(device_type)[0] != TRITON:
-            count_launch("fused_eager")
-            return self.run_ops(inputs)
-        launch = self.launch_for(inputs)
-        if launch is None:
+        triton = choose_backend(compute_device(inputs).type)[0] == TRITON
+        launch = self.launch_for(inputs) if triton else None
+        if launch is None:  # no Triton here, or no kernel for these dtypes: the ops themselves
             count_launch("fused_eager")
             return self.run_ops(inputs)
         return list(_FusedKernel.apply(self, launch, *inputs))
