@@ -11,6 +11,9 @@ from pathlib import Path
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.hardware.schema import finite, read_text
 from hetcc.solver.schedules import SCHEDULES
+from hetcc.wire import CODECS
+
+CODEC_NAMES = tuple(CODECS)
 
 PLAN_FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -61,6 +64,9 @@ class PlanStage:
     recompute: bool = False  # activations recomputed in backward (keeps only the stage's inputs)
     precision: str = "fp32"
     allreduce_s: float = 0.0  # replicas' gradient sum at step end
+    codecs: tuple[str, str] = ("none", "none")  # of its outgoing cut: activations, gradients (hetcc.wire)
+    # Its outgoing cut per microbatch: activation and gradient bytes, then the same on the wire (codecs).
+    wire_bytes: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def __post_init__(self):
         if not self.devices:
@@ -157,7 +163,7 @@ def _stage_from_dict(data: dict) -> PlanStage:
     unknown = set(data) - known
     if unknown:
         raise ValueError(f"unknown stage fields {sorted(unknown)}")
-    lists = [k for k in ("blocks", "nodes", "devices", "shares") if k in data]
+    lists = [k for k in ("blocks", "nodes", "devices", "shares", "codecs", "wire_bytes") if k in data]
     for key in lists:
         if not isinstance(data[key], list):
             raise TypeError(
@@ -237,6 +243,12 @@ def _check_stage(stage: PlanStage, microbatches: int) -> None:
     for name, value in numbers.items():
         if not _figure(value):
             raise _fail(f"{at}.{name}", f"must be a finite number >= 0, got {value!r}")
+    if len(stage.codecs) != 2 or not all(name in CODEC_NAMES for name in stage.codecs):
+        raise _fail(
+            f"{at}.codecs", f"must be two codec names of {', '.join(CODEC_NAMES)}, got {stage.codecs!r}"
+        )
+    if len(stage.wire_bytes) != 4 or not all(_figure(b) for b in stage.wire_bytes):
+        raise _fail(f"{at}.wire_bytes", f"must be four byte counts >= 0, got {stage.wire_bytes!r}")
     if stage.bubble > 1:
         raise _fail(f"{at}.bubble", f"a share of the step, got {stage.bubble!r}")
     if not all(_count(n) for n in stage.shares):
@@ -273,6 +285,9 @@ def explain(plan: Plan) -> str:
         f"{'stage':<5} {'devices (replicas)':<22} {'type':<11} {'blocks':<42} {'FLOPs':>5} "
         f"{'memory used/avail':>24} {'compute ms/mb':>13} {'comm ms/mb':>10} {'recompute':>9} {'bubble':>6}"
     )
+    coded = any(s.codecs != ("none", "none") for s in plan.stages)
+    if coded:
+        header += f" {'codecs':>13} {'MiB/mb out, before -> on the wire':>34}"
     lines = [
         f"hetcc plan: {len(plan.stages)} stages on {sum(len(s.devices) for s in plan.stages)} devices, "
         f"{plan.precision}, {plan.schedule}, {plan.microbatches} microbatches{rows}",
@@ -284,8 +299,11 @@ def explain(plan: Plan) -> str:
             f"{(s.fwd_flops + s.bwd_flops) / total_flops:>5.0%} "
             f"{_memory(s.peak_memory_bytes, s.device_memory_bytes):>24} "
             f"{s.compute_s * 1e3:>13.2f} {s.comm_s * 1e3:>10.2f} {'yes' if s.recompute else 'no':>9} {s.bubble:>6.0%}"
+            + (f" {'/'.join(s.codecs):>13} {_wire(s):>34}" if coded else "")
         )
     lines.append("ms/mb: per microbatch on one replica; memory: the fullest replica's device")
+    if coded:
+        lines.append("codecs: activations/gradients on the stage's outgoing cut; MiB/mb: forward + back")
     lines.append(_headline(plan))
     lines.append(
         "baselines (one stage per listed device, simulated): "
@@ -298,6 +316,11 @@ def explain(plan: Plan) -> str:
         lines.append(f"microbatch counts tried: {tried}")
     lines.extend(plan.notes)
     return "\n".join(lines)
+
+
+def _wire(stage: PlanStage) -> str:
+    act, grad, act_wire, grad_wire = (b / 2**20 for b in stage.wire_bytes)
+    return f"{act:.2f}+{grad:.2f} -> {act_wire:.2f}+{grad_wire:.2f}" if act or grad else "-"
 
 
 def _ms(seconds: float) -> str:

@@ -12,6 +12,12 @@ stages in one process. ``recv`` takes an ``anchor``: a 0-d tensor that requires 
 ``hetcc_anchor`` buffer), because autograd only records an op that has a differentiable input; without
 it, the gradient of a received tensor would never reach the backward of ``recv``.
 
+Codecs (``hetcc.wire``): where a cut's tensor crosses encoded, the sender's graph runs
+``encode(x, codec)`` and sends the uint8 payload with ``send(payload, ..., source=x)``, and the
+receiver's runs ``decode(recv(...), anchor, codec, ...)``. Gradients follow the straight-through rule:
+``decode``'s backward (or ``recv``'s, for a tensor sent whole) encodes the gradient with the edge's
+``grad_codec`` and hands it to the transport; ``send``'s backward decodes it into the gradient of ``x``.
+
 This module sits below the passes (``comm`` inserts the ops and the anchor, ``codegen`` prints them) and
 the runtime (which runs them), and imports neither.
 
@@ -29,6 +35,7 @@ from typing import Protocol
 import torch
 
 from hetcc.errors import RuntimeFailure
+from hetcc.wire import NO_CODEC, get_codec
 
 ANCHOR_NAME = "hetcc_anchor"
 
@@ -160,40 +167,64 @@ def describe_spec(shape, dtype: torch.dtype) -> str:
 
 
 @torch.library.custom_op("hetcc::send", mutates_args=())
-def send(tensor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Send ``tensor`` to stage ``peer``; returns a 0-d token that keeps the send in the graph."""
+def send(
+    tensor: torch.Tensor,
+    peer: int,
+    tag: int,
+    shape: list[int],
+    dtype: torch.dtype,
+    source: torch.Tensor | None = None,
+    grad_codec: str = "none",
+) -> torch.Tensor:
+    """Send ``tensor`` to stage ``peer``; returns a 0-d token that keeps the send in the graph.
+
+    ``source``: the tensor ``tensor`` encodes (``hetcc.encode``'s input), which takes the gradient; the
+    gradient arrives encoded with ``grad_codec`` and is decoded here (``hetcc.wire``)."""
     transport = _transport()
     transport.send(tensor, peer, tag, grad=False)
     _count(tensor, sent=True, replayed=transport.replaying)
-    return tensor.new_zeros(())
+    return (tensor if source is None else source).new_zeros(())  # differentiable where the sent value is
 
 
 @send.register_fake
-def _send_fake(tensor, peer, tag, shape, dtype):
-    return tensor.new_empty(())
+def _send_fake(tensor, peer, tag, shape, dtype, source=None, grad_codec="none"):
+    return (tensor if source is None else source).new_empty(())
 
 
 def _send_setup(ctx, inputs, output) -> None:
-    tensor, ctx.peer, ctx.tag, ctx.shape, ctx.dtype = inputs
-    ctx.differentiable = tensor.dtype.is_floating_point
-    ctx.sent_dtype = tensor.dtype  # under autocast, not always the traced ``dtype``
+    tensor, ctx.peer, ctx.tag, _shape, _dtype, source, ctx.grad_codec = inputs
+    ctx.coded = source is not None
+    target = source if ctx.coded else tensor
+    ctx.differentiable = target.dtype.is_floating_point
+    ctx.sent_dtype = target.dtype  # under autocast, not always the traced ``dtype``
+    ctx.grad_shape = list(target.shape)
 
 
 def _send_backward(ctx, grad_token):
     transport = _transport()
     if not (ctx.differentiable and transport.carries_gradient(ctx.tag)):
-        return None, None, None, None, None
-    grad = transport.recv(ctx.peer, ctx.tag, ctx.shape, ctx.sent_dtype, grad=True)
-    _count(grad, sent=False)
-    return grad.to(ctx.sent_dtype), None, None, None, None
+        return None, None, None, None, None, None, None
+    wire_shape, wire_dtype = gradient_wire(ctx.grad_shape, ctx.sent_dtype, ctx.grad_codec)
+    wire = transport.recv(ctx.peer, ctx.tag, wire_shape, wire_dtype, grad=True)
+    _count(wire, sent=False)
+    if ctx.grad_codec == NO_CODEC:
+        grad = wire.to(ctx.sent_dtype)
+    else:
+        grad = get_codec(ctx.grad_codec).decode(wire, ctx.grad_shape, ctx.sent_dtype)
+    if ctx.coded:
+        return None, None, None, None, None, grad, None
+    return grad, None, None, None, None, None, None
 
 
 send.register_autograd(_send_backward, setup_context=_send_setup)
 
 
 @torch.library.custom_op("hetcc::recv", mutates_args=())
-def recv(anchor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """Receive the tensor of edge ``tag`` from stage ``peer`` (``anchor`` only ties it to autograd)."""
+def recv(
+    anchor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: torch.dtype, grad_codec: str = "none"
+) -> torch.Tensor:
+    """Receive the tensor of edge ``tag`` from stage ``peer`` (``anchor`` only ties it to autograd); its
+    gradient goes back encoded with ``grad_codec``."""
     transport = _transport()
     tensor = transport.recv(peer, tag, shape, dtype, grad=False)
     _count(tensor, sent=False, replayed=transport.replaying)
@@ -201,25 +232,86 @@ def recv(anchor: torch.Tensor, peer: int, tag: int, shape: list[int], dtype: tor
 
 
 @recv.register_fake
-def _recv_fake(anchor, peer, tag, shape, dtype):
+def _recv_fake(anchor, peer, tag, shape, dtype, grad_codec="none"):
     return anchor.new_empty(shape, dtype=dtype)
 
 
 def _recv_setup(ctx, inputs, output) -> None:
-    _, ctx.peer, ctx.tag, ctx.shape, _traced = inputs
+    _, ctx.peer, ctx.tag, ctx.shape, _traced, ctx.grad_codec = inputs
     ctx.dtype = output.dtype  # what arrived: under autocast, the dtype the sender produced
 
 
 def _recv_backward(ctx, grad):
-    transport = _transport()
-    if ctx.dtype.is_floating_point and transport.carries_gradient(ctx.tag):
-        grad = grad if grad is not None else torch.zeros(ctx.shape, dtype=ctx.dtype)
-        transport.send(grad, ctx.peer, ctx.tag, grad=True)
-        _count(grad, sent=True)
-    return None, None, None, None, None
+    if ctx.dtype.is_floating_point:
+        _send_gradient(grad, ctx.shape, ctx.dtype, ctx.peer, ctx.tag, ctx.grad_codec)
+    return None, None, None, None, None, None
 
 
 recv.register_autograd(_recv_backward, setup_context=_recv_setup)
+
+
+def _send_gradient(grad, shape, dtype, peer: int, tag: int, grad_codec: str) -> None:
+    """The backward of a received tensor: its gradient (zeros where autograd produced none), encoded
+    with ``grad_codec``, handed to the transport for stage ``peer``."""
+    transport = _transport()
+    if not transport.carries_gradient(tag):
+        return
+    grad = grad if grad is not None else torch.zeros(shape, dtype=dtype)
+    wire = grad if grad_codec == NO_CODEC else get_codec(grad_codec).encode(grad)
+    transport.send(wire, peer, tag, grad=True)
+    _count(wire, sent=True)
+
+
+@torch.library.custom_op("hetcc::encode", mutates_args=())
+def encode(tensor: torch.Tensor, codec: str) -> torch.Tensor:
+    """``tensor`` encoded with ``codec`` (``hetcc.wire``): the uint8 payload a ``send`` moves."""
+    return get_codec(codec).encode(tensor)
+
+
+@encode.register_fake
+def _encode_fake(tensor, codec):
+    return tensor.new_empty([get_codec(codec).payload_bytes(tensor.shape)], dtype=torch.uint8)
+
+
+@torch.library.custom_op("hetcc::decode", mutates_args=())
+def decode(
+    payload: torch.Tensor,
+    anchor: torch.Tensor,
+    codec: str,
+    shape: list[int],
+    dtype: torch.dtype,
+    peer: int,
+    tag: int,
+    grad_codec: str = "none",
+) -> torch.Tensor:
+    """The tensor of edge ``tag`` decoded from the ``payload`` a ``recv`` took. Like ``recv``'s, its
+    backward sends the gradient to stage ``peer`` encoded with ``grad_codec`` (``anchor`` ties it to
+    autograd): straight through the lossy forward codec."""
+    return get_codec(codec).decode(payload, shape, dtype)
+
+
+@decode.register_fake
+def _decode_fake(payload, anchor, codec, shape, dtype, peer, tag, grad_codec="none"):
+    return anchor.new_empty(shape, dtype=dtype)
+
+
+def _decode_setup(ctx, inputs, output) -> None:
+    _, _, _, ctx.shape, ctx.dtype, ctx.peer, ctx.tag, ctx.grad_codec = inputs
+
+
+def _decode_backward(ctx, grad):
+    _send_gradient(grad, ctx.shape, ctx.dtype, ctx.peer, ctx.tag, ctx.grad_codec)
+    return None, None, None, None, None, None, None, None
+
+
+decode.register_autograd(_decode_backward, setup_context=_decode_setup)
+
+
+def gradient_wire(shape, dtype: torch.dtype, grad_codec: str) -> tuple[list[int], torch.dtype]:
+    """Shape and dtype of the gradient of a ``shape`` x ``dtype`` tensor on the wire under ``grad_codec``."""
+    if grad_codec == NO_CODEC:
+        return list(shape), dtype
+    return [get_codec(grad_codec).payload_bytes(shape)], torch.uint8
 
 
 def new_anchor(device: torch.device | str | None = None) -> torch.Tensor:

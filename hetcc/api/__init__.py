@@ -36,6 +36,7 @@ from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import blocks, collect_blocks
 from hetcc.passes.codegen import codegen, stage_source
 from hetcc.passes.comm import format_stages, split_stages
+from hetcc.passes.compress import compress_spec
 from hetcc.passes.cost import cost, cost_notes
 from hetcc.passes.flops import flops, format_flops
 from hetcc.passes.fuse import FusionChoice, fuse, fusion_candidates
@@ -123,6 +124,7 @@ def compile(  # noqa: A001 - the public API name
     precision: str = "fp32",
     recompute: bool | str = "auto",
     replicate: bool = True,
+    compress: str | dict = "off",
 ) -> Compiled:
     """Plan ``model`` over ``cluster``. ``example_inputs`` are one step's batch; dim 0 is split into
     ``microbatches`` equal microbatches, and every cost is per microbatch. ``microbatches="auto"``
@@ -135,15 +137,19 @@ def compile(  # noqa: A001 - the public API name
     ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer
     state; fp16 with loss scaling), priced at each device's peak for that format. ``recompute``:
     "auto" recomputes a stage's activations where memory needs it, True everywhere, False never.
-    ``replicate``: stages may run on groups of identical devices (False: one device per stage)."""
+    ``replicate``: stages may run on groups of identical devices (False: one device per stage).
+    ``compress``: codecs for the tensors crossing cuts (``hetcc.passes.compress``): "off", "auto" (per cut
+    the fastest codec no lossier than int8 for activations and bf16 for gradients, kept only where it
+    shortens the simulated step) or a dict of pins per link kind or cut and an auto "budget"."""
     check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir)
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
     optimizer_entry(optimizer)  # reject an unknown optimizer before the slow steps
     check_plan_space(precision, recompute, replicate)
+    compress_spec(compress)  # reject a bad codec name before the slow steps
     if dtype is None:
         dtype = PRECISIONS[precision]
     rows = batch_rows(example_inputs, example_kwargs or {})
-    settings = PlanSettings(1, schedule, training, optimizer, precision, recompute, replicate, rows)
+    settings = PlanSettings(1, schedule, training, optimizer, precision, recompute, replicate, rows, compress)
     inputs = (example_inputs, example_kwargs or {})
     if microbatches != "auto":
         return _compile_at(
@@ -210,7 +216,8 @@ def _compile_at(
         drop_dtype_asserts(gm)
     with _step(dumper, "comm", lambda: format_stages(stages), lambda: verify.check_pipeline(stages)):
         present = {node.name for node in gm.graph.nodes}
-        stages = split_stages(gm, {n: k for n, k in plan.stage_of.items() if n in present}, len(plan.stages))
+        stage_of = {n: k for n, k in plan.stage_of.items() if n in present}
+        stages = split_stages(gm, stage_of, len(plan.stages), [s.codecs for s in plan.stages])
     sources = functools.cache(lambda: [stage_source(s) for s in stages])  # only made when dumped
     with _step(dumper, "codegen", lambda: "\n".join(sources()), None):
         codegen(stages)

@@ -10,6 +10,7 @@ dict (keyword arguments) holding one step's batch.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -75,7 +76,7 @@ def _compile(args: argparse.Namespace) -> None:
         model, args.cluster, example_inputs=inputs, example_kwargs=kwargs, microbatches=args.microbatches,
         schedule=args.schedule, training=not args.inference, optimizer=args.optimizer, dump_dir=out / "ir",
         precision=args.precision, recompute={"auto": "auto", "always": True, "never": False}[args.recompute],
-        replicate=not args.no_replicate,
+        replicate=not args.no_replicate, compress=args.compress,
     )  # fmt: skip
     if any(p.is_meta for p in model.parameters()):  # planned without weights: nothing to run yet
         compiled.save_plan(out)
@@ -235,11 +236,29 @@ def _add_compile(commands) -> None:
                              help="pipeline schedule: 1f1b holds fewer activations, gpipe runs all "
                              "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles, auto "
                              "plans 1f1b and zb-h1 and keeps the faster (default 1f1b)")  # fmt: skip
+    compile_cmd.add_argument("--compress", type=_compress, default="off",
+                             help="codecs on the wire between stages: off (default), auto (per cut where "
+                             "it shortens the step, no lossier than int8 activations / bf16 gradients), or "
+                             "a JSON object of pins, e.g. '{\"inter-node\": [\"int8\", \"bf16\"]}'")  # fmt: skip
     compile_cmd.add_argument("--optimizer", default="adam",
                              help="optimizer whose state the memory plan counts: adam, adamw, sgd, "
                              "sgd_momentum or none (default adam)")  # fmt: skip
     compile_cmd.add_argument("--inference", action="store_true", help="plan forward only (no gradients)")
     compile_cmd.set_defaults(run=_compile)
+
+
+def _compress(text: str) -> str | dict:
+    if text in ("off", "auto"):
+        return text
+    try:
+        pins = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(
+            f"expected off, auto or a JSON object, got {text!r}: {error}"
+        ) from None
+    if not isinstance(pins, dict):
+        raise argparse.ArgumentTypeError(f"expected off, auto or a JSON object, got {text!r}")
+    return pins
 
 
 def _microbatches(text: str) -> int | str:

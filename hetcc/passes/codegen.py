@@ -3,8 +3,8 @@
 A ``StageGraph.module`` holds ``hetcc.recv``/``hetcc.send`` ops where tensors arrive and leave; the
 runtime executes that module (``module_for_device``), so ``stage<k>.py`` prints the program that runs.
 ``torch.distributed.pipelining`` instead moves tensors itself and wants the computation alone:
-``compute_module`` turns every ``recv`` into an input and every ``send`` into an output. All of them
-share the stage's parameters.
+``compute_module`` turns every ``recv`` into an input and every ``send`` into an output (a decoded tensor
+is the input, an encoded one's source the output: no codec). All of them share the stage's parameters.
 """
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ from hetcc.sendrecv import ANCHOR_NAME, attach_anchor
 
 _SEND = torch.ops.hetcc.send.default
 _RECV = torch.ops.hetcc.recv.default
+_ENCODE = torch.ops.hetcc.encode.default
+_DECODE = torch.ops.hetcc.decode.default
+
+
+def _is(node: fx.Node, op) -> bool:
+    return node.op == "call_function" and node.target is op
 
 
 def compute_module(stage: StageGraph, device: torch.device | str | None = None) -> fx.GraphModule:
@@ -33,11 +39,15 @@ def compute_module(stage: StageGraph, device: torch.device | str | None = None) 
     for node in stage.module.graph.nodes:
         if node.op == "get_attr" and node.target == ANCHOR_NAME:
             continue
-        if node.op == "call_function" and node.target is _RECV:
+        if _is(node, _RECV) and all(_is(user, _DECODE) for user in node.users) and node.users:
+            continue  # the decoded tensor is the input
+        if _is(node, _RECV) or _is(node, _DECODE):
             env[node] = graph.placeholder(node.name)
             env[node].meta = dict(node.meta)
-        elif node.op == "call_function" and node.target is _SEND:
-            sent[node] = env[node.args[0]]
+        elif _is(node, _ENCODE):
+            continue  # its send's source is the output
+        elif _is(node, _SEND):
+            sent[node] = env[node.kwargs.get("source") or node.args[0]]
         elif node.op == "output":
             graph.output(fx.map_arg(node.args[0], lambda n: sent.get(n) or env[n]))
         else:
@@ -120,4 +130,10 @@ def _spec(shape, dtype: torch.dtype) -> str:
 
 
 def _edge(edge: CommEdge, direction: str, peer: int) -> str:
-    return f"{edge.value} {_spec(edge.shape, edge.dtype)} {direction} stage {peer} (tag {edge.tag})"
+    coded = [
+        f"{name} {kind}"
+        for kind, name in (("forward", edge.codec), ("gradient", edge.grad_codec))
+        if name != "none"
+    ]
+    via = f", {' and '.join(coded)} on the wire" if coded else ""
+    return f"{edge.value} {_spec(edge.shape, edge.dtype)} {direction} stage {peer} (tag {edge.tag}{via})"

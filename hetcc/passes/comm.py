@@ -28,25 +28,20 @@ mapping node name -> stage. Rules, in the order they apply:
 from __future__ import annotations
 
 import copy
-import logging
+import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten
 
-from hetcc.errors import PlanFormatError
+from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.passes.remat import rematerialisable, trainable_values
-from hetcc.sendrecv import ANCHOR_NAME, attach_anchor, new_anchor
-
-log = logging.getLogger(__name__)
-
-
-# torch.export's input check (a call_module with no users): it cannot be saved, and the executor
-# checks microbatch shapes itself.
-_EXPORT_GUARDS = "_guards_fn"
+from hetcc.passes.stage_assign import assign_stages, is_tensor
+from hetcc.sendrecv import ANCHOR_NAME, attach_anchor, gradient_wire, new_anchor
+from hetcc.wire import NO_CODEC, get_codec
 
 
 @dataclass(frozen=True)
@@ -60,6 +55,20 @@ class CommEdge:
     shape: tuple[int, ...]
     dtype: torch.dtype
     requires_grad: bool = True  # a gradient flows back (the value depends on a trainable parameter)
+    codec: str = NO_CODEC  # the activation's codec on the wire (``hetcc.wire``)
+    grad_codec: str = NO_CODEC  # its gradient's
+
+    @property
+    def wire(self) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of what crosses forward: the tensor, or its codec's uint8 payload."""
+        if self.codec == NO_CODEC:
+            return self.shape, self.dtype
+        return (get_codec(self.codec).payload_bytes(self.shape),), torch.uint8
+
+    def grad_wire(self, dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the gradient on the wire, for a tensor that crossed as ``dtype``."""
+        shape, dtype = gradient_wire(self.shape, dtype, self.grad_codec)
+        return tuple(shape), dtype
 
 
 @dataclass(frozen=True)
@@ -95,12 +104,22 @@ class StageGraph:
         return self.index == self.num_stages - 1
 
 
-def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> list[StageGraph]:
-    """Split ``gm`` into ``num_stages`` stage graphs following ``stage_of`` (node name -> stage)."""
-    stages = _assign_stages(gm, stage_of, num_stages)
+def split_stages(
+    gm: fx.GraphModule,
+    stage_of: Mapping[str, int],
+    num_stages: int,
+    codecs: Sequence[tuple[str, str]] | None = None,
+) -> list[StageGraph]:
+    """Split ``gm`` into ``num_stages`` stage graphs following ``stage_of`` (node name -> stage).
+
+    ``codecs``: per stage, the (activation, gradient) codecs of what it sends (``wire_codecs``)."""
+    stages = assign_stages(gm, stage_of, num_stages)
     builders = [_StageBuilder(gm, k, num_stages) for k in range(num_stages)]
     trainable = trainable_values(gm)
-    cut = _Cut(builders, stages, trainable, rematerialisable(gm, trainable))
+    codecs = list(codecs) if codecs is not None else [(NO_CODEC, NO_CODEC)] * num_stages
+    if len(codecs) != num_stages:
+        raise PlanFormatError(f"{len(codecs)} codec pairs for {num_stages} stages", hint="give one per stage")
+    cut = _Cut(builders, stages, trainable, rematerialisable(gm, trainable), codecs)
     for node in gm.graph.nodes:
         if node.op == "output":
             builders[-1].output(node, cut)
@@ -111,86 +130,52 @@ def split_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: in
 
 
 def format_stages(stages: list[StageGraph]) -> str:
-    """One line per stage: its model inputs, recvs and sends (the ``comm`` step's dump)."""
+    """One line per stage: its model inputs, recvs and sends, then each pair of stages' bytes per
+    microbatch before and after its codecs (the ``comm`` step's dump)."""
     lines = []
     for stage in stages:
         recvs = ", ".join(f"tag {e.tag} {e.value} from {e.src}" for e in stage.recvs) or "none"
-        sends = ", ".join(f"tag {e.tag} {e.value} to {e.dst}" for e in stage.sends) or "none"
+        sends = ", ".join(f"tag {e.tag} {e.value} to {e.dst}{_codec_text(e)}" for e in stage.sends) or "none"
         lines.append(f"stage {stage.index}: inputs {list(stage.inputs)}; recv {recvs}; send {sends}")
+    for (src, dst), edges in _by_pair(stages).items():
+        raw = sum(_nbytes(e.shape, e.dtype) for e in edges)
+        grads = [e for e in edges if e.requires_grad]
+        graw = sum(_nbytes(e.shape, e.dtype) for e in grads)
+        lines.append(
+            f"stage {src} -> {dst}: forward {format_bytes(raw)} -> {format_bytes(sum(_nbytes(*e.wire) for e in edges))}"
+            f", gradients {format_bytes(graw)} -> {format_bytes(sum(_nbytes(*e.grad_wire(e.dtype)) for e in grads))}"
+            " per microbatch"
+        )
     return "\n".join(lines)
 
 
-def _assign_stages(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> dict[fx.Node, int]:
-    """Stage of every node that computes something (see the module docstring for the rules)."""
-    _check_mapping(gm, stage_of, num_stages)
-    stage: dict[fx.Node, int] = {}
-    pending: list[fx.Node] = []
-    for node in gm.graph.nodes:
-        if node.op in ("placeholder", "get_attr", "output") or node.target == _EXPORT_GUARDS:
-            continue
-        producer = node.args[0] if node.target is operator.getitem and node.args else None
-        if isinstance(producer, fx.Node) and producer in stage and not _is_tensor(producer):
-            stage[node] = stage[producer]
-        elif node.name in stage_of:
-            stage[node] = stage_of[node.name]
-        else:
-            staged = [stage[a] for a in node.all_input_nodes if a in stage]
-            if staged:
-                stage[node] = max(staged)
-            else:
-                pending.append(node)
-    for node in reversed(pending):
-        users = [stage[u] for u in node.users if u in stage]
-        if users:
-            stage[node] = min(users)
-        elif node.users and all(u.op == "output" for u in node.users):
-            stage[node] = num_stages - 1
-        else:
-            log.info("split_stages: dropping %s (no stage, no users)", node.name)
-    _check_order(stage, num_stages)
-    return stage
+def _codec_text(edge: CommEdge) -> str:
+    coded = [
+        f"{kind} {name}" for kind, name in (("as", edge.codec), ("grad", edge.grad_codec)) if name != NO_CODEC
+    ]
+    return f" ({', '.join(coded)})" if coded else ""
 
 
-def _check_mapping(gm: fx.GraphModule, stage_of: Mapping[str, int], num_stages: int) -> None:
-    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-        raise PlanFormatError(f"num_stages must be a positive integer, got {num_stages!r}")
-    names = {node.name for node in gm.graph.nodes}
-    unknown = sorted(set(stage_of) - names)
-    if unknown:
-        raise PlanFormatError(
-            f"stage mapping names nodes that are not in the graph: {unknown[:5]}",
-            hint="map the names of the traced graph's nodes (node.name)",
-        )
-    for name, stage in stage_of.items():
-        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < num_stages:
-            raise PlanFormatError(f"node {name!r} is mapped to stage {stage!r}, not in 0..{num_stages - 1}")
+def _by_pair(stages: list[StageGraph]) -> dict[tuple[int, int], list[CommEdge]]:
+    pairs: dict[tuple[int, int], list[CommEdge]] = {}
+    for stage in stages:
+        for edge in stage.sends:
+            pairs.setdefault((edge.src, edge.dst), []).append(edge)
+    return pairs
 
 
-def _check_order(stage: dict[fx.Node, int], num_stages: int) -> None:
-    """Every value must flow forward (producer stage <= consumer stage); no stage may be empty."""
-    for node, k in stage.items():
-        for arg in node.all_input_nodes:
-            if arg in stage and stage[arg] > k:
-                raise PlanFormatError(
-                    f"node {node.name!r} (stage {k}) uses {arg.name!r} from the later stage {stage[arg]}",
-                    hint="stages must be contiguous in topological order; move one of them",
-                )
-    empty = sorted(set(range(num_stages)) - set(stage.values()))
-    if empty:
-        raise PlanFormatError(f"stage(s) {empty} have no nodes", hint="use fewer stages or remap nodes")
+def _nbytes(shape, dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
 
 
-def _is_tensor(node: fx.Node) -> bool:
-    """From ``meta["val"]`` (export, FakeTensorProp) or ShapeProp's ``tensor_meta``/``type``."""
-    val = node.meta.get("val", node.meta.get("tensor_meta"))
-    if val is None and isinstance(node.meta.get("type"), type):
-        return issubclass(node.meta["type"], torch.Tensor)
-    if val is None and node.op not in ("get_attr", "placeholder"):
-        raise PlanFormatError(
-            f"node {node.name!r} has no shape metadata (meta['val'])",
-            hint="trace with torch.export or hetcc.trace, or run FakeTensorProp/ShapeProp on the graph first",
-        )
-    return isinstance(val, torch.Tensor) or (hasattr(val, "stride") and hasattr(val, "dtype"))
+def wire_codecs(shape, dtype: torch.dtype, codec: str, grad_codec: str) -> tuple[str, str]:
+    """The (activation, gradient) codecs a ``shape`` x ``dtype`` tensor crosses with when its stage sends
+    with ``codec`` / ``grad_codec``: each where it applies (``Codec.applies``: floating point, large
+    enough, smaller on the wire), else none. The planner prices cuts by the same rule."""
+    return tuple(
+        name if name != NO_CODEC and get_codec(name).applies(shape, dtype) else NO_CODEC
+        for name in (codec, grad_codec)
+    )
 
 
 def _tensor_spec(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype]:
@@ -228,14 +213,10 @@ class _Cut:
         stages: dict[fx.Node, int],
         trainable: set[fx.Node],
         free: set[fx.Node],
+        codecs: list[tuple[str, str]],
     ):
-        self.builders, self.stage, self.trainable, self.free, self.edges = (
-            builders,
-            stages,
-            trainable,
-            free,
-            {},
-        )
+        self.builders, self.stage, self.trainable, self.free = builders, stages, trainable, free
+        self.codecs, self.edges = codecs, {}
 
     def transfer(self, node: fx.Node, dst: int) -> CommEdge:
         key = (node, dst)
@@ -245,7 +226,11 @@ class _Cut:
                 raise PlanFormatError(f"{node.name!r} (stage {src}) is used by the earlier stage {dst}")
             shape, dtype = _tensor_spec(node)
             differentiable = node in self.trainable and (dtype.is_floating_point or dtype.is_complex)
-            edge = CommEdge(len(self.edges), src, dst, node.name, shape, dtype, differentiable)
+            codec, grad_codec = wire_codecs(shape, dtype, *self.codecs[src])
+            grad_codec = grad_codec if differentiable else NO_CODEC
+            edge = CommEdge(
+                len(self.edges), src, dst, node.name, shape, dtype, differentiable, codec, grad_codec
+            )
             self.edges[key] = edge
             self.builders[src].send(node, edge)
         return self.edges[key]
@@ -282,7 +267,7 @@ class _StageBuilder:
         elif node.op == "placeholder":  # the target is the model's own input name ("input", not "input_1")
             new = self.graph.placeholder(node.target)
             new.meta = dict(node.meta)
-        elif _is_tensor(node) and node not in self.cut.free:
+        elif is_tensor(node) and node not in self.cut.free:
             new = self._recv(self.cut.transfer(node, self.index))
         else:
             if node.op == "call_module":
@@ -294,23 +279,46 @@ class _StageBuilder:
         return new
 
     def send(self, node: fx.Node, edge: CommEdge) -> None:
-        with self.graph.inserting_after(self.env[node]):
-            args = (self.env[node], edge.dst, edge.tag, list(edge.shape), edge.dtype)
+        """``send(value)``, or ``send(encode(value), source=value)`` where the edge has a codec."""
+        value, (shape, dtype) = self.env[node], edge.wire
+        kwargs = {"grad_codec": edge.grad_codec} if edge.grad_codec != NO_CODEC else {}
+        with self.graph.inserting_after(value):
+            sent = value
+            if edge.codec != NO_CODEC:
+                sent = self.graph.create_node(
+                    "call_function", torch.ops.hetcc.encode.default, (value, edge.codec),
+                    name=f"encode_{edge.value}_to_{edge.dst}",
+                )  # fmt: skip
+                sent.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
+                kwargs = {"source": value, **kwargs}
+        with self.graph.inserting_after(sent):
             token = self.graph.create_node(
-                "call_function", torch.ops.hetcc.send.default, args, name=f"send_{edge.value}_to_{edge.dst}"
-            )
+                "call_function", torch.ops.hetcc.send.default, (sent, edge.dst, edge.tag, list(shape), dtype),
+                kwargs, name=f"send_{edge.value}_to_{edge.dst}",
+            )  # fmt: skip
         self.sends.append((edge, token))
 
     def _recv(self, edge: CommEdge) -> fx.Node:
+        """``recv``, then ``decode`` where the edge has a codec (its backward sends the gradient)."""
         if self.anchor is None:
             self.anchor = self.graph.get_attr(ANCHOR_NAME)
-        args = (self.anchor, edge.src, edge.tag, list(edge.shape), edge.dtype)
+        (shape, dtype), coded = edge.wire, edge.codec != NO_CODEC
+        grad = {"grad_codec": edge.grad_codec} if edge.grad_codec != NO_CODEC and not coded else {}
         node = self.graph.create_node(
-            "call_function", torch.ops.hetcc.recv.default, args, name=f"recv_{edge.value}"
-        )
-        node.meta["val"] = torch.empty(edge.shape, dtype=edge.dtype, device="meta")
+            "call_function", torch.ops.hetcc.recv.default, (self.anchor, edge.src, edge.tag, list(shape), dtype),
+            grad, name=f"recv_{edge.value}",
+        )  # fmt: skip
+        node.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
         self.recvs.append(edge)
-        return node
+        if not coded:
+            return node
+        args = (node, self.anchor, edge.codec, list(edge.shape), edge.dtype, edge.src, edge.tag)
+        kwargs = {"grad_codec": edge.grad_codec} if edge.grad_codec != NO_CODEC else {}
+        decoded = self.graph.create_node(
+            "call_function", torch.ops.hetcc.decode.default, args, kwargs, name=f"decode_{edge.value}"
+        )
+        decoded.meta["val"] = torch.empty(edge.shape, dtype=edge.dtype, device="meta")
+        return decoded
 
     def _own(self, qualname: str) -> None:
         self.originals.setdefault(qualname, operator.attrgetter(qualname)(self.source))

@@ -21,12 +21,14 @@ from hetcc import ir
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, TiedParam
+from hetcc.passes.compress import codec_rows, compress_spec, keep_paying_codecs, wire_bytes_at
 from hetcc.passes.cost import block_times, op_name
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
+from hetcc.wire import NO_CODEC
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class PlanSettings:
     recompute: bool | str = "auto"  # "auto": where memory needs it; True: every stage; False: never
     replicate: bool = True
     batch_rows: int = 0
+    compress: object = "off"  # ``passes.compress``: "off", "auto" or a dict of pins
 
 
 def partition(
@@ -90,9 +93,19 @@ def partition(
     ``act_change``: per block, what fusion changes in its saved activations (``FusionChoice``)."""
     problem = build_problem(gm, chain, tied, cluster, settings, act_change=act_change)
     problem, solution, note = solve_schedules(problem, settings.schedule)
+    solution, codec_notes = keep_paying_codecs(problem, solution)
+    if problem.codecs is not None and any(s.codecs != (NO_CODEC, NO_CODEC) for s in solution.stages):
+        plain = solve(replace(problem, codecs=None), rerank=RERANK)
+        codec_notes.append(
+            f"compress: the best plan without codecs simulates {plain.simulated_s * 1e3:.2f} ms, "
+            f"this one {solution.simulated_s * 1e3:.2f} ms"
+        )
+        pinned = compress_spec(settings.compress).links or compress_spec(settings.compress).cuts
+        if plain.simulated_s < solution.simulated_s and not pinned:
+            solution = plain
+            codec_notes.append("compress: kept the plan without codecs")
     plan = _plan(problem, solution, chain, settings)
-    if note:
-        plan = replace(plan, notes=(*plan.notes, note))
+    plan = replace(plan, notes=(*plan.notes, *([note] if note else []), *codec_notes))
     stage_of = plan.stage_of
     for node in gm.graph.nodes:
         if node.name in stage_of:
@@ -118,6 +131,7 @@ def build_problem(
     for param in tied:
         for name in param.blocks[1:]:  # the first user's block already counts it
             params[index[name]] += param.bytes
+    cut_tensors = _cut_tensors(chain, index, training)
     devices = [
         ProblemDevice(d.name, d.type.name, float(cluster.usable_memory_bytes(d)), d.node)
         for d in cluster.devices
@@ -134,7 +148,7 @@ def build_problem(
         cut_bytes=[float(b.cut_bytes) for b in chain[:-1]],
         cut_grad_bytes=[float(b.cut_grad_bytes) for b in chain[:-1]] if training else None,
         tied_blocks=[[index[name] for name in t.blocks] for t in tied],
-        cut_tensors=_cut_tensors(chain, index, training),
+        cut_tensors=cut_tensors,
         tied_bytes=[float(t.bytes) for t in tied],
         devices=devices,
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
@@ -150,6 +164,15 @@ def build_problem(
         precision=settings.precision,
         optimizer=settings.optimizer,
         batch_size=settings.batch_rows,
+        codecs=codec_rows(
+            gm,
+            chain,
+            cluster,
+            compress_spec(settings.compress, [b.name for b in chain]),
+            training,
+            cut_tensors,
+            subs,
+        ),
     )
 
 
@@ -217,7 +240,14 @@ def _parameter(node: torch.fx.Node, depth: int = 3) -> bool:
 
 
 def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> Plan:
-    simulation = simulate(problem, solution.boundaries, solution.groups, solution.recompute, events=False)
+    simulation = simulate(
+        problem,
+        solution.boundaries,
+        solution.groups,
+        solution.recompute,
+        events=False,
+        stages=solution.stages,
+    )
     stages = tuple(
         _stage(k, stage_plan, problem, chain, settings, simulation.bubble_fraction[k])
         for k, stage_plan in enumerate(solution.stages)
@@ -281,6 +311,22 @@ def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float)
         recompute=stage_plan.recompute,
         precision=settings.precision,
         allreduce_s=stage_plan.allreduce_s,
+        codecs=stage_plan.codecs,
+        wire_bytes=_wire_bytes(problem, stage_plan),
+    )
+
+
+def _wire_bytes(problem: PartitionProblem, stage_plan) -> tuple[float, float, float, float]:
+    """The stage's outgoing cut per microbatch: (activations, gradients) bytes before and after codecs."""
+    stop = stage_plan.blocks[1]
+    if stop >= len(problem.blocks):
+        return (0.0, 0.0, 0.0, 0.0)
+    cut, (act, grad) = stop - 1, stage_plan.codecs
+    return (
+        problem.cut_bytes[cut],
+        problem.cut_grad_at(cut),
+        wire_bytes_at(problem, act, False, cut),
+        wire_bytes_at(problem, grad, True, cut),
     )
 
 

@@ -126,8 +126,10 @@ def _stage_table(saved: SavedPlan) -> str:
     shown = {"recompute": any(s.recompute for s in saved.stages),  # columns shown when a stage uses them
              "precision": any(s.precision != "fp32" for s in saved.stages)}  # fmt: skip
     optional = [key for key, used in shown.items() if used]
+    coded = any(s.codecs != ("none", "none") for s in saved.stages)
     head = ["stage", "devices", "type", "blocks", "fwd ms/mb", "bwd ms/mb", "compute ms/mb", "comm ms/mb",
             "in flight", "peak memory", "of capacity", "bubble"] + optional  # fmt: skip
+    head += ["codecs (act/grad)", "sent per mb: before -> on the wire"] if coded else []
     rows = []
     for s in saved.stages:
         capacity, peak = s.device_memory_bytes, s.peak_memory_bytes
@@ -137,6 +139,12 @@ def _stage_table(saved: SavedPlan) -> str:
                  *(f"{getattr(s, k) * 1e3:.3f}" for k in ("fwd_s", "bwd_s", "compute_s", "comm_s")),
                  str(s.inflight), format_bytes(peak), f"{peak / capacity:.1%}" if capacity else "-",
                  f"{s.bubble:.0%}", *(str(getattr(s, k)) for k in optional)]  # fmt: skip
+        if coded:
+            act, grad, act_wire, grad_wire = s.wire_bytes
+            cells += [
+                "/".join(s.codecs),
+                f"{format_bytes(act + grad)} -> {format_bytes(act_wire + grad_wire)}",
+            ]
         colour = charts.stage_colour(s.index)
         cells[0] = f'<span class="swatch" style="background:{colour}"></span> {escape(cells[0])}'
         rows.append(

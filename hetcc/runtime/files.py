@@ -29,6 +29,7 @@ from hetcc.hardware.schema import (
     short_repr,
 )
 from hetcc.runtime.contract import READABLE_VERSIONS, RECOMPILE, read_meta
+from hetcc.wire import CODECS
 
 FORMAT = "hetcc-pipeline"
 MAX_JSON_BYTES = 256 * 2**20  # pipeline.json or one stage's graph.json (a 70B model's is a few MB)
@@ -52,7 +53,7 @@ _SHAPE = ListOf(_dim)
 _NAMES = Table(None, Text(), "name to name")
 _EDGE = Record(
     {"tag": _INDEX, "src": _INDEX, "dst": _INDEX, "value": Text(), "shape": _SHAPE, "dtype": Text(),
-     "requires_grad": Flag()},
+     "requires_grad": Flag(), "codec": Choice(tuple(CODECS), "codec"), "grad_codec": Choice(tuple(CODECS), "codec")},
     required=("tag", "src", "dst", "value", "shape", "dtype"),
 )  # fmt: skip
 _TENSOR = Record({"dtype": Text(), "shape": ListOf(_INDEX)}, required=("dtype", "shape"))

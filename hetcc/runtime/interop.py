@@ -63,6 +63,13 @@ def pipelining_schedule(
 
 def _check_chain(stages: list[StageGraph]) -> None:
     for stage in stages:
+        coded = [e.value for e in stage.sends if (e.codec, e.grad_codec) != ("none", "none")]
+        if coded:
+            raise PlanFormatError(
+                f"stage {stage.index} sends {coded[:3]} through codecs, which torch.distributed.pipelining "
+                "would not apply (it moves tensors itself)",
+                hint="run this plan with hetcc's runtime, or compile it with compress='off' for torch",
+            )
         bad_recv = [e.value for e in stage.recvs if e.src != stage.index - 1]
         bad_send = [e.value for e in stage.sends if e.dst != stage.index + 1]
         if bad_recv or bad_send or (stage.index > 0 and stage.inputs):

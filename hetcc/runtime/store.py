@@ -40,6 +40,7 @@ from hetcc.runtime.files import (
 )
 from hetcc.runtime.graph_json import graph_from_json, graph_to_json
 from hetcc.sendrecv import ANCHOR_NAME, attach_anchor, new_anchor
+from hetcc.wire import NO_CODEC
 
 
 @dataclass
@@ -195,6 +196,8 @@ def _edge_json(edge: CommEdge) -> dict[str, Any]:
         "shape": list(edge.shape),
         "dtype": _dtype_name(edge.dtype),
         "requires_grad": edge.requires_grad,
+        "codec": edge.codec,
+        "grad_codec": edge.grad_codec,
     }
 
 
@@ -221,9 +224,10 @@ def _input_dtypes(entry: dict[str, Any]) -> dict[str, torch.dtype]:
 
 def _edge_from_json(data: dict[str, Any]) -> CommEdge:
     dtype = _dtype_from_json(data["dtype"], f"edge {data['tag']}")
+    codecs = [data.get(key, NO_CODEC) for key in ("codec", "grad_codec")]  # names checked by files.py
     return CommEdge(
         data["tag"], data["src"], data["dst"], data["value"], tuple(data["shape"]), dtype,
-        data.get("requires_grad", True),
+        data.get("requires_grad", True), *codecs,
     )  # fmt: skip
 
 

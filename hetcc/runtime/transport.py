@@ -40,6 +40,7 @@ from hetcc.passes.comm import CommEdge, StageGraph
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
 from hetcc.sendrecv import count_settled_gradient, describe_spec, fits_spec
+from hetcc.wire import NO_CODEC
 
 # The dtypes a header can name (its code is the index; new ones go at the end).
 WIRE_DTYPES = (
@@ -92,11 +93,11 @@ class LinkTransport:
         if self.replaying:
             return  # a recomputed forward: the tensor was sent by the first forward
         edge, rank = self.edges[tag], self.peer_rank(peer)
-        if not fits_spec(tensor.shape, tensor.dtype, edge.shape, edge.dtype, self.mixed_precision):
+        if not fits_spec(tensor.shape, tensor.dtype, *edge.wire, self.mixed_precision):
             raise RuntimeFailure(
                 f"stage {self.index} computed {edge.value} (tag {edge.tag}) for stage {peer} as "
                 f"{describe_spec(tensor.shape, tensor.dtype)}, but the plan records "
-                f"{describe_spec(edge.shape, edge.dtype)}",
+                f"{describe_spec(*edge.wire)}",
                 hint="run the pipeline on inputs of the microbatch shape it was compiled for, or compile "
                 "it again for the shapes you run",
             )
@@ -135,11 +136,12 @@ class LinkTransport:
         m = self.microbatch
         for edge in self.grads_out:
             rank = self.peer_rank(edge.src)
+            shape, dtype = self._grad_wire(edge, rank)
             grad = self.computed.pop(edge.tag, None)
-            if grad is None:
-                grad = torch.zeros(edge.shape)
+            if grad is None:  # a zero payload decodes to zeros under every codec
+                grad = torch.zeros(shape, dtype=dtype)
                 count_settled_gradient(sent=True)
-            self.links.isend(grad.to(self.wire_dtypes[(edge.tag, rank)]), rank, f"B{m} grad of {edge.value}")
+            self.links.isend(grad.to(dtype), rank, f"B{m} grad of {edge.value}")
         for peer in sorted({edge.dst for edge in self.grads_in} - self.asked):
             self._receive_gradients(peer)
         for _ in self.arrived:
@@ -152,8 +154,15 @@ class LinkTransport:
         rank = self.peer_rank(peer)
         for edge in (e for e in self.grads_in if e.dst == peer):
             what = f"B{self.microbatch} grad of {edge.value} (stage {peer})"
-            dtype = self.wire_dtypes[(edge.tag, rank)]  # the tensor's, announced when it was sent
-            self.arrived[edge.tag] = self.links.recv(rank, edge.shape, dtype, what)
+            shape, dtype = self._grad_wire(edge, rank)
+            self.arrived[edge.tag] = self.links.recv(rank, list(shape), dtype, what)
+
+    def _grad_wire(self, edge: CommEdge, rank: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """What the gradient of ``edge`` crosses as between this rank and ``rank``: its codec's payload,
+        or the tensor in the dtype it crossed in (announced by its header; an encoded activation is
+        decoded to the traced dtype)."""
+        sent = edge.dtype if edge.codec != NO_CODEC else self.wire_dtypes[(edge.tag, rank)]
+        return edge.grad_wire(sent)
 
     def _check_header(
         self, header: torch.Tensor, edge: CommEdge, peer: int, shape: list[int], dtype: torch.dtype

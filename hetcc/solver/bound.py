@@ -27,7 +27,8 @@ def lower_bound(problem: PartitionProblem) -> float:
       The least such step is a linear program; any Lagrange weights lambda_t >= 0 with
       ``sum_t lambda_t n_t = 1`` and mu_t >= 0 give a value no larger than it,
       ``sum_i min_t (lambda_t M c_t[i] + mu_t s_i) - sum_t mu_t n_t K_t``, improved here by
-      subgradient steps. Communication, recomputation and the fill only add, so they are left out.
+      subgradient steps. Communication, recomputation and the fill only add, so they are left out
+      (codecs too: their encode and decode are priced on the messages, never on a compute lane).
     """
     classes = sorted({(d.type, d.memory_bytes) for d in problem.devices})
     costs = np.array([problem.block_cost_s(t) for t, _ in classes], dtype=float)
@@ -86,7 +87,7 @@ def compute_bound_s(
     The weight search stops early once the bound reaches ``enough_s`` (a caller asking only "can these
     devices beat ``enough_s``?" then has its answer, a valid bound no larger than the full one).
 
-    Communication and all-reduces only add, and P >= max_j B_j, so T >= sum_j T_j + (M - 1) max_j B_j.
+    Communication (codecs' time included) and all-reduces only add, and P >= max_j B_j, so T >= sum_j T_j + (M - 1) max_j B_j.
     Two bounds on that:
 
     - integrality: every block runs on some device, so sum_j T_j >= sum_i min_t c_t[i], and the stage

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import numpy as np
 
 from hetcc.solver.bound_rows import BoundRows
+from hetcc.solver.codecs import chosen_cut_s
 from hetcc.solver.objective import step_terms
 from hetcc.solver.problem import (
     MEMORY_RTOL,
@@ -121,7 +122,7 @@ class Chain:
         self._end_costs: dict[tuple, tuple] = {}
         self._depths: dict[int, tuple[int, float]] = {}
         self._slots: dict[tuple, SequenceSlot] = {}  # one record per kind: the screen keys on identity
-        self._links: dict[tuple[float, float] | None, np.ndarray] = {}
+        self._links: dict[tuple | None, np.ndarray] = {}
         self._sums: dict[tuple, np.ndarray] = {}
         self._candidates: dict[tuple, np.ndarray] = {}
         self._term_values: dict[tuple, np.ndarray] = {}
@@ -145,10 +146,10 @@ class Chain:
             if problem.schedule in SPLIT_SCHEDULES and j > 0:  # held until the deferred W: the first stage's
                 held = self._by_depth(depths[0])[0]
             held = replica_inflight(held, r) if problem.training else 1
-            link, link_share = None, 1.0
+            link, link_share, pair = None, 1.0, None
             if j + 1 < k:
-                nxt = groups[j + 1][0]
-                link = (problem.latency_s[d][nxt], problem.bandwidth_bps[d][nxt])
+                pair = (d, groups[j + 1][0])
+                link = self._link_key(*pair)
                 link_share = steady_share(-(-m // math.lcm(r, replicas[j + 1])), m)
             reduced = group if j == 0 and r > 1 and problem.training else r  # its all-reduce is timed
             tied = end_tied_s(problem, group, groups[-1]) if j == 0 and k > 1 else 0.0
@@ -156,7 +157,7 @@ class Chain:
             if key not in self._slots:
                 modes = self._modes(device, group, held, first=j == 0, tied_s=tied)
                 self._slots[key] = SequenceSlot(
-                    modes, steady_share(-(-m // r), m), self._comm(link), link_share, slots
+                    modes, steady_share(-(-m // r), m), self._comm(link, pair), link_share, slots
                 )
             out.append(self._slots[key])
         return out
@@ -213,14 +214,31 @@ class Chain:
             modes.append(Mode(recompute, term, self._sums[key], constant, window))
         return tuple(modes)
 
-    def _comm(self, link: tuple[float, float] | None) -> np.ndarray:
-        """C_j per end block for a (latency, bandwidth) link; None is the last stage (ends at N, free)."""
+    def _link_key(self, src: int, dst: int) -> tuple:
+        """What C_j of a stage on ``src`` sending to ``dst`` depends on: the link's (latency, bandwidth);
+        with codecs also the way back, both device types and whether the link leaves the node."""
+        problem = self.problem
+        link = (problem.latency_s[src][dst], problem.bandwidth_bps[src][dst])
+        if not problem.codecs:
+            return link
+        a, b = problem.devices[src], problem.devices[dst]
+        back = (problem.latency_s[dst][src], problem.bandwidth_bps[dst][src])
+        return (*link, *back, a.type, b.type, a.node == b.node)
+
+    def _comm(self, link: tuple | None, pair: tuple[int, int] | None) -> np.ndarray:
+        """C_j per end block for the link ``link`` keys (between the devices of ``pair``); None is the
+        last stage (ends at N, free). With codecs each cut takes its cheapest rows (``codecs.choose``)."""
         if link not in self._links:
             if link is None:
                 comm = np.full(self.n + 1, math.inf)
                 comm[self.n] = 0.0
-            else:
+            elif not self.problem.codecs:
                 comm = self.messages_at * link[0] + (self.cut_at + self.grad_at) / link[1]
+            else:
+                comm = np.array(
+                    [0.0] + [chosen_cut_s(self.problem, i, pair) for i in range(self.n - 1)] + [0.0]
+                )
+            if link is not None:
                 comm[0] = comm[self.n] = math.inf  # a middle stage ends strictly inside the chain
             self._links[link] = comm
         return self._links[link]

@@ -8,11 +8,14 @@ forward+backward seconds (plus one more forward when the stage recomputes its ac
 blocks per microbatch on one replica, the slowest where replicas differ. Microbatches are routed to
 replicas by speed (``problem.route_microbatches``); B_j = max_d (shares_d - 1) * T_j(d) / (M - 1) is
 the stage's part of the steady state (a replica's first microbatch is in the fill already, so r
-replicas of a stage add (ceil(M / r) - 1) * T_j, not (M - 1) * T_j / r). C_j moves the cut activations to the next stage and, when training, their
-gradients back: ``2 * (latency + x / bandwidth)`` per microbatch (one way for inference; 0 for the last
-stage); L_j = the busiest replica-to-replica link's part of it, in the same way. A_j is the ring all-reduce of
-a replicated stage's gradients at step end: stage 0 finishes last, so only A_0 is counted; a later
-stage's all-reduce overlaps the backwards still running before it (the simulator times every one).
+replicas of a stage add (ceil(M / r) - 1) * T_j, not (M - 1) * T_j / r). C_j moves the cut
+activations to the next stage and, when training, their gradients back: ``2 * (latency + x /
+bandwidth)`` per microbatch (one way for inference; 0 for the last stage), with the codecs
+``solver.codecs`` chooses for the cut (their encode and decode are on the link's path, not the
+stage's); L_j = the busiest replica-to-replica link's part of it, in the same way. A_j is the ring
+all-reduce of a replicated stage's gradients at step end: stage 0 finishes last, so only A_0 is
+counted; a later stage's all-reduce overlaps the backwards still running before it (the simulator
+times every one).
 R_j = sum_{i >= j} (T_i + C_i) (+ A_0 for j = 0) is the round trip a
 1F1B stage holding W_j < M microbatches must wait for (W_j = min(M, replicas of stages j..K-1)).
 
@@ -32,13 +35,13 @@ from collections.abc import Sequence
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.bound import lower_bound
+from hetcc.solver.codecs import cut_rows, names, pair_s
 from hetcc.solver.problem import (
     PartitionProblem,
     PartitionSolution,
     StageCost,
     device_ring_s,
     end_tied_s,
-    link_time_s,
     round_trip_slots,
     route_microbatches,
     steady_share,
@@ -46,6 +49,7 @@ from hetcc.solver.problem import (
 from hetcc.solver.schedules import max_inflight, replica_actions, stage_actions
 
 Device = int | Sequence[int]  # a device index, or a replica group of them
+Codecs = Sequence[tuple[str, str] | None] | None  # per stage: pinned (activation, gradient) codec names
 
 
 def evaluate(
@@ -54,26 +58,31 @@ def evaluate(
     devices: Sequence[Device],
     recompute: Sequence[bool] | None = None,
     bound_s: float | None = None,
+    codecs: Codecs = None,
 ) -> PartitionSolution:
     """Score one plan: stage k runs blocks ``[boundaries[k], boundaries[k+1])`` on ``devices[k]`` (one
     device index, or a tuple of them: a replica group), recomputing its activations if ``recompute[k]``.
+    Its outgoing cut uses the codecs ``solver.codecs`` chooses, or the names ``codecs[k]`` pins
+    (``("none", "none")``: uncoded; a None entry or ``codecs`` None: chosen).
 
     Memory that does not fit makes ``step_time_s`` infinite rather than raising, so baselines that
     overflow a device can still be reported. ``period_s`` is the plan's P (see ``step_time``).
     ``lower_bound_s`` bounds the simulated step of every plan (``solver.bound.lower_bound``; pass
     ``bound_s`` when it is already known: it depends on the problem alone).
     """
-    stages = stage_costs(problem, boundaries, devices, recompute)
+    stages = stage_costs(problem, boundaries, devices, recompute, codecs)
     step, period = _objective_s(problem, stages)
     bound = lower_bound(problem) if bound_s is None else bound_s
     return PartitionSolution(stages, step, period, bound, _gap(step, bound))
 
 
-def stage_costs(problem, boundaries, devices, recompute=None) -> tuple[StageCost, ...]:
-    """Every stage's costs, memory and replica shares (validates the plan)."""
+def stage_costs(problem, boundaries, devices, recompute=None, codecs: Codecs = None) -> tuple[StageCost, ...]:
+    """Every stage's costs, memory, replica shares and outgoing codecs (validates the plan; ``codecs``
+    as in ``evaluate``)."""
     groups = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in devices]
     recompute = [False] * len(groups) if recompute is None else [bool(r) for r in recompute]
-    _check_plan(problem, boundaries, groups, recompute)
+    codecs = [None] * len(groups) if codecs is None else list(codecs)
+    _check_plan(problem, boundaries, groups, recompute, codecs)
     replicas = [len(g) for g in groups]
     k = len(groups)
     seconds = [
@@ -86,7 +95,7 @@ def stage_costs(problem, boundaries, devices, recompute=None) -> tuple[StageCost
         recompute=recompute,
     )  # fmt: skip
     return tuple(
-        _stage_plan(problem, boundaries, groups, routes, seconds[j], actions[j], recompute[j], j)
+        _stage_plan(problem, boundaries, groups, routes, seconds[j], actions[j], recompute[j], j, codecs[j])
         for j in range(k)
     )
 
@@ -153,7 +162,9 @@ def _gap(step_s: float, bound_s: float) -> float:
     return step_s / bound_s - 1 if bound_s > 0 else (0.0 if step_s == 0 else math.inf)
 
 
-def _stage_plan(problem, boundaries, groups, routes, seconds, actions, recompute: bool, j: int) -> StageCost:
+def _stage_plan(
+    problem, boundaries, groups, routes, seconds, actions, recompute: bool, j: int, pinned
+) -> StageCost:
     start, stop = boundaries[j], boundaries[j + 1]
     group, route, m = groups[j], routes[j], problem.microbatches
     shares = tuple(route.count(r) for r in range(len(group)))
@@ -161,11 +172,12 @@ def _stage_plan(problem, boundaries, groups, routes, seconds, actions, recompute
     kind = problem.devices[group[slowest]].type
     fwd = math.fsum(problem.fwd_s[kind][start:stop])
     bwd = math.fsum(problem.bwd_s[kind][start:stop]) if problem.training else 0.0
-    comm = link_busy = 0.0
+    comm, link_busy, codecs = 0.0, 0.0, ("none", "none")
     if j + 1 < len(groups):
         pairs = Counter((group[a], groups[j + 1][b]) for a, b in zip(route, routes[j + 1]))
-        times = {pair: link_time_s(problem, *pair, stop - 1) for pair in pairs}
-        comm = max(times.values())
+        rows = cut_rows(problem, stop - 1, list(pairs), pinned)
+        times = {pair: pair_s(problem, stop - 1, pair, rows) for pair in pairs}
+        comm, codecs = max(times.values()), names(rows)
         link_busy = max(steady_share(count, m) * times[pair] for pair, count in pairs.items())
     state = math.fsum(problem.state_bytes[start:stop])
     act = math.fsum(problem.act_bytes[start:stop])
@@ -196,6 +208,7 @@ def _stage_plan(problem, boundaries, groups, routes, seconds, actions, recompute
         busy_s=max(steady_share(c, m) * t for c, t in zip(shares, seconds) if c),
         link_busy_s=link_busy,
         allreduce_s=_allreduce_s(problem, group, start, stop),
+        codecs=codecs,
     )
 
 
@@ -206,7 +219,7 @@ def _allreduce_s(problem: PartitionProblem, group: tuple[int, ...], start: int, 
     return device_ring_s(problem, group, math.fsum(problem.block_param_bytes()[start:stop]))
 
 
-def _check_plan(problem: PartitionProblem, boundaries, groups, recompute) -> None:
+def _check_plan(problem: PartitionProblem, boundaries, groups, recompute, codecs) -> None:
     n = len(problem.blocks)
     if len(boundaries) != len(groups) + 1 or not groups:
         raise PlanFormatError(
@@ -228,6 +241,13 @@ def _check_plan(problem: PartitionProblem, boundaries, groups, recompute) -> Non
     if len(recompute) != len(groups):
         raise PlanFormatError(
             f"recompute has {len(recompute)} entries for {len(groups)} stages", hint="one flag per stage"
+        )
+    pinned_ok = (c is None or isinstance(c, (tuple, list)) and len(c) == 2 and all(isinstance(x, str) for x in c)
+                 for c in codecs)  # fmt: skip
+    if len(codecs) != len(groups) or not all(pinned_ok):
+        raise PlanFormatError(
+            f"codecs {codecs!r} must give {len(groups)} entries, each None or (activation, gradient) names",
+            hint="one entry per stage; None lets the planner choose",
         )
 
 

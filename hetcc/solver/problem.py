@@ -4,7 +4,8 @@ A chain of N blocks is cut into K contiguous stages; each stage runs on a group 
 (replicas holding the same blocks; each microbatch passes one replica per stage). ``PartitionProblem``
 holds every number the solver needs (per-block seconds per device type, state, parameter and activation
 bytes, cut bytes, device memory, link bandwidth and latency) and the plan space to search (replicas,
-recomputation); it round-trips through JSON exactly, so an outside planner can be fed the same numbers.
+recomputation, a codec per cut: ``WireCodec``); it round-trips through JSON exactly, so an outside
+planner can be fed the same numbers.
 ``StageCost`` and ``PartitionSolution`` are what a plan costs; the model behind those costs is
 ``solver.objective``.
 """
@@ -32,6 +33,28 @@ class ProblemDevice:
     type: str
     memory_bytes: float
     node: str
+
+
+@dataclass(frozen=True)
+class WireCodec:
+    """One codec the plan may put on a cut's wire, for one direction; its costs over the whole cut.
+
+    A row per codec and direction (a row named "none" may list the uncoded wire explicitly). Seconds of
+    a message with it are ``codecs.message_s``; where a plan may use it, ``links`` and ``cuts``.
+    """
+
+    name: str  # "bf16", "int8", ...: unique per direction
+    gradient: bool  # False: activations forward; True: their gradients back
+    cut_bytes: list[float]  # per cut: bytes on the wire with this codec (what it cannot code at full size)
+    coded_bytes: list[float]  # per cut: raw bytes of the tensors it encodes
+    calls: list[int]  # per cut: how many tensors it encodes
+    encode_s_per_byte: dict[str, float]  # per device type: encode seconds per raw byte
+    decode_s_per_byte: dict[str, float]  # per device type: decode seconds per raw byte
+    call_s: dict[str, float]  # per device type: fixed seconds per encode or per decode call
+    tensor_bytes: list[float] | None = None  # per ``cut_tensors`` entry: its wire bytes with this codec
+    tensor_coded: list[bool] | None = None  # per ``cut_tensors`` entry: whether this codec encodes it
+    links: str = "all"  # where the plan may use it: "all", "intra-node" or "inter-node"
+    cuts: list[bool] | None = None  # per cut: whether the plan may use it there (None: every cut)
 
 
 @dataclass
@@ -71,6 +94,8 @@ class PartitionProblem:
     # Per device type, the seconds of each block's backward that compute weight gradients (a zero-bubble
     # schedule defers them: ``schedules.SPLIT_SCHEDULES``); None: none of it (the backward runs whole).
     wgrad_s: dict[str, list[float]] | None = None
+    # The codecs each stage's outgoing cut may use, per direction (``codecs``); None: every tensor uncoded.
+    codecs: list[WireCodec] | None = None
     # Self-description for outside planners (the costs above already include them).
     precision: str = "fp32"
     optimizer: str = ""
@@ -110,6 +135,8 @@ class PartitionProblem:
             if not isinstance(data, dict):
                 raise TypeError(f"expected a JSON object, got {type(data).__name__}")
             data["devices"] = [ProblemDevice(**dev) for dev in data["devices"]]
+            if data.get("codecs") is not None:
+                data["codecs"] = [WireCodec(**row) for row in data["codecs"]]
             for key in ("bandwidth_bps", "latency_s"):
                 data[key] = [[math.inf if v == "inf" else v for v in row] for row in data[key]]
             problem = cls(**data)
@@ -136,6 +163,7 @@ class StageCost:
     the period, ``max_d shares[d] * compute_s(d) / M``; ``comm_s`` is the cut's transfer per
     microbatch, ``link_busy_s`` the busiest link's share of the period; ``allreduce_s`` sums the
     replicas' gradients at step end. Memory is the fullest replica's (``inflight`` microbatches).
+    ``codecs`` names the rows of ``problem.codecs`` the outgoing cut's messages use ("none": uncoded).
     """
 
     blocks: tuple[int, int]
@@ -158,6 +186,7 @@ class StageCost:
     busy_s: float = math.nan
     link_busy_s: float = math.nan
     allreduce_s: float = 0.0
+    codecs: tuple[str, str] = ("none", "none")  # (activation, gradient) codec of the outgoing cut
 
     @property
     def fits(self) -> bool:
@@ -214,7 +243,7 @@ class PartitionSolution:
 
     @classmethod
     def from_dict(cls, data: dict) -> PartitionSolution:
-        tuples = ("blocks", "devices", "device_names", "shares", "route")
+        tuples = ("blocks", "devices", "device_names", "shares", "route", "codecs")
         stages = tuple(
             StageCost(**{**s, **{k: tuple(s[k]) for k in tuples if k in s}}) for s in data["stages"]
         )
@@ -337,14 +366,15 @@ def end_tied_s(problem: PartitionProblem, first: Sequence[int], last: Sequence[i
 
 
 def transfer_s(problem: PartitionProblem, src: int, dst: int, nbytes: float) -> float:
-    """One message of ``nbytes`` over the src -> dst link (nothing is sent for 0 bytes)."""
+    """One uncoded message of ``nbytes`` over the src -> dst link (nothing is sent for 0 bytes); with
+    a codec, ``codecs.message_s``."""
     if nbytes <= 0:
         return 0.0
     return problem.latency_s[src][dst] + nbytes / problem.bandwidth_bps[src][dst]
 
 
 def link_time_s(problem: PartitionProblem, src: int, dst: int, cut: int) -> float:
-    """C_j: the activations of the cut after block ``cut`` forward over the src -> dst link, and (training)
-    their gradients back."""
+    """C_j without codecs: the activations of the cut after block ``cut`` forward over the src -> dst link,
+    and (training) their gradients back (with codecs: ``codecs.pair_s``)."""
     forward = transfer_s(problem, src, dst, problem.cut_bytes[cut])
     return forward + transfer_s(problem, dst, src, problem.cut_grad_at(cut))

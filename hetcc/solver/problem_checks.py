@@ -51,6 +51,84 @@ def _check_cut_tensors(problem, n: int) -> None:
             )
 
 
+CODEC_LINKS = ("all", "intra-node", "inter-node")
+_CODEC_FIELDS = ("name", "gradient", "cut_bytes", "coded_bytes", "calls", "encode_s_per_byte",
+                 "decode_s_per_byte", "call_s", "tensor_bytes", "tensor_coded", "links", "cuts")  # fmt: skip
+
+
+def _check_codecs(problem, n: int) -> None:
+    """``codecs``: ``WireCodec`` rows, one per name, direction and place (links, cuts), each costed per cut (and per cut
+    tensor when ``cut_tensors`` is given) and on every device type of the cluster."""
+    if problem.codecs is None:
+        return
+    if not isinstance(problem.codecs, list):
+        raise _fail("codecs", "must be a list of WireCodec rows", "one row per codec and direction, or null")
+    seen = set()
+    for k, row in enumerate(problem.codecs):
+        if not all(hasattr(row, name) for name in _CODEC_FIELDS):
+            raise _fail("codecs", f"entry {k} is not a WireCodec: {row!r}", "build rows with WireCodec(...)")
+        at = f"codecs[{k}]"
+        if not isinstance(row.name, str) or not row.name or not isinstance(row.gradient, bool):
+            raise _fail(at, "name must be a non-empty string and gradient a boolean", "see WireCodec")
+        if row.links not in CODEC_LINKS:
+            raise _fail(f"{at}.links", f"unknown value {row.links!r}", f"use one of {', '.join(CODEC_LINKS)}")
+        _check_vector(f"{at}.cut_bytes", row.cut_bytes, n - 1)
+        _check_vector(f"{at}.coded_bytes", row.coded_bytes, n - 1)
+        _check_vector(f"{at}.calls", row.calls, n - 1)
+        if not all(isinstance(c, int) and not isinstance(c, bool) for c in row.calls):
+            raise _fail(f"{at}.calls", "must count tensors (integers)", "one count per cut")
+        _check_flags(f"{at}.cuts", row.cuts, n - 1, "one flag per cut, or null for every cut")
+        where = (row.name, row.gradient, row.links, None if row.cuts is None else tuple(row.cuts))
+        if where in seen:  # one codec may have several rows: one per set of cuts and links it may use
+            direction = "gradient" if row.gradient else "activation"
+            raise _fail(
+                at, f"{direction} codec {row.name!r} is listed twice for the same links and cuts",
+                "one row per name, direction and place",
+            )  # fmt: skip
+        seen.add(where)
+        _check_codec_tensors(problem, row, at)
+        for table in ("encode_s_per_byte", "decode_s_per_byte", "call_s"):
+            _check_codec_table(problem, f"{at}.{table}", getattr(row, table))
+
+
+def _check_codec_tensors(problem, row, at: str) -> None:
+    if row.tensor_bytes is None and row.tensor_coded is None and problem.cut_tensors is None:
+        return
+    if problem.cut_tensors is None:
+        raise _fail(f"{at}.tensor_bytes", "is given without cut_tensors", "give cut_tensors, or drop them")
+    if row.tensor_bytes is None or row.tensor_coded is None:
+        raise _fail(f"{at}.tensor_bytes", "tensor_bytes and tensor_coded are needed with cut_tensors",
+                    "one entry per cut_tensors entry in each")  # fmt: skip
+    count = len(problem.cut_tensors)
+    _check_vector(f"{at}.tensor_bytes", row.tensor_bytes, count)
+    _check_flags(f"{at}.tensor_coded", row.tensor_coded, count, "one flag per cut_tensors entry")
+
+
+def _check_flags(field: str, flags, length: int, hint: str) -> None:
+    if flags is None:
+        return
+    if not isinstance(flags, list) or len(flags) != length or not all(isinstance(f, bool) for f in flags):
+        raise _fail(field, f"must be {length} booleans, got {flags!r}", hint)
+
+
+def _check_codec_table(problem, field: str, table) -> None:
+    """Seconds per device type: every type of the cluster, and no type the problem does not cost."""
+    if not isinstance(table, dict):
+        raise _fail(field, "must map device type -> seconds", "see WireCodec")
+    unknown = sorted(set(table) - set(problem.fwd_s))
+    if unknown:
+        raise _fail(
+            field, f"names unknown device type {unknown[0]!r}", f"use types of fwd_s: {sorted(problem.fwd_s)}"
+        )
+    for device in problem.devices:
+        if device.type not in table:
+            raise _fail(field, f"has no entry for device type {device.type!r} ({device.name})",
+                        "cost the codec on every device type in the cluster")  # fmt: skip
+    for kind, value in table.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+            raise _fail(field, f"entry {kind!r} is {value!r}", "use finite, non-negative seconds")
+
+
 def _index(value, n: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < n
 
@@ -132,6 +210,7 @@ def validate_problem(problem) -> None:
         raise _fail("devices", "device names repeat", "name every device uniquely")
     _check_matrix("bandwidth_bps", problem.bandwidth_bps, d, positive=True)
     _check_matrix("latency_s", problem.latency_s, d, positive=False)
+    _check_codecs(problem, n)
 
 
 def _check_weight_grads(problem, n: int) -> None:

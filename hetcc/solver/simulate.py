@@ -6,7 +6,9 @@ the previous stage's replica that ran m has sent its activation, B(m) once the n
 its gradient. After a compute, its output is sent asynchronously (the stage does not wait for the
 send): a link between two devices carries one transfer at a time, both directions sharing it, which
 is what the planner's C_j (activations forward, plus gradients back where there are any) per
-microbatch assumes. Transfers on a link go in the order they were issued. A recomputing stage's
+microbatch assumes. Transfers on a link go in the order they were issued. A send's seconds include the
+encode and decode of the codecs the sending stage's cut uses (``StageCost.codecs``, priced by
+``codecs.message_s``): they hold the link, not the stage. A recomputing stage's
 backward includes the forward it recomputes. Under a split schedule (zb-h1) a stage's B(m) is its
 backward less the weight gradients (``problem.wgrad_s``) and sends the gradients back; W(m) is those
 weight gradients, which wait for nothing but the stage and send nothing. A replicated stage ends with the all-reduce of its
@@ -22,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.objective import Device, StageCost, replica_seconds, stage_costs, weight_grad_s
-from hetcc.solver.problem import PartitionProblem, device_ring_s, transfer_s
+from hetcc.solver.codecs import Message, message_s, stage_messages
+from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, stage_costs, weight_grad_s
+from hetcc.solver.problem import PartitionProblem, device_ring_s
 from hetcc.solver.schedules import replica_actions, splits_backward, stage_actions
 
 
@@ -60,13 +63,14 @@ def simulate(
     *,
     events: bool = True,
     stages: Sequence[StageCost] | None = None,
+    codecs: Codecs = None,
 ) -> Simulation:
     """Replay one step of the plan (stage k = blocks [boundaries[k], boundaries[k+1]) on the replica
     group devices[k], recomputing if recompute[k]). ``events=False`` keeps no timeline (the search's
     many replays need only the figures); ``stages``: the plan's ``stage_costs``, where the caller has
-    them."""
+    them (else ``codecs`` pins stages' codecs as in ``objective.evaluate``)."""
     if stages is None:
-        stages = stage_costs(problem, boundaries, devices, recompute)  # validates the plan
+        stages = stage_costs(problem, boundaries, devices, recompute, codecs)  # validates the plan
     k = len(stages)
     groups = [s.group for s in stages]
     actions = stage_actions(
@@ -128,18 +132,18 @@ class _Timeline:
     def __init__(self, problem: PartitionProblem, stages, routes, record: bool = True):
         self.problem, self.stages, self.routes, self.record = problem, stages, routes, record
         self.last_s = 0.0  # the latest end of anything on the timeline
-        self.wires: dict[tuple[int, int, float], tuple[tuple[int, int], float]] = {}
+        self.wires: dict[tuple, tuple[tuple[int, int], float]] = {}
         self.link_free_s: dict[tuple[int, int], float] = {}
         self.arrival_s: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> time
         self.received: dict[tuple[int, str, int], int] = {}  # messages arrived so far
         self.events: list[Event] = []
-        messages = _messages(problem, [s.blocks for s in stages])
-        # Per (stage, kind): the messages its compute sends (peer stage, bytes), and how many it waits for.
-        self.outgoing: dict[tuple[int, str], list[tuple[int, float]]] = {}
+        messages = stage_messages(problem, [s.blocks for s in stages], [s.codecs for s in stages])
+        # Per (stage, kind): the messages its compute sends (peer stage, message), and how many it waits for.
+        self.outgoing: dict[tuple[int, str], list[tuple[int, Message]]] = {}
         self.expected: dict[tuple[int, str], int] = {}
-        for (a, b), (forward_bytes, grad_bytes) in messages.items():
-            self.outgoing.setdefault((a, "F"), []).append((b, forward_bytes))
-            self.outgoing.setdefault((b, "B"), []).append((a, grad_bytes))
+        for (a, b), (forward, back) in messages.items():
+            self.outgoing.setdefault((a, "F"), []).append((b, forward))
+            self.outgoing.setdefault((b, "B"), []).append((a, back))
             self.expected[(b, "F")] = self.expected.get((b, "F"), 0) + 1
             self.expected[(a, "B")] = self.expected.get((a, "B"), 0) + 1
 
@@ -148,14 +152,14 @@ class _Timeline:
         as (what they deliver, link, seconds), kind, microbatch)."""
         stage, kind, m = lane.stage, action.kind, action.microbatch
         sends = []
-        for target, nbytes in self.outgoing.get((stage, kind), ()):
+        for target, message in self.outgoing.get((stage, kind), ()):
             peer = self.stages[target].group[self.routes[target][m]]
-            wire = self.wires.get((lane.device, peer, nbytes))
+            wire = self.wires.get((lane.device, peer, stage, target))
             if wire is None:  # the link (one per device pair, both directions) and the message's seconds
                 link = (min(lane.device, peer), max(lane.device, peer))
-                wire = self.wires[lane.device, peer, nbytes] = (
+                wire = self.wires[lane.device, peer, stage, target] = (
                     link,
-                    transfer_s(self.problem, lane.device, peer, nbytes),
+                    message_s(self.problem, lane.device, peer, message),
                 )
             sends.append(((target, kind, m), *wire))
         duration = {"F": lane.fwd_s, "B": lane.bwd_s - lane.wgrad_s, "W": lane.wgrad_s}[kind]
@@ -237,27 +241,3 @@ class _Timeline:
         overall = 1 - sum(lane.busy_s for lane in lanes) / (step * len(lanes)) if step > 0 else 0.0
         events = tuple(sorted(self.events, key=lambda e: (e.start_s, e.stage, e.replica, e.kind)))
         return Simulation(step, busy, bubble, overall, events)
-
-
-def _messages(
-    problem: PartitionProblem, blocks: list[tuple[int, int]]
-) -> dict[tuple[int, int], tuple[float, float]]:
-    """(sending stage, receiving stage) -> (activation bytes forward, gradient bytes back) per microbatch.
-
-    Stage j always sends to j + 1 (its output, however small, is what the next stage waits for); with
-    ``problem.cut_tensors`` each tensor goes from its producer's stage to every stage holding a
-    consumer (skips included, never relayed), else the chain's ``cut_bytes`` go to the next stage."""
-    stage_of = [j for j, (a, b) in enumerate(blocks) for _ in range(a, b)]
-    messages = {(j, j + 1): [0.0, 0.0] for j in range(len(blocks) - 1)}
-    if problem.cut_tensors is None:
-        for j in range(len(blocks) - 1):
-            cut = blocks[j][1] - 1
-            messages[(j, j + 1)] = [problem.cut_bytes[cut], problem.cut_grad_at(cut)]
-    else:
-        for producer, consumers, nbytes, grad in problem.cut_tensors:
-            src = stage_of[producer]
-            for dst in sorted({stage_of[c] for c in consumers} - {src}):
-                pair = messages.setdefault((src, dst), [0.0, 0.0])
-                pair[0] += nbytes
-                pair[1] += grad if problem.training else 0.0
-    return {pair: (f, b) for pair, (f, b) in messages.items()}

@@ -46,7 +46,7 @@ class RunResult:
     ``losses``: one per step (the mean over microbatches), ``losses[i]`` of step ``first_step + i``
     (``first_step``: the steps a resumed run's checkpoint had done, else 0); ``records``: the per-step
     figures (``hetcc.train.metrics``: loss, lr, grad_norm, step_s, tokens_per_s, achieved FLOP/s per
-    device type ...); ``eval_losses``: (step, loss) of each evaluation; ``outputs``: the last step's flat
+    device type, the bytes the reporting rank sent ...); ``eval_losses``: (step, loss) of each evaluation; ``outputs``: the last step's flat
     model outputs concatenated over microbatches; ``grads``: after the last backward, by model parameter
     name; ``summary``: the measured step and stages next to the plan's simulated ones; ``notes``: what
     a resumed run resumed with; ``checkpoint_dir``: where the trained weights are (None: not saved);
@@ -56,7 +56,8 @@ class RunResult:
 
     - ``sends`` / ``recvs``: tensors the stage's ``hetcc::send``/``hetcc::recv`` ops moved, activations
       and gradients (a gradient is sent by ``recv``'s backward, received by ``send``'s);
-      ``bytes_sent`` / ``bytes_received``: their sizes.
+      ``bytes_sent`` / ``bytes_received``: their sizes on the wire (a codec's payload where the edge
+      has one: ``compile(..., compress=...)``).
     - ``grads_filled`` / ``grads_dropped``: gradients exchanged outside the ops so every peer's wait is
       matched: zeros sent for a received tensor autograd never differentiated, a gradient received and
       dropped for a sent tensor that needed none (``LinkTransport.settle_gradients``).

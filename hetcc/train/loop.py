@@ -68,14 +68,15 @@ def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any
     reset_launch_stats()
     with _progress(rank.reports and settings.progress, settings.steps, first_step) as advance:
         for step in range(first_step, first_step + settings.steps):
-            started = time.perf_counter()
+            started, sent = time.perf_counter(), transfer_stats()["bytes_sent"]
             lr = optimizer.param_groups[0]["lr"] if optimizer is not None else None
             final = step == first_step + settings.steps - 1  # only its outputs are returned
             last, norm = _step(rank, next(batches), optimizer, scheduler, settings.clip_grad_norm, final)
             step_times.append(time.perf_counter() - started)
             busy.append(last.busy_s)
             record = {"step": step, "loss": last.mean_loss, "lr": lr, "grad_norm": norm,
-                      **figures.step_record(step_times[-1]), "skipped": last.skipped}  # fmt: skip
+                      **figures.step_record(step_times[-1]), "skipped": last.skipped,
+                      "bytes_sent": transfer_stats()["bytes_sent"] - sent}  # this rank's, on the wire  # fmt: skip
             if settings.eval_every and (step + 1) % settings.eval_every == 0 and eval_data is not None:
                 record["eval_loss"] = evaluate(rank, eval_data, settings.eval_batches, settings.seed)
                 evals.append((step, record["eval_loss"]))

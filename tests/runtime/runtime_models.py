@@ -154,19 +154,28 @@ def planned_transfers(stages, microbatches: int, steps: int) -> list[dict[str, i
     per_edge = microbatches * steps
     planned = []
     for stage in stages:
-        sent = [*stage.sends, *(edge for edge in stage.recvs if edge.requires_grad)]
-        received = [*stage.recvs, *(edge for edge in stage.sends if edge.requires_grad)]
+        grads_out = [e for e in stage.recvs if e.requires_grad]
+        grads_in = [e for e in stage.sends if e.requires_grad]
+        sent = [*map(_wire_bytes, stage.sends), *map(_grad_bytes, grads_out)]
+        received = [*map(_wire_bytes, stage.recvs), *map(_grad_bytes, grads_in)]
         planned.append({
             "sends": len(sent) * per_edge,
             "recvs": len(received) * per_edge,
-            "bytes_sent": sum(map(_edge_bytes, sent)) * per_edge,
-            "bytes_received": sum(map(_edge_bytes, received)) * per_edge,
+            "bytes_sent": sum(sent) * per_edge,
+            "bytes_received": sum(received) * per_edge,
         })  # fmt: skip
     return planned
 
 
-def _edge_bytes(edge) -> int:
-    return math.prod(edge.shape) * edge.dtype.itemsize
+def _wire_bytes(edge) -> int:
+    """An edge's forward message: the tensor, or its codec's payload."""
+    shape, dtype = edge.wire
+    return math.prod(shape) * dtype.itemsize
+
+
+def _grad_bytes(edge) -> int:
+    shape, dtype = edge.grad_wire(edge.dtype)
+    return math.prod(shape) * dtype.itemsize
 
 
 def run_in_process(stages, inputs: dict, backward: bool = False):
