@@ -28,7 +28,6 @@ from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
-from hetcc.wire import NO_CODEC
 
 
 @dataclass(frozen=True)
@@ -93,17 +92,7 @@ def partition(
     ``act_change``: per block, what fusion changes in its saved activations (``FusionChoice``)."""
     problem = build_problem(gm, chain, tied, cluster, settings, act_change=act_change)
     problem, solution, note = solve_schedules(problem, settings.schedule)
-    solution, codec_notes = keep_paying_codecs(problem, solution)
-    if problem.codecs is not None and any(s.codecs != (NO_CODEC, NO_CODEC) for s in solution.stages):
-        plain = solve(replace(problem, codecs=None), rerank=RERANK)
-        codec_notes.append(
-            f"compress: the best plan without codecs simulates {plain.simulated_s * 1e3:.2f} ms, "
-            f"this one {solution.simulated_s * 1e3:.2f} ms"
-        )
-        pinned = compress_spec(settings.compress).links or compress_spec(settings.compress).cuts
-        if plain.simulated_s < solution.simulated_s and not pinned:
-            solution = plain
-            codec_notes.append("compress: kept the plan without codecs")
+    solution, codec_notes = _codecs_that_pay(problem, solution, settings)
     plan = _plan(problem, solution, chain, settings)
     plan = replace(plan, notes=(*plan.notes, *([note] if note else []), *codec_notes))
     stage_of = plan.stage_of
@@ -111,6 +100,27 @@ def partition(
         if node.name in stage_of:
             ir.annotate(node, stage=stage_of[node.name])
     return plan, problem, solution
+
+
+def _codecs_that_pay(
+    problem: PartitionProblem, solution: PartitionSolution, settings: PlanSettings
+) -> tuple[PartitionSolution, list[str]]:
+    """The plan's codecs, each kept only where it shortens the simulated step (``keep_paying_codecs``);
+    where no cut is pinned, the best plan without codecs is solved too and kept if it is as fast."""
+    solution, notes = keep_paying_codecs(problem, solution)
+    spec = compress_spec(settings.compress)
+    if problem.codecs is None or spec.links or spec.cuts:
+        return solution, notes
+    plain = solve(replace(problem, codecs=None), rerank=RERANK)
+    if plain.simulated_s <= solution.simulated_s:
+        return plain, [
+            f"compress: no codec pays: the best plan without codecs simulates {plain.simulated_s * 1e3:.2f} ms, "
+            f"the best with them {solution.simulated_s * 1e3:.2f} ms"
+        ]
+    return solution, [
+        *notes,
+        f"compress: the best plan without codecs simulates {plain.simulated_s * 1e3:.2f} ms",
+    ]
 
 
 def build_problem(

@@ -46,18 +46,24 @@ def coded(tmp_path_factory):
     compiled = hetcc.compile(
         model, cluster, example_kwargs=inputs, microbatches=4, compress=PINS, replicate=False
     )
-    return model, inputs, compiled
+    return model, inputs, compiled, cluster
+
+
+@pytest.fixture(scope="module")
+def coded_run(coded):
+    _, inputs, compiled, _ = coded
+    return hetcc.run_local(compiled, inputs, steps=STEPS, optimizer=ADAM)
 
 
 @pytest.mark.slow
-def test_coded_pipeline_moves_the_predicted_payloads_and_trains(coded):
-    model, inputs, compiled = coded
+def test_coded_pipeline_moves_the_predicted_payloads_and_trains(coded, coded_run):
+    model, inputs, compiled, _ = coded
     stages = compiled.pipeline.stages
     assert len(stages) >= 2, compiled.explain()
     assert all(
         e.codec == "int8" and e.grad_codec == "bf16" for s in stages for e in s.sends if e.requires_grad
     )
-    result = hetcc.run_local(compiled, inputs, steps=STEPS, optimizer=ADAM)
+    result = coded_run
 
     # bytes on the wire: each rank's are its edges' payloads, and together the plan's prediction
     planned = planned_transfers(stages, compiled.plan.microbatches, STEPS)
@@ -76,10 +82,33 @@ def test_coded_pipeline_moves_the_predicted_payloads_and_trains(coded):
 
 @pytest.mark.slow
 def test_encode_send_decode_across_ranks_equals_encode_decode_in_one_process(coded):
-    _, inputs, compiled = coded
+    _, inputs, compiled, _ = coded
     result = hetcc.run_local(compiled, inputs, steps=1, optimizer={"name": "sgd", "lr": 0.0})
     microbatch = {k: v.chunk(4)[0] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
     in_process = run_in_process(compiled.pipeline.stages, microbatch)
     logits = result.outputs[1]  # (loss, logits), the logits concatenated over microbatches
     rows = len(microbatch["input_ids"])
     torch.testing.assert_close(logits[:rows], in_process[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [{"schedule": "zb-h1"}, {"recompute": True}, {"precision": "bf16-mixed"}],
+    ids=["zb-h1", "recompute", "bf16-mixed"],
+)
+def test_codecs_run_under_every_schedule_recompute_and_autocast(coded, coded_run, options):
+    """The split backward (B sends the encoded gradient, W runs later), a recomputed forward (the recv
+    replays the kept payload, the encode runs again and sends nothing) and autocast (a bf16 activation
+    encodes to the same payload size) train as the 1F1B run does."""
+    model, inputs, compiled, cluster = coded
+    other = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=4, compress=PINS, replicate=False,
+                          **options)  # fmt: skip
+    assert [s.codecs for s in other.plan.stages[:-1]] == [("int8", "bf16")] * (len(other.plan.stages) - 1)
+    result = hetcc.run_local(other, inputs, steps=STEPS, optimizer=ADAM)
+    if "precision" in options:  # autocast: close to fp32's, and training
+        losses, _ = eager_training(model, inputs, None, None, steps=STEPS, microbatches=4, optimizer=ADAM)
+        assert result.losses == pytest.approx(losses, rel=3e-2) and result.losses[-1] < result.losses[0]
+        return
+    same_split = [s.blocks for s in other.plan.stages] == [s.blocks for s in compiled.plan.stages]
+    assert result.losses == pytest.approx(coded_run.losses, rel=1e-5 if same_split else 2e-2)
