@@ -6,7 +6,7 @@ codec pair pinned on every cut and once uncompressed, with the same data order, 
 
 Prints per run: the mean loss of the last 20 steps, the evaluation loss (the token folder's val split),
 their ratios to the uncompressed run's, and the bytes every rank sent per step (measured, after encoding)
-next to the plan's prediction.
+next to the plan's prediction (``wire_bytes_per_step``).
 """
 
 from __future__ import annotations
@@ -28,20 +28,25 @@ from hetcc.solver.codecs import wire_bytes_per_step  # noqa: E402
 from hetcc.train import TokenDataset  # noqa: E402
 from hetcc.train.text import prepare_text  # noqa: E402
 
+# cpu4 with 4 MiB per device: the model's state and activations need four stages (three cuts), recomputing
 CLUSTER = "examples/clusters/cpu4.yaml"
+MEMORY = "4 MiB"
 TAIL = 20  # steps whose mean loss is compared
+EVAL_BATCHES = 8
 
 
-def run(codecs: tuple[str, str], tokens: Path, steps: int, seq: int) -> dict:
+def run(codecs: tuple[str, str], tokens: Path, steps: int, seq: int, cluster: Path) -> dict:
     model, inputs = gpt2_bytes(seq=seq)
     pins = {"intra-node": codecs, "inter-node": codecs} if codecs != ("none", "none") else "off"
-    compiled = hetcc.compile(model, CLUSTER, example_kwargs=inputs, microbatches=4, compress=pins)
+    compiled = hetcc.compile(
+        model, cluster, example_kwargs=inputs, microbatches=4, compress=pins, replicate=False
+    )
     started = time.perf_counter()
     result = hetcc.run_local(
         compiled, data=TokenDataset(tokens, seq_len=seq), steps=steps, seed=0,
         optimizer={"name": "adamw", "lr": 3e-3, "weight_decay": 0.1},
         lr_schedule={"warmup_steps": 30, "decay": "cosine"}, clip_grad_norm=1.0,
-        eval_data=TokenDataset(tokens, seq_len=seq, split="val"), eval_every=steps, eval_batches=8,
+        eval_data=TokenDataset(tokens, seq_len=seq, split="val"), eval_every=steps, eval_batches=EVAL_BATCHES,
     )  # fmt: skip
     forward, back = wire_bytes_per_step(compiled.problem, compiled.solution)
     return {
@@ -49,7 +54,8 @@ def run(codecs: tuple[str, str], tokens: Path, steps: int, seq: int) -> dict:
         "stages": len(compiled.plan.stages),
         "tail_loss": statistics.fmean(result.losses[-TAIL:]),
         "eval_loss": result.eval_losses[-1][1] if result.eval_losses else float("nan"),
-        "sent_per_step": sum(s["bytes_sent"] for s in result.stats) / steps,
+        # every rank's bytes after encoding, less the evaluation's forwards (one per eval batch)
+        "sent_per_step": (sum(s["bytes_sent"] for s in result.stats) - EVAL_BATCHES * forward) / steps,
         "predicted_per_step": forward + back,
         "wall_s": time.perf_counter() - started,
     }
@@ -63,11 +69,13 @@ def main() -> None:
     args = parser.parse_args()
     pairs = [("none", "none")] + [tuple(p.split("/")) for p in args.codecs.split(",") if p]
     with tempfile.TemporaryDirectory() as folder:
-        tokens = Path(folder) / "tokens"
+        tokens, cluster = Path(folder) / "tokens", Path(folder) / "cluster.yaml"
         prepare_text(os.path.dirname(email.__file__), tokens, pattern="**/*.py")
-        rows = [run(pair, tokens, args.steps, args.seq) for pair in pairs]
+        cluster.write_text(Path(CLUSTER).read_text().replace("memory: 2 GiB", f"memory: {MEMORY}"))
+        rows = [run(pair, tokens, args.steps, args.seq, cluster) for pair in pairs]
     base = rows[0]
-    print(f"byte-level GPT-2, {args.steps} steps on {CLUSTER}, seq {args.seq}, same data order per run")
+    print(f"byte-level GPT-2, {args.steps} steps on {CLUSTER} at {MEMORY} per device ({base['stages']} stages), "
+          f"seq {args.seq}, same data order per run")  # fmt: skip
     print(f"{'codecs':<14} {'stages':>6} {'loss (last 20)':>14} {'vs none':>8} {'eval loss':>9} {'vs none':>8} "
           f"{'sent MB/step':>12} {'predicted':>9} {'wall s':>7}")  # fmt: skip
     for row in rows:

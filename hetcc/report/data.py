@@ -71,10 +71,11 @@ def load(folder: str | Path) -> SavedPlan:
 
 def simulate_plan(plan: Plan, problem: PartitionProblem):
     """The event-driven replay (``hetcc.solver.simulate``) of a saved plan's stages: each on its replica
-    group, recomputing where the plan says so."""
+    group, recomputing where the plan says so, with the codecs it chose."""
     from hetcc.solver.simulate import simulate
 
-    return simulate(problem, *plan_layout(plan.stages, problem))
+    codecs = [s.codecs for s in plan.stages] if problem.codecs is not None else None
+    return simulate(problem, *plan_layout(plan.stages, problem), codecs=codecs)
 
 
 def plan_layout(stages: Sequence[PlanStage], problem: PartitionProblem):

@@ -97,11 +97,12 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
         )
         for rank in priced
     )
-    stages = stage_costs(substituted, boundaries, groups, recompute)
+    codecs = [s.codecs for s in plan.stages] if problem.codecs is not None else None
+    stages = stage_costs(substituted, boundaries, groups, recompute, codecs=codecs)
     overflows = tuple(
         Overflow(j, s.memory_bytes, s.memory_capacity_bytes) for j, s in enumerate(stages) if not s.fits
     )
-    step = simulate(substituted, boundaries, groups, recompute, events=False).step_time_s
+    step = simulate(substituted, boundaries, groups, recompute, events=False, stages=stages).step_time_s
     return Repricing(plan.step_time_s, step, subs, overflows)
 
 
@@ -208,7 +209,22 @@ def _substitute(problem: PartitionProblem, device: str, pricing: _Pricing) -> Pa
         return dataclasses.replace(problem, devices=devices)
     fwd_s = {**problem.fwd_s, pricing.kind: pricing.fwd_s}
     bwd_s = {**problem.bwd_s, pricing.kind: pricing.bwd_s}
-    return dataclasses.replace(problem, devices=devices, fwd_s=fwd_s, bwd_s=bwd_s)
+    planned = problem.devices[index].type  # a codec's encode and decode keep the planned type's seconds
+    codecs = [
+        dataclasses.replace(
+            row,
+            **{
+                table: {**getattr(row, table), pricing.kind: getattr(row, table)[planned]}
+                for table in _CODEC_TIMES
+            },
+        )
+        for row in problem.codecs or ()
+    ]
+    changes = {"codecs": codecs} if problem.codecs is not None else {}
+    return dataclasses.replace(problem, devices=devices, fwd_s=fwd_s, bwd_s=bwd_s, **changes)
+
+
+_CODEC_TIMES = ("encode_s_per_byte", "decode_s_per_byte", "call_s")
 
 
 def _describe(

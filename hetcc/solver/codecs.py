@@ -2,7 +2,7 @@
 
 A tensor crossing a pipeline cut may be encoded before it is sent (bf16, int8, ...): fewer bytes on
 the link, plus encode time on the sender and decode time on the receiver. ``problem.codecs`` lists the
-rows a plan may use (``problem.WireCodec``: one per codec and direction, costed per cut). One message
+rows a plan may use (``problem.WireCodec``: one per codec, direction and place, costed per cut). One message
 with row c from device a (type ta) to device b (type tb) takes
 
     latency[a][b] + wire / bandwidth[a][b] + calls * (call_s[ta] + call_s[tb])

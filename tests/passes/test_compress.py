@@ -89,3 +89,18 @@ def test_codec_rows_price_the_cut_tensors(tiny_gpt2):
     assert get_codec("int8").payload_bytes((2, 32, 64)) == 4096 + 32 * 4
     hidden = 2 * 32 * 64 * torch.float32.itemsize
     assert any(int8.cut_bytes[cut] == raw - hidden + 4096 + 128 for cut, raw in enumerate(problem.cut_bytes))
+
+
+def test_dump_report_and_replay_show_each_cut_before_and_after(tiny_gpt2, tmp_path):
+    from hetcc.report import load
+
+    model, inputs = tiny_gpt2
+    pins = {"intra-node": ("int8", "bf16"), "inter-node": ("int4", "bf16")}
+    compiled = hetcc.compile(model, SLOW_LINKS, example_kwargs=inputs, microbatches=2, compress=pins,
+                             replicate=False, dump_dir=tmp_path)  # fmt: skip
+    comm = next(tmp_path.glob("*_comm.txt")).read_text()
+    assert "(as int8, grad bf16)" in comm or "(as int4, grad bf16)" in comm
+    assert "forward 16 KiB -> " in comm and "per microbatch" in comm
+    assert "codecs (act/grad)" in (tmp_path / "report.html").read_text()
+    saved = load(tmp_path)  # the report's replay runs the plan's own codecs: the plan's step
+    assert saved.simulation.step_time_s == pytest.approx(compiled.plan.step_time_s, rel=1e-12)
