@@ -62,7 +62,8 @@ class PlanStage:
     precision: str = "fp32"
     allreduce_s: float = 0.0  # replicas' gradient sum at step end
     codecs: tuple[str, str] = ("none", "none")  # of its outgoing cut: activations, gradients (hetcc.wire)
-    # Its outgoing cut per microbatch: activation and gradient bytes, then the same on the wire (codecs).
+    # Per microbatch, what it sends (to every later stage) and the gradients it gets back: bytes whole,
+    # then on the wire with its codecs: (activations, gradients, activations on the wire, gradients on it).
     wire_bytes: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
     def __post_init__(self):

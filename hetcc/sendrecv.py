@@ -142,7 +142,9 @@ class LocalTransport:
                 hint="run stages in pipeline order (forward 0..K-1, backward K-1..0)",
             )
         tensor = queue.pop(0)
-        if not fits_spec(tensor.shape, tensor.dtype, shape, dtype, mixed_precision=False):
+        if not fits_spec(
+            tensor.shape, tensor.dtype, shape, dtype, mixed_precision=grad
+        ):  # a gradient's op casts it
             raise RuntimeFailure(
                 f"recv of {kind} tag {tag} from stage {peer}: received {describe_spec(tensor.shape, tensor.dtype)}, "
                 f"but the recv records {describe_spec(shape, dtype)}",

@@ -51,16 +51,18 @@ def check_stages(gm: torch.fx.GraphModule, plan) -> None:
 
 
 def check_pipeline(stages) -> None:
-    """Every send has exactly one matching recv on its peer, with the same shape and dtype, and each stage
-    posts its sends to a peer, and its recvs from a peer, in ascending tag order (messages pair up in the
-    order they are posted: nccl ignores tags)."""
-    sends = Counter((e.tag, e.src, e.dst, tuple(e.shape), e.dtype) for s in stages for e in s.sends)
-    recvs = Counter((e.tag, e.src, e.dst, tuple(e.shape), e.dtype) for s in stages for e in s.recvs)
+    """Every send has exactly one matching recv on its peer, with the same shape, dtype and codecs, and
+    each stage posts its sends to a peer, and its recvs from a peer, in ascending tag order (messages pair
+    up in the order they are posted: nccl ignores tags)."""
+    key = lambda e: (e.tag, e.src, e.dst, tuple(e.shape), e.dtype, e.codec, e.grad_codec)  # noqa: E731
+    sends = Counter(key(e) for s in stages for e in s.sends)
+    recvs = Counter(key(e) for s in stages for e in s.recvs)
     for edge in (sends - recvs) + (recvs - sends):
-        tag, src, dst, shape, dtype = edge
+        tag, src, dst, shape, dtype, codec, grad_codec = edge
         side = "send" if edge in sends else "recv"
         raise AnalysisError(
-            f"stage split: {side} tag {tag} between stages {src} -> {dst} ({dtype}{list(shape)}) has no partner"
+            f"stage split: {side} tag {tag} between stages {src} -> {dst} ({dtype}{list(shape)}, codecs "
+            f"{codec}/{grad_codec}) has no partner"
         )
     for stage in stages:
         _check_message_order(stage)

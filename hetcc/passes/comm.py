@@ -168,10 +168,16 @@ def _nbytes(shape, dtype: torch.dtype) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def wire_codecs(shape, dtype: torch.dtype, codec: str, grad_codec: str) -> tuple[str, str]:
+def wire_codecs(
+    shape, dtype: torch.dtype, differentiable: bool, codec: str, grad_codec: str
+) -> tuple[str, str]:
     """The (activation, gradient) codecs a ``shape`` x ``dtype`` tensor crosses with when its stage sends
-    with ``codec`` / ``grad_codec``: each where it applies (``Codec.applies``: floating point, large
-    enough, smaller on the wire), else none. The planner prices cuts by the same rule."""
+    with ``codec`` / ``grad_codec``: none for a tensor no gradient flows through (a mask, a gate: a lossy
+    codec would change what it selects, not only round it), else each where it applies
+    (``Codec.applies``: floating point, large enough, smaller on the wire). The planner prices cuts by
+    the same rule."""
+    if not differentiable:
+        return NO_CODEC, NO_CODEC
     return tuple(
         name if name != NO_CODEC and get_codec(name).applies(shape, dtype) else NO_CODEC
         for name in (codec, grad_codec)
@@ -226,8 +232,7 @@ class _Cut:
                 raise PlanFormatError(f"{node.name!r} (stage {src}) is used by the earlier stage {dst}")
             shape, dtype = _tensor_spec(node)
             differentiable = node in self.trainable and (dtype.is_floating_point or dtype.is_complex)
-            codec, grad_codec = wire_codecs(shape, dtype, *self.codecs[src])
-            grad_codec = grad_codec if differentiable else NO_CODEC
+            codec, grad_codec = wire_codecs(shape, dtype, differentiable, *self.codecs[src])
             edge = CommEdge(
                 len(self.edges), src, dst, node.name, shape, dtype, differentiable, codec, grad_codec
             )
@@ -246,6 +251,7 @@ class _StageBuilder:
         self.originals: dict[str, object] = {}  # owned qualified name -> object in the source module
         self.recvs: list[CommEdge] = []
         self.sends: list[tuple[CommEdge, fx.Node]] = []
+        self.encoded: dict[tuple[fx.Node, str], fx.Node] = {}  # (value, codec) -> its encode node
         self.anchor: fx.Node | None = None
         self.cut: _Cut | None = None
         self.num_outputs = 0
@@ -282,15 +288,18 @@ class _StageBuilder:
         """``send(value)``, or ``send(encode(value), source=value)`` where the edge has a codec."""
         value, (shape, dtype) = self.env[node], edge.wire
         kwargs = {"grad_codec": edge.grad_codec} if edge.grad_codec != NO_CODEC else {}
-        with self.graph.inserting_after(value):
-            sent = value
-            if edge.codec != NO_CODEC:
-                sent = self.graph.create_node(
-                    "call_function", torch.ops.hetcc.encode.default, (value, edge.codec),
-                    name=f"encode_{edge.value}_to_{edge.dst}",
-                )  # fmt: skip
+        sent = value
+        if edge.codec != NO_CODEC:  # one encode per value and codec, whichever stages it goes to
+            sent = self.encoded.get((value, edge.codec))
+            if sent is None:
+                with self.graph.inserting_after(value):
+                    sent = self.graph.create_node(
+                        "call_function", torch.ops.hetcc.encode.default, (value, edge.codec),
+                        name=f"encode_{edge.value}",
+                    )  # fmt: skip
                 sent.meta["val"] = torch.empty(shape, dtype=dtype, device="meta")
-                kwargs = {"source": value, **kwargs}
+                self.encoded[(value, edge.codec)] = sent
+            kwargs = {"source": value, **kwargs}
         with self.graph.inserting_after(sent):
             token = self.graph.create_node(
                 "call_function", torch.ops.hetcc.send.default, (sent, edge.dst, edge.tag, list(shape), dtype),

@@ -29,8 +29,9 @@ from hetcc import ir
 from hetcc.errors import PlanFormatError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block
-from hetcc.solver.codecs import allowed
-from hetcc.solver.objective import stage_costs
+from hetcc.passes.comm import wire_codecs
+from hetcc.solver.codecs import allowed, stage_messages
+from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, WireCodec
 from hetcc.solver.simulate import simulate
 from hetcc.wire import CODECS, NO_CODEC, get_codec, within_budget
@@ -73,12 +74,12 @@ def compress_spec(compress: object, block_names: Sequence[str] = ()) -> Compress
             budget = pair
         elif key in LINK_KINDS:
             links[key] = pair
-        elif not block_names or key in block_names:
+        elif not block_names or key in block_names[:-1]:
             cuts[key] = pair
         else:
             raise PlanFormatError(
                 f"compress names {key!r}, which is neither 'budget', a link kind ({', '.join(LINK_KINDS)}) "
-                "nor a block of the model",
+                "nor a block of the model with a cut after it",
                 hint="pin a cut by the name of the block before it (see the plan's blocks: compiled.explain())",
             )
     return CompressSpec(budget, links, cuts)
@@ -89,6 +90,11 @@ def _pair(value: object, key: str) -> tuple[str, str]:
     if isinstance(value, str):
         value = (value, NO_CODEC)
     if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"activations", "gradients"})
+        if unknown:
+            raise PlanFormatError(
+                f"compress[{key!r}] has unknown keys {unknown}", hint="give 'activations' and/or 'gradients'"
+            )
         value = (value.get("activations", NO_CODEC), value.get("gradients", NO_CODEC))
     if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, str) for v in value)):
         raise PlanFormatError(
@@ -176,7 +182,7 @@ def _row(codec: str, gradient: bool, links: str, mask: list[bool], tensors: _Cro
             raw = math.prod(shape) * dtype.itemsize
             if gradient and not grad:
                 wire.append(0.0), coded.append(0.0), calls.append(0)
-            elif codec != NO_CODEC and get_codec(codec).applies(shape, dtype):
+            elif codec != NO_CODEC and wire_codecs(shape, dtype, grad, codec, NO_CODEC)[0] != NO_CODEC:
                 (
                     wire.append(float(get_codec(codec).payload_bytes(shape))),
                     coded.append(float(raw)),
@@ -224,29 +230,37 @@ def _seconds(codec: str, cluster: Cluster) -> tuple[dict[str, float], dict[str, 
 def keep_paying_codecs(
     problem: PartitionProblem, solution: PartitionSolution
 ) -> tuple[PartitionSolution, list[str]]:
-    """``solution`` with each codec the solver chose (not one pinned: "none" is allowed there) left only
-    where dropping it lengthens the simulated step by more than ``PAYS_RTOL``, in stage order, and a
-    note per cut that keeps one."""
+    """``solution`` with each codec the solver chose (not one pinned: "none" is allowed there) dropped
+    in stage order wherever the plan without it simulates within ``PAYS_RTOL`` of the plan with every
+    chosen codec, and a note per cut that keeps one."""
     if problem.codecs is None:
         return solution, []
-    pinned = [list(s.codecs) for s in solution.stages]
-    step = _simulated(problem, solution, pinned)
+    codecs = [list(s.codecs) for s in solution.stages]
+    limit = _simulated(problem, solution, codecs) * (1 + PAYS_RTOL)
     groups = solution.groups
     for j, stage in enumerate(solution.stages[:-1]):
         pair = (groups[j][0], groups[j + 1][0])
         for direction, gradient in ((0, False), (1, True)):
-            if pinned[j][direction] == NO_CODEC or not _none_allowed(
+            if codecs[j][direction] == NO_CODEC or not _none_allowed(
                 problem, stage.blocks[1] - 1, pair, gradient
             ):
                 continue
-            trial = [list(p) for p in pinned]
+            trial = [list(p) for p in codecs]
             trial[j][direction] = NO_CODEC
-            without = _simulated(problem, solution, trial)
-            if without <= step * (1 + PAYS_RTOL):
-                pinned, step = trial, without
-    codecs = [tuple(p) for p in pinned]
-    stages = stage_costs(problem, solution.boundaries, groups, solution.recompute, codecs=codecs)
-    kept = replace(solution, stages=tuple(stages), simulated_s=step)
+            if _simulated(problem, solution, trial) <= limit:
+                codecs = trial
+    pinned = [tuple(p) for p in codecs]
+    scored = evaluate(
+        problem,
+        solution.boundaries,
+        groups,
+        solution.recompute,
+        bound_s=solution.lower_bound_s,
+        codecs=pinned,
+    )
+    step = _simulated(problem, solution, pinned)
+    kept = replace(scored, simulated_s=step, gap=step / solution.lower_bound_s - 1, exact=solution.exact,
+                   orders_searched=solution.orders_searched)  # fmt: skip
     return kept, _notes(problem, kept)
 
 
@@ -265,28 +279,34 @@ def _simulated(problem, solution, codecs) -> float:
     ).step_time_s
 
 
+def stage_wire_bytes(
+    problem: PartitionProblem, solution: PartitionSolution
+) -> list[tuple[float, float, float, float]]:
+    """Per stage, what it sends per microbatch (to every later stage: skips included) and the gradients
+    it gets back: (activations, gradients) bytes whole, then on the wire with its codecs."""
+    blocks = [s.blocks for s in solution.stages]
+    whole = stage_messages(problem, blocks, [(NO_CODEC, NO_CODEC)] * len(blocks))
+    coded = stage_messages(problem, blocks, [s.codecs for s in solution.stages])
+    totals = [[0.0, 0.0, 0.0, 0.0] for _ in blocks]
+    for offset, messages in ((0, whole), (2, coded)):
+        for (src, _), (forward, back) in messages.items():
+            totals[src][offset] += forward.wire_bytes
+            totals[src][offset + 1] += back.wire_bytes if problem.training else 0.0
+    return [tuple(t) for t in totals]
+
+
 def _notes(problem: PartitionProblem, solution: PartitionSolution) -> list[str]:
     notes = []
-    for j, stage in enumerate(solution.stages[:-1]):
+    for j, (stage, sizes) in enumerate(zip(solution.stages[:-1], stage_wire_bytes(problem, solution))):
         if stage.codecs == (NO_CODEC, NO_CODEC):
             continue
-        cut = stage.blocks[1] - 1
         act, grad = stage.codecs
         notes.append(
-            f"compress: stage {j} -> {j + 1} sends activations as {act}, gradients as {grad}: "
-            f"{_mib(problem.cut_bytes[cut])} -> {_mib(wire_bytes_at(problem, act, False, cut))} forward, "
-            f"{_mib(problem.cut_grad_at(cut))} -> {_mib(wire_bytes_at(problem, grad, True, cut))} back per microbatch"
+            f"compress: stage {j} sends activations as {act}, gradients come back as {grad}: "
+            f"{_mib(sizes[0])} -> {_mib(sizes[2])} forward, {_mib(sizes[1])} -> {_mib(sizes[3])} back "
+            "per microbatch"
         )
     return notes or ["compress: no codec shortens the simulated step; every cut sends tensors whole"]
-
-
-def wire_bytes_at(problem: PartitionProblem, codec: str, gradient: bool, cut: int) -> float:
-    """Bytes per microbatch on the wire over ``cut`` under ``codec`` in one direction."""
-    raw = problem.cut_grad_at(cut) if gradient else problem.cut_bytes[cut]
-    if codec == NO_CODEC or problem.codecs is None:
-        return raw
-    row = next((r for r in problem.codecs if r.name == codec and r.gradient == gradient), None)
-    return raw if row is None else row.cut_bytes[cut]
 
 
 def _mib(nbytes: float) -> str:

@@ -21,7 +21,7 @@ from hetcc import ir
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, TiedParam
-from hetcc.passes.compress import codec_rows, compress_spec, keep_paying_codecs, wire_bytes_at
+from hetcc.passes.compress import codec_rows, compress_spec, keep_paying_codecs, stage_wire_bytes
 from hetcc.passes.cost import block_times, op_name
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
@@ -106,7 +106,8 @@ def _codecs_that_pay(
     problem: PartitionProblem, solution: PartitionSolution, settings: PlanSettings
 ) -> tuple[PartitionSolution, list[str]]:
     """The plan's codecs, each kept only where it shortens the simulated step (``keep_paying_codecs``);
-    where no cut is pinned, the best plan without codecs is solved too and kept if it is as fast."""
+    where nothing is pinned (no link kind, no cut), the best plan without codecs is solved too and kept
+    if it is as fast."""
     solution, notes = keep_paying_codecs(problem, solution)
     spec = compress_spec(settings.compress)
     if problem.codecs is None or spec.links or spec.cuts:
@@ -259,8 +260,8 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> 
         stages=solution.stages,
     )
     stages = tuple(
-        _stage(k, stage_plan, problem, chain, settings, simulation.bubble_fraction[k])
-        for k, stage_plan in enumerate(solution.stages)
+        _stage(k, stage_plan, problem, chain, settings, simulation.bubble_fraction[k], wire)
+        for k, (stage_plan, wire) in enumerate(zip(solution.stages, stage_wire_bytes(problem, solution)))
     )
     base = {}
     for name, plan in baselines(problem).items():
@@ -286,7 +287,7 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> 
     )
 
 
-def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float) -> PlanStage:
+def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float, wire) -> PlanStage:
     start, stop = stage_plan.blocks
     blocks = chain[start:stop]
     training = settings.training
@@ -322,21 +323,7 @@ def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float)
         precision=settings.precision,
         allreduce_s=stage_plan.allreduce_s,
         codecs=stage_plan.codecs,
-        wire_bytes=_wire_bytes(problem, stage_plan),
-    )
-
-
-def _wire_bytes(problem: PartitionProblem, stage_plan) -> tuple[float, float, float, float]:
-    """The stage's outgoing cut per microbatch: (activations, gradients) bytes before and after codecs."""
-    stop = stage_plan.blocks[1]
-    if stop >= len(problem.blocks):
-        return (0.0, 0.0, 0.0, 0.0)
-    cut, (act, grad) = stop - 1, stage_plan.codecs
-    return (
-        problem.cut_bytes[cut],
-        problem.cut_grad_at(cut),
-        wire_bytes_at(problem, act, False, cut),
-        wire_bytes_at(problem, grad, True, cut),
+        wire_bytes=wire,
     )
 
 

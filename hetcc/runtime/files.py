@@ -41,6 +41,17 @@ def _dim(value: object, where: Where) -> int | str:
     return value if isinstance(value, str) and value else Count(minimum=0)(value, where)
 
 
+def _dtype(value: object, where: Where) -> str:
+    """A dtype's name (``float32``): one of torch's public dtypes."""
+    if not (
+        isinstance(value, str)
+        and not value.startswith("_")
+        and isinstance(getattr(torch, value, None), torch.dtype)
+    ):
+        where.fail(f"unknown dtype {short_repr(value)}")
+    return value
+
+
 def _member(value: object, where: Where) -> tuple[int, str]:
     """A tied group's member: [stage index, parameter name]."""
     if not isinstance(value, list) or len(value) != 2:
@@ -52,10 +63,11 @@ _INDEX = Count(minimum=0)
 _SHAPE = ListOf(_dim)
 _NAMES = Table(None, Text(), "name to name")
 _EDGE = Record(
-    {"tag": _INDEX, "src": _INDEX, "dst": _INDEX, "value": Text(), "shape": _SHAPE, "dtype": Text(),
+    {"tag": _INDEX, "src": _INDEX, "dst": _INDEX, "value": Text(), "shape": _SHAPE, "dtype": _dtype,
      "requires_grad": Flag(), "codec": Choice(tuple(CODECS), "codec"), "grad_codec": Choice(tuple(CODECS), "codec")},
     required=("tag", "src", "dst", "value", "shape", "dtype"),
 )  # fmt: skip
+_EDGE_FIELDS = ("src", "dst", "value", "shape", "dtype", "requires_grad", "codec", "grad_codec")
 _TENSOR = Record({"dtype": Text(), "shape": ListOf(_INDEX)}, required=("dtype", "shape"))
 _STAGE = Record(
     {
@@ -75,6 +87,24 @@ _PIPELINE = Record(
     required=("format", "version", "num_stages", "tied", "stages"),
     open=True,
 )  # fmt: skip
+
+
+def _check_edge_pairs(stages: list[dict[str, Any]], where: Where) -> None:
+    """The sender's and the receiver's record of each edge agree (shape, dtype, gradient, codecs): a
+    gradient carries no header, so a disagreement would only show as a wrong-sized message mid-run."""
+    sent = {
+        edge["tag"]: (k, i, edge) for k, stage in enumerate(stages) for i, edge in enumerate(stage["sends"])
+    }
+    for k, stage in enumerate(stages):
+        for i, edge in enumerate(stage["recvs"]):
+            if edge["tag"] not in sent:
+                where.at("stages", k, "recvs", i).fail(f"no stage sends tag {edge['tag']}")
+            src, j, partner = sent[edge["tag"]]
+            differ = sorted(key for key in _EDGE_FIELDS if edge.get(key) != partner.get(key))
+            if differ:
+                where.at("stages", k, "recvs", i).fail(
+                    f"tag {edge['tag']}: its {', '.join(differ)} differ from stage {src}'s send (sends[{j}])"
+                )
 
 
 def read_document(directory: str) -> dict[str, Any]:
@@ -111,6 +141,7 @@ def read_document(directory: str) -> dict[str, Any]:
                     )
         if any(peer >= count for peer in stage.get("peers", [])):
             at.at("peers").fail(f"a peer beyond the {count} stages")
+    _check_edge_pairs(document["stages"], where)
     for i, group in enumerate(document["tied"]):
         if any(stage >= count for stage, _ in group["members"]):
             where.at("tied", i).fail(f"a member in a stage beyond the {count} stages")

@@ -62,7 +62,9 @@ HOST_OPS = frozenset({
     "aten::_fused_moving_avg_obs_fq_helper_functional", "aten::is_nonzero",
 })  # fmt: skip
 HOST_METHODS = frozenset({"cpu", "tolist", "numpy"})
-COMPUTE_HETCC_OPS = frozenset({"hetcc::fusion_group", "hetcc::fusion_group_backward"})  # the rest talk
+COMPUTE_HETCC_OPS = frozenset(
+    {"hetcc::fusion_group", "hetcc::fusion_group_backward", "hetcc::encode"}
+)  # the rest talk
 
 
 def _is_comm(node: fx.Node, device: _Device) -> bool:

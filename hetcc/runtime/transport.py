@@ -25,6 +25,8 @@ what its ``recv`` records; the sender checks every tensor against what its ``sen
 failure names the stage, the tensor and both shapes. Under mixed precision a floating-point tensor
 crosses in the dtype autocast produced, which the graph (traced in fp32) does not record: the announced
 dtype is what that edge carries between those two ranks from then on, and its gradients come back in it.
+An edge with a codec (``hetcc.wire``) carries its uint8 payload; the decoded tensor is in the traced
+dtype, so its gradient comes back in that dtype, or as its gradient codec's payload.
 
 Recomputation (``keep_received``): a stage whose forward runs again during backward
 (``torch.utils.checkpoint``) keeps what it received for each microbatch; while ``replaying``, a
@@ -141,6 +143,13 @@ class LinkTransport:
             if grad is None:  # a zero payload decodes to zeros under every codec
                 grad = torch.zeros(shape, dtype=dtype)
                 count_settled_gradient(sent=True)
+            if tuple(grad.shape) != tuple(shape) or (grad.dtype == torch.uint8) != (dtype == torch.uint8):
+                raise RuntimeFailure(  # a gradient has no header: the receiver would misread it
+                    f"stage {self.index}: the gradient of {edge.value} (tag {edge.tag}) is "
+                    f"{describe_spec(grad.shape, grad.dtype)}, but the edge sends {describe_spec(shape, dtype)}",
+                    hint="the stage's graph and pipeline.json disagree on the edge's codecs: compile and save the "
+                    "pipeline again rather than editing its files",
+                )
             self.links.isend(grad.to(dtype), rank, f"B{m} grad of {edge.value}")
         for peer in sorted({edge.dst for edge in self.grads_in} - self.asked):
             self._receive_gradients(peer)

@@ -39,11 +39,12 @@ class ProblemDevice:
 class WireCodec:
     """One codec the plan may put on a cut's wire, for one direction; its costs over the whole cut.
 
-    A row per codec and direction (a row named "none" may list the uncoded wire explicitly). Seconds of
+    A row per codec, direction and place (a codec may have several rows, one per set of links and cuts
+    it may use; a row named "none" may list the uncoded wire explicitly). Seconds of
     a message with it are ``codecs.message_s``; where a plan may use it, ``links`` and ``cuts``.
     """
 
-    name: str  # "bf16", "int8", ...: unique per direction
+    name: str  # "bf16", "int8", ... (rows of one name and direction cost the same)
     gradient: bool  # False: activations forward; True: their gradients back
     cut_bytes: list[float]  # per cut: bytes on the wire with this codec (what it cannot code at full size)
     coded_bytes: list[float]  # per cut: raw bytes of the tensors it encodes

@@ -14,6 +14,7 @@ rank-r one (Eckart-Young), which tests check against ``torch.linalg.svd``. No er
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ class LowRank:
         return 4 * rank(shape) * (rows + d)
 
     def encode(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        if not bool(torch.isfinite(x).all()):
+            # No factorisation exists: NaN factors decode to NaN, which a loss scaler sees as the overflow it is.
+            return torch.full((self.payload_bytes(shape) // 4,), math.nan, device=x.device).view(torch.uint8)
         a, b = factor(x.float().view(matrix_shape(shape)), rank(shape))
         return torch.cat([a.contiguous().view(-1), b.contiguous().view(-1)]).view(torch.uint8)
 

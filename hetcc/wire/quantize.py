@@ -54,8 +54,8 @@ class Cast:
 
     def encode(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         y = x.float()
-        if self.dtype == torch.float16:
-            y = y.clamp(-65504.0, 65504.0)
+        if self.dtype == torch.float16:  # finite values saturate; inf and nan stay (an fp16 scaler sees them)
+            y = torch.where(torch.isfinite(y), y.clamp(-65504.0, 65504.0), y)
         return y.to(self.dtype, copy=True).view(torch.uint8)  # a copy even for "none": no aliasing
 
     def decode(self, payload: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

@@ -57,7 +57,7 @@ def test_pinned_codecs_become_encode_and_decode_ops_in_the_stage_code(tiny_gpt2)
     for edge in coded:  # each coded edge: encode -> send(payload, source=x) and recv -> decode
         sender = stages[edge.src].module.code
         receiver = stages[edge.dst].module.code
-        assert f"encode_{edge.value}_to_{edge.dst} = torch.ops.hetcc.encode.default(" in sender
+        assert f"encode_{edge.value} = torch.ops.hetcc.encode.default(" in sender
         assert f"source = {edge.value}" in sender
         payload = get_codec("int8").payload_bytes(edge.shape)
         assert f"[{payload}], torch.uint8" in receiver and f"decode_{edge.value} = " in receiver
@@ -104,3 +104,19 @@ def test_dump_report_and_replay_show_each_cut_before_and_after(tiny_gpt2, tmp_pa
     assert "codecs (act/grad)" in (tmp_path / "report.html").read_text()
     saved = load(tmp_path)  # the report's replay runs the plan's own codecs: the plan's step
     assert saved.simulation.step_time_s == pytest.approx(compiled.plan.step_time_s, rel=1e-12)
+
+
+def test_a_tensor_without_gradient_crosses_whole():
+    """A mask or gate selects; a lossy codec would change what it selects, not only round it."""
+    from hetcc.passes.comm import wire_codecs
+
+    assert wire_codecs((64, 64), torch.float32, True, "int8", "bf16") == ("int8", "bf16")
+    assert wire_codecs((64, 64), torch.float32, False, "int8", "bf16") == ("none", "none")
+    assert wire_codecs((4, 4), torch.float32, True, "int8", "bf16") == ("none", "none")  # too small to pay
+
+
+def test_auto_plans_report_their_own_simulated_gap(tiny_gpt2):
+    model, inputs = tiny_gpt2
+    plan = hetcc.compile(model, SLOW_LINKS, example_kwargs=inputs, microbatches=2, compress="auto").plan
+    assert plan.gap == pytest.approx(plan.step_time_s / plan.lower_bound_s - 1, rel=1e-9)
+    assert any(note.startswith("compress:") for note in plan.notes)

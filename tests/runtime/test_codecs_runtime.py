@@ -4,6 +4,7 @@ the bytes each rank moves are the payloads the plan predicts, and the run trains
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -112,3 +113,21 @@ def test_codecs_run_under_every_schedule_recompute_and_autocast(coded, coded_run
         return
     same_split = [s.blocks for s in other.plan.stages] == [s.blocks for s in compiled.plan.stages]
     assert result.losses == pytest.approx(coded_run.losses, rel=1e-5 if same_split else 2e-2)
+
+
+def test_a_pipeline_json_whose_ends_disagree_on_a_codec_is_refused(coded, tmp_path):
+    """A gradient crosses without a header: both ends' records of an edge must agree before any rank runs."""
+    from hetcc.errors import PlanFormatError
+    from hetcc.runtime.store import load_pipeline
+
+    _, inputs, compiled, _ = coded
+    compiled.save(tmp_path / "build", inputs=inputs)
+    path = tmp_path / "build" / "pipeline.json"
+    document = json.loads(path.read_text())
+    recv = document["stages"][1]["recvs"][0]
+    recv["grad_codec"] = "none" if recv["grad_codec"] != "none" else "bf16"
+    path.write_text(json.dumps(document))
+    with pytest.raises(
+        PlanFormatError, match=r"stages\[1\]\.recvs\[0\].*grad_codec differ from stage 0's send"
+    ):
+        load_pipeline(str(tmp_path / "build"))

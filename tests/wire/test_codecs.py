@@ -314,3 +314,12 @@ def test_gpu_kernels_write_the_cpu_bytes(name):
         assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu), (name, shape)
         decoded = get_codec(name).decode(gpu, shape, torch.float32)
         assert torch.equal(decoded.cpu(), get_codec(name).decode(cpu, shape, torch.float32))
+
+
+def test_non_finite_values_reach_the_receiver_as_non_finite():
+    """An fp16 loss scaler must see an overflow: fp16 keeps inf, the tiled and low-rank codecs give NaN."""
+    x = torch.randn(64, 64)
+    x[3, 3] = float("inf")
+    for name in ("fp16", "bf16", "int8", "int4", "fp8", "lowrank"):
+        codec = get_codec(name)
+        assert not torch.isfinite(codec.decode(codec.encode(x), x.shape, x.dtype)).all(), name
