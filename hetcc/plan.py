@@ -61,6 +61,8 @@ class PlanStage:
     recompute: bool = False  # activations recomputed in backward (keeps only the stage's inputs)
     precision: str = "fp32"
     allreduce_s: float = 0.0  # replicas' gradient sum at step end
+    allgather_s: float = 0.0  # then, under ZeRO-1, the updated weights gathered from their owners
+    shard: bool = False  # its replicas shard the optimizer state (ZeRO-1)
     codecs: tuple[str, str] = ("none", "none")  # of its outgoing cut: activations, gradients (hetcc.wire)
     # Per microbatch, what it sends (to every later stage) and the gradients it gets back: bytes whole,
     # then on the wire with its codecs: (activations, gradients, activations on the wire, gradients on it).
@@ -232,7 +234,11 @@ def _check_stage(stage: PlanStage, microbatches: int) -> None:
         raise _fail("stages", f"stage {stage.index} names no devices")
     if not all(isinstance(b, str) for b in (*stage.blocks, *stage.nodes)) or not stage.blocks:
         raise _fail("stages", f"stage {stage.index}: blocks and nodes must be lists of names")
-    if not isinstance(stage.recompute, bool) or not isinstance(stage.device_type, str):
+    if (
+        not isinstance(stage.recompute, bool)
+        or not isinstance(stage.shard, bool)
+        or not isinstance(stage.device_type, str)
+    ):
         raise _fail(at, "recompute must be true or false, device_type a name")
     if stage.precision not in PRECISIONS:
         raise _fail(f"{at}.precision", f"unknown precision {stage.precision!r}")
@@ -283,6 +289,9 @@ def explain(plan: Plan) -> str:
         f"{'memory used/avail':>24} {'compute ms/mb':>13} {'comm ms/mb':>10} {'recompute':>9} {'bubble':>6}"
     )
     coded = any(s.codecs != ("none", "none") for s in plan.stages)
+    sharded = any(s.shard for s in plan.stages)
+    if sharded:
+        header += f" {'zero-1':>6}"
     if coded:
         header += f" {'codecs':>13} {'MiB/mb out, before -> on the wire':>34}"
     lines = [
@@ -296,9 +305,14 @@ def explain(plan: Plan) -> str:
             f"{(s.fwd_flops + s.bwd_flops) / total_flops:>5.0%} "
             f"{_memory(s.peak_memory_bytes, s.device_memory_bytes):>24} "
             f"{s.compute_s * 1e3:>13.2f} {s.comm_s * 1e3:>10.2f} {'yes' if s.recompute else 'no':>9} {s.bubble:>6.0%}"
+            + (f" {'yes' if s.shard else 'no':>6}" if sharded else "")
             + (f" {'/'.join(s.codecs):>13} {_wire(s):>34}" if coded else "")
         )
     lines.append("ms/mb: per microbatch on one replica; memory: the fullest replica's device")
+    if sharded:
+        lines.append(
+            "zero-1: the stage's replicas each hold 1/r of its optimizer state (memory: the fullest's share)"
+        )
     if coded:
         lines.append("codecs: activations/gradients on the stage's outgoing cut; MiB/mb: forward + back")
     lines.append(_headline(plan))

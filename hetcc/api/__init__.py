@@ -125,6 +125,7 @@ def compile(  # noqa: A001 - the public API name
     recompute: bool | str = "auto",
     replicate: bool = True,
     compress: str | dict = "off",
+    shard: int | str = "auto",
 ) -> Compiled:
     """Plan ``model`` over ``cluster``. ``example_inputs`` are one step's batch; dim 0 is split into
     ``microbatches`` equal microbatches, and every cost is per microbatch. ``microbatches="auto"``
@@ -140,16 +141,21 @@ def compile(  # noqa: A001 - the public API name
     ``replicate``: stages may run on groups of identical devices (False: one device per stage).
     ``compress``: codecs for the tensors crossing cuts (``hetcc.passes.compress``): "off", "auto" (per cut
     the fastest codec no lossier than int8 for activations and bf16 for gradients, kept only where it
-    shortens the simulated step) or a dict of pins per link kind or cut and an auto "budget"."""
+    shortens the simulated step) or a dict of pins per link kind or cut and an auto "budget".
+    ``shard``: a replicated stage's optimizer state split over its replicas (ZeRO-1, torch's
+    ``ZeroRedundancyOptimizer``): "auto" where the simulated plan gains (memory for longer stages or no
+    recompute, against one more all-gather of the weights), 1 on every replicated stage, 0 never."""
     check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir)
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
     optimizer_entry(optimizer)  # reject an unknown optimizer before the slow steps
-    check_plan_space(precision, recompute, replicate)
+    check_plan_space(precision, recompute, replicate, shard)
     compress_spec(compress)  # reject a bad codec name before the slow steps
     if dtype is None:
         dtype = PRECISIONS[precision]
     rows = batch_rows(example_inputs, example_kwargs or {})
-    settings = PlanSettings(1, schedule, training, optimizer, precision, recompute, replicate, rows, compress)
+    settings = PlanSettings(
+        1, schedule, training, optimizer, precision, recompute, replicate, rows, compress, shard
+    )
     inputs = (example_inputs, example_kwargs or {})
     if microbatches != "auto":
         return _compile_at(
@@ -232,7 +238,7 @@ def _compile_at(
         print(plan.explain(), file=sys.stderr)
     meta = pipeline_meta_for(
         plan, cluster, solution, optimizer=optimizer, inputs=[n.target for n in gm.graph.find_nodes(op="placeholder")],
-        state_dict=_state_dict_keys(model), plan_space=PlanSpace(replicate, recompute),
+        state_dict=_state_dict_keys(model), plan_space=PlanSpace(replicate, recompute, settings.shard),
     )  # fmt: skip
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
 

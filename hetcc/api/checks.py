@@ -17,7 +17,7 @@ from hetcc.plan import PRECISIONS
 from hetcc.solver.schedules import SCHEDULES
 
 
-def check_plan_space(precision: object, recompute: object, replicate: object) -> None:
+def check_plan_space(precision: object, recompute: object, replicate: object, shard: object = "auto") -> None:
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise HetccError(
             f"unknown precision {precision!r}{did_you_mean(precision, PRECISIONS)}",
@@ -27,6 +27,15 @@ def check_plan_space(precision: object, recompute: object, replicate: object) ->
         raise HetccError(f"recompute must be 'auto', True or False, got {recompute!r}")
     if not isinstance(replicate, bool):
         raise HetccError(f"replicate must be True or False, got {replicate!r}")
+    if shard in (2, 3) and not isinstance(shard, bool):
+        raise HetccError(
+            f"shard={shard} (ZeRO-{shard}: gradients{' and parameters' if shard == 3 else ''} sharded too) is not "
+            "built yet", hint="use shard=1 (optimizer state sharded over a stage's replicas), 0 or 'auto'",
+        )  # fmt: skip
+    if shard not in ("auto", 0, 1) or isinstance(shard, bool):
+        raise HetccError(
+            f"shard must be 'auto', 0 or 1, got {shard!r}", hint="1: ZeRO-1 on every replicated stage"
+        )
 
 
 def check_analyze_args(model, example_inputs, example_kwargs, training, dump_dir, max_block_bytes) -> None:

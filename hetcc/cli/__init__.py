@@ -76,7 +76,7 @@ def _compile(args: argparse.Namespace) -> None:
         model, args.cluster, example_inputs=inputs, example_kwargs=kwargs, microbatches=args.microbatches,
         schedule=args.schedule, training=not args.inference, optimizer=args.optimizer, dump_dir=out / "ir",
         precision=args.precision, recompute={"auto": "auto", "always": True, "never": False}[args.recompute],
-        replicate=not args.no_replicate, compress=args.compress,
+        replicate=not args.no_replicate, compress=args.compress, shard=args.shard,
     )  # fmt: skip
     if any(p.is_meta for p in model.parameters()):  # planned without weights: nothing to run yet
         compiled.save_plan(out)
@@ -236,6 +236,9 @@ def _add_compile(commands) -> None:
                              help="pipeline schedule: 1f1b holds fewer activations, gpipe runs all "
                              "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles, auto "
                              "plans 1f1b and zb-h1 and keeps the faster (default 1f1b)")  # fmt: skip
+    compile_cmd.add_argument("--shard", type=lambda t: t if t == "auto" else int(t), choices=("auto", 0, 1),
+                             default="auto", help="ZeRO-1 of replicated stages (optimizer state split over the "
+                             "replicas): auto where it pays (default), 1 always, 0 never")  # fmt: skip
     compile_cmd.add_argument("--compress", type=_compress, default="off",
                              help="codecs on the wire between stages: off (default), auto (per cut where "
                              "it shortens the step, no lossier than int8 activations / bf16 gradients), or "

@@ -82,6 +82,7 @@ class PlanSettings:
     replicate: bool = True
     batch_rows: int = 0
     compress: object = "off"  # ``passes.compress``: "off", "auto" or a dict of pins
+    shard: int | str = "auto"  # ZeRO-1 of replicated stages: "auto" (where it pays), 1 (always), 0 (never)
 
 
 def partition(
@@ -171,6 +172,9 @@ def build_problem(
         recompute=settings.recompute is not False and training,
         recompute_all=settings.recompute is True and training,
         param_bytes=params,
+        optimizer_bytes=[p * optimizer(settings.optimizer).states for p in params] if training else None,
+        shard=settings.shard != 0 and bool(settings.replicate) and training,
+        shard_all=settings.shard == 1 and training,
         wgrad_s={t: [b * share for b, share in zip(bwd[t], shares)] for t in bwd} if training else None,
         precision=settings.precision,
         optimizer=settings.optimizer,
@@ -294,11 +298,13 @@ def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float,
     multiplier = state_multiplier(training, settings.optimizer, settings.precision)
     params = stage_plan.state_bytes / multiplier
     device = problem.devices[stage_plan.device]
-    activations = stage_plan.memory_bytes - stage_plan.state_bytes
+    states = params * optimizer(settings.optimizer).states if training else 0.0
+    held = states - stage_plan.sharded_bytes  # ZeRO-1: one replica's share
+    activations = stage_plan.memory_bytes - stage_plan.state_bytes + stage_plan.sharded_bytes
     memory = MemoryBreakdown(
         params_bytes=params * (1 + (MIXED_WEIGHT_COPY if settings.precision != "fp32" else 0.0)),
         grads_bytes=params if training else 0.0,
-        optimizer_bytes=params * optimizer(settings.optimizer).states if training else 0.0,
+        optimizer_bytes=held,
         activations_bytes=activations,
     )
     return PlanStage(
@@ -322,7 +328,9 @@ def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float,
         recompute=stage_plan.recompute,
         precision=settings.precision,
         allreduce_s=stage_plan.allreduce_s,
+        allgather_s=stage_plan.allgather_s,
         codecs=stage_plan.codecs,
+        shard=stage_plan.shard,
         wire_bytes=wire,
     )
 

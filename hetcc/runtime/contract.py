@@ -55,6 +55,7 @@ class PlanSpace:
 
     replicate: bool = True
     recompute: bool | str = "auto"
+    shard: int | str = "auto"  # ZeRO level of replicated stages: "auto", 0 or 1
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class PipelineMeta:
     placement: tuple[RankPlacement, ...] = ()  # by rank
     routing: tuple[tuple[int, ...], ...] = ()  # [stage][microbatch] -> replica
     recompute: tuple[bool, ...] = ()  # per stage: its forward runs again in backward
+    shard: tuple[bool, ...] = ()  # per stage: its replicas shard the optimizer state (ZeRO-1)
     precision: str = "fp32"
     loss_scale: Mapping[str, float] = field(default_factory=dict)  # LossScaler options (fp16-mixed)
     plan_space: PlanSpace = PlanSpace()
@@ -86,6 +88,7 @@ class PipelineMeta:
             "placement": tuple(self.placement) or ranks_for([1] * len(stages)),
             "routing": tuple(tuple(row) for row in self.routing) or tuple((0,) * every for _ in stages),
             "recompute": tuple(self.recompute) or (False,) * len(stages),
+            "shard": tuple(self.shard) or (False,) * len(stages),
             "inputs": tuple(self.inputs),
         }
         for name, value in filled.items():
@@ -118,7 +121,8 @@ def pipeline_meta_for(
     return PipelineMeta(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),
         placement(stage_devices), tuple(tuple(s.route) for s in solution.stages),
-        tuple(s.recompute for s in plan.stages), plan.precision, {}, plan_space, dict(state_dict), plan.training,
+        tuple(s.recompute for s in plan.stages), tuple(s.shard for s in plan.stages), plan.precision, {},
+        plan_space, dict(state_dict), plan.training,
     )  # fmt: skip
 
 
@@ -130,6 +134,12 @@ def _tuple(kind: Callable[[object, Where], Any]) -> Callable[[object, Where], tu
 def _recompute_policy(value: object, where: Where) -> bool | str:
     if not (isinstance(value, bool) or value == "auto"):
         where.fail(f'expected true, false or "auto"; got {short_repr(value)}')
+    return value
+
+
+def _shard_policy(value: object, where: Where) -> int | str:
+    if value not in ("auto", 0, 1) or isinstance(value, bool):
+        where.fail(f'expected "auto", 0 or 1; got {short_repr(value)}')
     return value
 
 
@@ -154,6 +164,7 @@ def _fields(nonempty: bool) -> dict[str, Callable[[object, Where], Any]]:
         "placement": ListOf(_RANK, nonempty),
         "routing": _tuple(ListOf(_tuple(ListOf(Count(minimum=0))), nonempty)),
         "recompute": _tuple(ListOf(Flag(), nonempty)),
+        "shard": _tuple(ListOf(Flag(), nonempty)),
         "precision": Choice(tuple(PRECISIONS), "precision"),
         "loss_scale": Record(
             {
@@ -169,9 +180,16 @@ def _fields(nonempty: bool) -> dict[str, Callable[[object, Where], Any]]:
     }
 
 
-_PLAN_SPACE = Record({"replicate": Flag(), "recompute": _recompute_policy})
+_PLAN_SPACE = Record(
+    {"replicate": Flag(), "recompute": _recompute_policy, "shard": Choice(("auto", 0, 1), "shard level")}
+)
+_OPTIONAL = ("shard",)  # written since version 2 was: absent means its default
 _META = {
-    2: Record(_fields(nonempty=True), required=tuple(_fields(True)), missing_hint=RECOMPILE),
+    2: Record(
+        _fields(nonempty=True),
+        required=tuple(k for k in _fields(True) if k not in _OPTIONAL),
+        missing_hint=RECOMPILE,
+    ),
     1: Record({**_fields(nonempty=False), "vendors": ListOf(Text())}),  # every key optional: the defaults
 }
 
@@ -252,6 +270,7 @@ def _check(meta: PipelineMeta, where: Where) -> None:
                 f"names a replica outside 0..{replicas[k] - 1}: {short_repr(list(row))}"
             )
     _check_per_stage(meta.recompute, meta.num_stages, where.at("recompute"))
+    _check_per_stage(meta.shard, meta.num_stages, where.at("shard"))
     unknown = sorted(set(meta.loss_scale) - set(LOSS_SCALE_OPTIONS))
     if unknown:
         where.at("loss_scale").fail(f"unknown options {unknown}", f"use {', '.join(LOSS_SCALE_OPTIONS)}")

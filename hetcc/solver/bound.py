@@ -9,6 +9,7 @@ import numpy as np
 
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import SPLIT_SCHEDULES
+from hetcc.solver.sharding import least_held_state
 
 ROUNDS = 300
 
@@ -23,7 +24,9 @@ def lower_bound(problem: PartitionProblem) -> float:
     - the balance with memory: a device is busy at most the whole step. Let x[i, t] be the share of
       block i's M microbatches run by devices of class t (a type and memory size, n_t devices of
       capacity K_t). Then ``step >= M * sum_i x[i, t] * c_t[i] / n_t`` for every t, and, since a device
-      running any microbatch of block i holds all of its state s_i, ``sum_i x[i, t] * s_i <= n_t * K_t``.
+      running any microbatch of block i holds all of its state s_i, ``sum_i x[i, t] * s_i <= n_t * K_t``
+      (where replicas may shard their optimizer state o_i, s_i is at least ``s_i - o_i (1 - 1/n)`` with
+      n devices in all: ``sharding.least_held_state``).
       The least such step is a linear program; any Lagrange weights lambda_t >= 0 with
       ``sum_t lambda_t n_t = 1`` and mu_t >= 0 give a value no larger than it,
       ``sum_i min_t (lambda_t M c_t[i] + mu_t s_i) - sum_t mu_t n_t K_t``, improved here by
@@ -35,7 +38,7 @@ def lower_bound(problem: PartitionProblem) -> float:
     counts = np.array([sum((d.type, d.memory_bytes) == c for d in problem.devices) for c in classes], float)
     capacity = np.array([m for _, m in classes], dtype=float)
     chain = float(_chain_costs(problem, classes, costs).min(axis=0).sum())
-    state = np.asarray(problem.state_bytes, dtype=float)
+    state = np.asarray(least_held_state(problem), dtype=float)
     return max(chain, _memory_balance_bound(costs, counts, capacity, state, problem.microbatches))
 
 

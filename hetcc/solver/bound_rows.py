@@ -73,7 +73,9 @@ class BoundRows:
                     for m in range(len(found))
                 ]
             )
-        best = found[0] if len(found) == 1 else np.minimum(found[0], found[1], out=found[0])
+        best = found[0]
+        for other in found[1:]:  # the best mode per row and start
+            np.minimum(best, other, out=best)
         if math.isfinite(stage.slots):  # a least suffix above the round-trip limit: every suffix is
             best[best > (self.trip_slack * stage.slots)[:, None]] = math.inf
         return best

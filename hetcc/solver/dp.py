@@ -26,6 +26,7 @@ own P, retry with ``rho`` just below it, until no plan left in the interval can 
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -42,10 +43,10 @@ from hetcc.solver.problem import (
     inflight_microbatches,
     replica_inflight,
     round_trip_slots,
-    slowest_link,
     steady_share,
 )
 from hetcc.solver.schedules import SPLIT_SCHEDULES
+from hetcc.solver.sharding import block_optimizer_bytes, shard_choices, step_end_rates, unheld_fraction
 
 PROBES_PER_ROUND = 32
 _BOUND_RTOL = 1e-12  # slack on b so a term equal to a candidate value is never lost to rounding
@@ -53,11 +54,12 @@ _BOUND_RTOL = 1e-12  # slack on b so a term equal to a candidate value is never 
 
 @dataclass(frozen=True)
 class Mode:
-    """One way to run a stage of a slot: with or without recomputation.
+    """One way to run a stage of a slot: with or without recomputation, replicas sharding their
+    optimizer state (ZeRO-1, ``solver.sharding``) or not.
 
     ``term_prefix`` prefix-sums T (per-microbatch seconds on one replica); ``sum_prefix`` adds the
-    stage's all-reduce seconds per parameter byte, so ``sum_prefix[i] - sum_prefix[a] + constant_s`` is
-    the stage's contribution T_j + A_j to S.
+    stage's all-reduce (and all-gather) seconds per parameter byte, so ``sum_prefix[i] - sum_prefix[a]
+    + constant_s`` is the stage's contribution T_j + A_j to S.
     """
 
     recompute: bool
@@ -65,6 +67,7 @@ class Mode:
     sum_prefix: np.ndarray  # (N+1,)
     constant_s: float
     hi_memory: np.ndarray  # (N+1,) last end i whose [a, i) fits the device (a itself if none)
+    shard: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,7 @@ class Chain:
         self.state_prefix = np.concatenate([[0.0], np.cumsum(problem.state_bytes)])
         self.act_prefix = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
         self.param_prefix = np.concatenate([[0.0], np.cumsum(problem.block_param_bytes())])
+        self.optimizer_prefix = np.concatenate([[0.0], np.cumsum(block_optimizer_bytes(problem))])
         self.cut_at = np.concatenate([[0.0], np.asarray(problem.cut_bytes, dtype=float), [0.0]])
         grads = [problem.cut_grad_at(i) for i in range(self.n - 1)]
         self.grad_at = np.concatenate([[0.0], np.asarray(grads, dtype=float), [0.0]])
@@ -189,29 +193,30 @@ class Chain:
     def _modes(
         self, device, group: tuple[int, ...], held: int, first: bool, tied_s: float = 0.0
     ) -> tuple[Mode, ...]:
-        """The stage's modes (with and without recomputation); the first stage's constant holds its
-        replicas' all-reduce latency and the step-end sum of weights tied to the last stage."""
-        row = self.type_row[device.type]
-        per_byte, constant = 0.0, tied_s
-        if first and len(group) > 1 and self.problem.training:  # ring all-reduce of the stage's gradients
-            bandwidth, latency = slowest_link(self.problem, group)
-            per_byte = 2 * (len(group) - 1) / len(group) / bandwidth
-            constant += 2 * (len(group) - 1) * latency
+        """The stage's modes (recomputation x sharding); the first stage's constant holds its replicas'
+        all-reduce (and, sharding, all-gather) latency and the step-end sum of weights tied to the last
+        stage. A mode is left out where one without its recomputation or sharding has the same memory
+        window: it would only cost time."""
+        row, r, problem = self.type_row[device.type], len(group), self.problem
+        # Seconds per parameter byte and constant at step end, (all-reduce, all-gather): timed for stage 0.
+        rates = step_end_rates(problem, group) if first else ((0.0, 0.0), (0.0, 0.0))
         choices = [False]
-        if self.problem.training and self.problem.recompute_all:
+        if problem.training and problem.recompute_all:
             choices = [True]
-        elif self.problem.training and self.problem.recompute:
+        elif problem.training and problem.recompute:
             choices.append(True)
         modes = []
-        for recompute in choices:
+        for recompute, shard in itertools.product(choices, shard_choices(problem, r)):
             term = self._term_rows[row, recompute]
+            per_byte, constant = (rates[0][0] + rates[1][0], rates[0][1] + rates[1][1]) if shard else rates[0]
             key = (row, recompute, per_byte)
             if key not in self._sums:
                 self._sums[key] = term + per_byte * self.param_prefix if per_byte else term
-            window = self._memory_window(device.memory_bytes, held, recompute)
-            if recompute and modes and np.array_equal(window, modes[0].hi_memory):
-                continue  # memory does not bind without recomputation here: it would only cost time
-            modes.append(Mode(recompute, term, self._sums[key], constant, window))
+            window = self._memory_window(device.memory_bytes, held, recompute, unheld_fraction(r) * shard)
+            if any(m.recompute <= recompute and m.shard <= shard and np.array_equal(window, m.hi_memory)
+                   for m in modes):  # fmt: skip
+                continue
+            modes.append(Mode(recompute, term, self._sums[key], tied_s + constant, window, shard))
         return tuple(modes)
 
     def _link_key(self, src: int, dst: int) -> tuple:
@@ -243,11 +248,14 @@ class Chain:
             self._links[link] = comm
         return self._links[link]
 
-    def _memory_window(self, capacity: float, held: int, recompute: bool) -> np.ndarray:
-        """hi[a] = last end i such that blocks [a, i) fit; hi[a] = a when not even one block does."""
-        key = (capacity, held, recompute)
+    def _memory_window(self, capacity: float, held: int, recompute: bool, unheld: float = 0.0) -> np.ndarray:
+        """hi[a] = last end i such that blocks [a, i) fit; hi[a] = a when not even one block does.
+        ``unheld``: the part of the optimizer state a sharding replica does not hold."""
+        key = (capacity, held, recompute, unheld)
         if key not in self._windows:
             w, a = self.state_prefix, self.act_prefix
+            if unheld:
+                w = w - unheld * self.optimizer_prefix
             span_act = a[None, :] - a[:, None]  # [start, stop]
             if recompute:  # keeps each held microbatch's inputs, rebuilds one microbatch's activations
                 used = (w[None, :] - w[:, None]) + held * self.cut_at[:, None] + span_act
@@ -299,30 +307,32 @@ class Chain:
         return (g[:, 0], kept[::-1]) if keep else g[:, 0]
 
     def plan(self, stages: list[SequenceSlot], bound_s: float, trip_bound_s: float | None = None):
-        """(S, boundaries, recompute flags) of the least-sum plan within the limits of ``min_sums``;
-        (inf, None, None) if none."""
+        """(S, boundaries, each stage's mode) of the least-sum plan within the limits of ``min_sums``
+        (ties to the earlier mode: the one without recomputation or sharding); (inf, None, None) if none."""
         trip = None if trip_bound_s is None else [trip_bound_s]
         sums, kept = self.min_sums(stages, np.array([bound_s]), trip, keep=True)
         if not math.isfinite(sums[0]):
             return math.inf, None, None
-        boundaries, recompute = [0], []
+        boundaries, modes = [0], []
         for stage, per_mode in zip(stages, kept):
             start = boundaries[-1]
             choice = min(range(len(per_mode)), key=lambda k: per_mode[k][2][start])
             h, hi, _ = per_mode[choice]
             boundaries.append(int(start + 1 + np.argmin(h[start + 1 : hi[start] + 1])))
-            recompute.append(stage.modes[choice].recompute)
-        return float(sums[0]), boundaries, recompute
+            modes.append(stage.modes[choice])
+        return float(sums[0]), boundaries, modes
 
-    def backtrack(self, stages: list[SequenceSlot], bound_s: float, trip_bound_s: float | None = None):
-        """(boundaries, recompute flags) of the least-sum plan within the limits of ``min_sums``."""
-        return self.plan(stages, bound_s, trip_bound_s)[1:]
+    def backtrack(self, stages: list[SequenceSlot], bound_s: float, trip_bound_s=None, shard: bool = False):
+        """(boundaries, recompute flags) of the least-sum plan within the limits of ``min_sums``; with
+        ``shard`` also its shard flags."""
+        _, boundaries, modes = self.plan(stages, bound_s, trip_bound_s)
+        flags = [None] * 2 if modes is None else [[m.recompute for m in modes], [m.shard for m in modes]]
+        return (boundaries, *flags) if shard else (boundaries, flags[0])
 
-    def period_s(self, stages: list[SequenceSlot], boundaries: list[int], recompute: list[bool]) -> float:
+    def period_s(self, stages: list[SequenceSlot], boundaries: list[int], modes: list[Mode]) -> float:
         """P of a plan on this sequence (``objective.step_terms``) from the prefix sums the DP uses."""
         compute, busy, comm, link, extra = [], [], [], [], []
-        for stage, (a, b), rc in zip(stages, zip(boundaries, boundaries[1:]), recompute):
-            mode = next(m for m in stage.modes if m.recompute == rc)
+        for stage, (a, b), mode in zip(stages, zip(boundaries, boundaries[1:]), modes):
             t = mode.term_prefix[b] - mode.term_prefix[a]
             compute.append(t)
             busy.append(stage.share * t)
@@ -400,10 +410,10 @@ def _descend(chain: Chain, stages: list[SequenceSlot], term_s: float, trip_s: fl
     scale = float(chain.prefix_s[:, -1].max()) + abs(trip_s if math.isfinite(trip_s) else term_s)
     found = None
     while True:
-        s, boundaries, recompute = chain.plan(stages, term_s, trip_s)
+        s, boundaries, modes = chain.plan(stages, term_s, trip_s)
         if boundaries is None or s + slope * term_s >= best_s:
             return found
-        period = chain.period_s(stages, boundaries, recompute)
+        period = chain.period_s(stages, boundaries, modes)
         if s + slope * period < best_s:
             found = SequenceOptimum(s + slope * period, term_s, trip_s, period)
             best_s = found.step_s

@@ -13,7 +13,8 @@ activations to the next stage and, when training, their gradients back: ``2 * (l
 bandwidth)`` per microbatch (one way for inference; 0 for the last stage), with the codecs
 ``solver.codecs`` chooses for the cut (their encode and decode are on the link's path, not the
 stage's); L_j = the busiest replica-to-replica link's part of it, in the same way. A_j is the ring
-all-reduce of a replicated stage's gradients at step end: stage 0 finishes last, so only A_0 is
+all-reduce of a replicated stage's gradients at step end, plus the all-gather of its parameters when
+it shards its optimizer state (ZeRO-1, ``solver.sharding``): stage 0 finishes last, so only A_0 is
 counted; a later stage's all-reduce overlaps the backwards still running before it (the simulator
 times every one).
 R_j = sum_{i >= j} (T_i + C_i) (+ A_0 for j = 0) is the round trip a
@@ -21,7 +22,8 @@ R_j = sum_{i >= j} (T_i + C_i) (+ A_0 for j = 0) is the round trip a
 
 Memory of one replica: ``sum w + held * sum a`` (``held`` = the microbatches its share of the
 schedule holds at once), or with recomputation ``sum w + held * x_in + sum a``: the stage keeps only
-its inputs per microbatch and rebuilds one microbatch's activations at a time.
+its inputs per microbatch and rebuilds one microbatch's activations at a time. A sharding replica
+holds ``sum o * (1 - 1/r)`` less of ``sum w`` (its share of the optimizer state ``o``).
 
 ``evaluate`` scores any plan (the search's winner, the baselines); ``step_time`` is its T. The
 simulator (``solver.simulate``) replays the same plan event by event and is the judge of a plan's step.
@@ -37,6 +39,7 @@ from hetcc.errors import PlanFormatError
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.codecs import cut_rows, names, pair_s
 from hetcc.solver.problem import (
+    MEMORY_RTOL,
     PartitionProblem,
     PartitionSolution,
     StageCost,
@@ -47,6 +50,7 @@ from hetcc.solver.problem import (
     steady_share,
 )
 from hetcc.solver.schedules import max_inflight, replica_actions, stage_actions
+from hetcc.solver.sharding import allgather_s, chosen_shard, sharded_bytes
 
 Device = int | Sequence[int]  # a device index, or a replica group of them
 Codecs = Sequence[tuple[str, str] | None] | None  # per stage: pinned (activation, gradient) codec names
@@ -59,30 +63,35 @@ def evaluate(
     recompute: Sequence[bool] | None = None,
     bound_s: float | None = None,
     codecs: Codecs = None,
+    shard: Sequence[bool] | None = None,
 ) -> PartitionSolution:
     """Score one plan: stage k runs blocks ``[boundaries[k], boundaries[k+1])`` on ``devices[k]`` (one
-    device index, or a tuple of them: a replica group), recomputing its activations if ``recompute[k]``.
-    Its outgoing cut uses the codecs ``solver.codecs`` chooses, or the names ``codecs[k]`` pins
-    (``("none", "none")``: uncoded; a None entry or ``codecs`` None: chosen).
+    device index, or a tuple of them: a replica group), recomputing its activations if ``recompute[k]``
+    and sharding its replicas' optimizer state if ``shard[k]`` (``shard`` None: chosen,
+    ``sharding.chosen_shard``). Its outgoing cut uses the codecs ``solver.codecs`` chooses, or the names
+    ``codecs[k]`` pins (``("none", "none")``: uncoded; a None entry or ``codecs`` None: chosen).
 
     Memory that does not fit makes ``step_time_s`` infinite rather than raising, so baselines that
     overflow a device can still be reported. ``period_s`` is the plan's P (see ``step_time``).
     ``lower_bound_s`` bounds the simulated step of every plan (``solver.bound.lower_bound``; pass
     ``bound_s`` when it is already known: it depends on the problem alone).
     """
-    stages = stage_costs(problem, boundaries, devices, recompute, codecs)
+    stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard)
     step, period = _objective_s(problem, stages)
     bound = lower_bound(problem) if bound_s is None else bound_s
     return PartitionSolution(stages, step, period, bound, _gap(step, bound))
 
 
-def stage_costs(problem, boundaries, devices, recompute=None, codecs: Codecs = None) -> tuple[StageCost, ...]:
+def stage_costs(
+    problem, boundaries, devices, recompute=None, codecs: Codecs = None, shard: Sequence[bool] | None = None
+) -> tuple[StageCost, ...]:
     """Every stage's costs, memory, replica shares and outgoing codecs (validates the plan; ``codecs``
-    as in ``evaluate``)."""
+    and ``shard`` as in ``evaluate``)."""
     groups = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in devices]
     recompute = [False] * len(groups) if recompute is None else [bool(r) for r in recompute]
     codecs = [None] * len(groups) if codecs is None else list(codecs)
-    _check_plan(problem, boundaries, groups, recompute, codecs)
+    shard = [None] * len(groups) if shard is None else [bool(f) for f in shard]
+    _check_plan(problem, boundaries, groups, recompute, codecs, shard)
     replicas = [len(g) for g in groups]
     k = len(groups)
     seconds = [
@@ -95,7 +104,9 @@ def stage_costs(problem, boundaries, devices, recompute=None, codecs: Codecs = N
         recompute=recompute,
     )  # fmt: skip
     return tuple(
-        _stage_plan(problem, boundaries, groups, routes, seconds[j], actions[j], recompute[j], j, codecs[j])
+        _stage_plan(
+            problem, boundaries, groups, routes, seconds[j], actions[j], recompute[j], j, codecs[j], shard[j]
+        )
         for j in range(k)
     )
 
@@ -127,7 +138,7 @@ def _objective_s(problem: PartitionProblem, stages: tuple[StageCost, ...]) -> tu
     fill_drain, period = step_terms(
         [s.compute_s for s in stages], [s.comm_s for s in stages], slots,
         busy_s=[s.busy_s for s in stages], link_busy_s=[s.link_busy_s for s in stages],
-        extra_s=[stages[0].allreduce_s + tied_s] + [0.0] * (k - 1),
+        extra_s=[stages[0].allreduce_s + stages[0].allgather_s + tied_s] + [0.0] * (k - 1),
     )  # fmt: skip
     if not all(s.fits for s in stages):
         return math.inf, period
@@ -163,7 +174,7 @@ def _gap(step_s: float, bound_s: float) -> float:
 
 
 def _stage_plan(
-    problem, boundaries, groups, routes, seconds, actions, recompute: bool, j: int, pinned
+    problem, boundaries, groups, routes, seconds, actions, recompute: bool, j: int, pinned, shard: bool | None
 ) -> StageCost:
     start, stop = boundaries[j], boundaries[j + 1]
     group, route, m = groups[j], routes[j], problem.microbatches
@@ -186,6 +197,13 @@ def _stage_plan(
         max_inflight(replica_actions(actions, route, r)) if problem.training else 1 for r in range(len(group))
     ]
     used = [state + (h * kept + act if recompute else h * act) for h in held]
+    saved = sharded_bytes(problem, start, stop, len(group))
+    if shard is None:
+        fits = all(u <= problem.devices[d].memory_bytes * (1 + MEMORY_RTOL) for u, d in zip(used, group))
+        shard = chosen_shard(problem, len(group), saved, fits)
+    shard = shard and problem.training
+    if shard:
+        used = [u - saved for u in used]
     worst = max(range(len(group)), key=lambda r: used[r] - problem.devices[group[r]].memory_bytes)
     return StageCost(
         blocks=(start, stop),
@@ -209,6 +227,9 @@ def _stage_plan(
         link_busy_s=link_busy,
         allreduce_s=_allreduce_s(problem, group, start, stop),
         codecs=codecs,
+        shard=shard,
+        allgather_s=allgather_s(problem, group, start, stop) if shard else 0.0,
+        sharded_bytes=saved if shard else 0.0,
     )
 
 
@@ -219,7 +240,7 @@ def _allreduce_s(problem: PartitionProblem, group: tuple[int, ...], start: int, 
     return device_ring_s(problem, group, math.fsum(problem.block_param_bytes()[start:stop]))
 
 
-def _check_plan(problem: PartitionProblem, boundaries, groups, recompute, codecs) -> None:
+def _check_plan(problem: PartitionProblem, boundaries, groups, recompute, codecs, shard) -> None:
     n = len(problem.blocks)
     if len(boundaries) != len(groups) + 1 or not groups:
         raise PlanFormatError(
@@ -242,6 +263,11 @@ def _check_plan(problem: PartitionProblem, boundaries, groups, recompute, codecs
         raise PlanFormatError(
             f"recompute has {len(recompute)} entries for {len(groups)} stages", hint="one flag per stage"
         )
+    if len(shard) != len(groups) or any(f and len(g) < 2 for f, g in zip(shard, groups)):
+        raise PlanFormatError(
+            f"shard {shard!r} must give one flag per stage ({len(groups)}), True only for a replicated stage",
+            hint="one flag per stage; ZeRO-1 splits optimizer state across a stage's replicas",
+        )
     pinned_ok = (c is None or isinstance(c, (tuple, list)) and len(c) == 2 and all(isinstance(x, str) for x in c)
                  for c in codecs)  # fmt: skip
     if len(codecs) != len(groups) or not all(pinned_ok):
@@ -256,6 +282,7 @@ def step_time(
     boundaries: Sequence[int],
     devices: Sequence[Device],
     recompute: Sequence[bool] | None = None,
+    shard: Sequence[bool] | None = None,
 ) -> float:
     """The objective T = S + (M - 1) * P of one plan; ``inf`` when a stage does not fit its memory.
 
@@ -278,4 +305,4 @@ def step_time(
     over 25 Gb/s Ethernet (C = 1.75, 0.19, 1.75 ms), M = 8, simulate to 75.7 ms; the first two
     terms alone predict 66.9 ms, all three 73.4 ms.
     """
-    return _objective_s(problem, stage_costs(problem, boundaries, devices, recompute))[0]
+    return _objective_s(problem, stage_costs(problem, boundaries, devices, recompute, shard=shard))[0]

@@ -4,7 +4,7 @@ A chain of N blocks is cut into K contiguous stages; each stage runs on a group 
 (replicas holding the same blocks; each microbatch passes one replica per stage). ``PartitionProblem``
 holds every number the solver needs (per-block seconds per device type, state, parameter and activation
 bytes, cut bytes, device memory, link bandwidth and latency) and the plan space to search (replicas,
-recomputation, a codec per cut: ``WireCodec``); it round-trips through JSON exactly, so an outside
+recomputation, ZeRO-1 sharding of replicas' optimizer state, a codec per cut: ``WireCodec``); it round-trips through JSON exactly, so an outside
 planner can be fed the same numbers.
 ``StageCost`` and ``PartitionSolution`` are what a plan costs; the model behind those costs is
 ``solver.objective``.
@@ -97,6 +97,11 @@ class PartitionProblem:
     wgrad_s: dict[str, list[float]] | None = None
     # The codecs each stage's outgoing cut may use, per direction (``codecs``); None: every tensor uncoded.
     codecs: list[WireCodec] | None = None
+    # ZeRO-1 (``solver.sharding``): the bytes of each block's ``state_bytes`` that are optimizer state
+    # (None: none), and whether replicated stages may (``shard``) or must (``shard_all``) split it.
+    optimizer_bytes: list[float] | None = None
+    shard: bool = False
+    shard_all: bool = False
     # Self-description for outside planners (the costs above already include them).
     precision: str = "fp32"
     optimizer: str = ""
@@ -163,7 +168,9 @@ class StageCost:
     ``compute_s`` is forward + backward (+ the recomputed forward). ``busy_s`` is the stage's share of
     the period, ``max_d shares[d] * compute_s(d) / M``; ``comm_s`` is the cut's transfer per
     microbatch, ``link_busy_s`` the busiest link's share of the period; ``allreduce_s`` sums the
-    replicas' gradients at step end. Memory is the fullest replica's (``inflight`` microbatches).
+    replicas' gradients at step end; with ``shard`` (ZeRO-1, ``solver.sharding``) each replica holds
+    ``sharded_bytes`` less optimizer state and ``allgather_s`` gathers the updated parameters after it.
+    Memory is the fullest replica's (``inflight`` microbatches).
     ``codecs`` names the rows of ``problem.codecs`` the outgoing cut's messages use ("none": uncoded).
     """
 
@@ -188,6 +195,9 @@ class StageCost:
     link_busy_s: float = math.nan
     allreduce_s: float = 0.0
     codecs: tuple[str, str] = ("none", "none")  # (activation, gradient) codec of the outgoing cut
+    shard: bool = False  # its replicas shard their optimizer state (ZeRO-1)
+    allgather_s: float = 0.0  # the sharded step's parameter all-gather, after the all-reduce
+    sharded_bytes: float = 0.0  # optimizer state a replica does not hold: memory = state - this + acts
 
     @property
     def fits(self) -> bool:
@@ -233,6 +243,10 @@ class PartitionSolution:
     @property
     def recompute(self) -> list[bool]:
         return [s.recompute for s in self.stages]
+
+    @property
+    def shard(self) -> list[bool]:
+        return [s.shard for s in self.stages]
 
     @property
     def bottleneck_s(self) -> float:

@@ -187,7 +187,8 @@ def validate_problem(problem) -> None:
         _check_vector("cut_grad_bytes", problem.cut_grad_bytes, n - 1)
     _check_tied(problem, n)
     _check_cut_tensors(problem, n)
-    for flag in ("training", "replicate", "recompute", "recompute_all"):
+    _check_optimizer(problem, n)
+    for flag in ("training", "replicate", "recompute", "recompute_all", "shard", "shard_all"):
         if not isinstance(getattr(problem, flag), bool):
             raise _fail(flag, f"must be true or false, got {getattr(problem, flag)!r}", "use a JSON boolean")
     for device in problem.devices:
@@ -211,6 +212,17 @@ def validate_problem(problem) -> None:
     _check_matrix("bandwidth_bps", problem.bandwidth_bps, d, positive=True)
     _check_matrix("latency_s", problem.latency_s, d, positive=False)
     _check_codecs(problem, n)
+
+
+def _check_optimizer(problem, n: int) -> None:
+    """``optimizer_bytes``: per block, the part of its ``state_bytes`` that is optimizer state."""
+    if problem.optimizer_bytes is None:
+        return
+    _check_vector("optimizer_bytes", problem.optimizer_bytes, n)
+    for i, (o, s) in enumerate(zip(problem.optimizer_bytes, problem.state_bytes)):
+        if o > s:
+            raise _fail("optimizer_bytes", f"entry {i} ({o!r}) exceeds the block's state_bytes ({s!r})",
+                        "optimizer state is a part of the state")  # fmt: skip
 
 
 def _check_weight_grads(problem, n: int) -> None:

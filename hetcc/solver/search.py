@@ -5,7 +5,7 @@ the same) form a group with a label; only the sequence of labels matters, so the
 groups, choosing how many of each to use, not cards. A sequence is a tuple of slots ``(label, r)``:
 one pipeline stage on r devices of that label (r > 1 only when ``problem.replicate``: a replicated
 stage; replica groups are drawn from one label, so they are uniform in type and link). Devices may be
-left unused. Recomputation is chosen per stage inside the DP (``dp.Mode``), not here.
+left unused. Recomputation and sharding are chosen per stage inside the DP (``dp.Mode``), not here.
 
 - When the number of distinct label sequences (lengths 1..min(blocks, devices)) is at most
   ``config.exact_order_limit``, every one is solved exactly: the result is optimal (``exact=True``).
@@ -89,8 +89,8 @@ def count_sequences(sizes: list[int], max_length: int, cap: int, replicate: bool
 
 def search(problem: PartitionProblem, keep: int = 1):
     """The best plan found, or None if none fits: ``Found`` with its boundaries, replica groups,
-    recompute flags, whether the search was exhaustive, how many sequences it solved, and up to
-    ``keep`` runner-up plans (``Found.candidates``, best first, the winner included)."""
+    recompute flags, whether the search was exhaustive, how many sequences it solved, up to ``keep``
+    runner-up plans (``Found.candidates``, best first, the winner included) and its shard flags."""
     chain = Chain(problem)
     groups = interchangeable_groups(problem)
     sizes = [len(g) for g in groups]
@@ -113,11 +113,12 @@ def search(problem: PartitionProblem, keep: int = 1):
     plans = []
     for optimum, labels in state.finalists():
         devices = state.devices(labels)
-        boundaries, recompute = chain.backtrack(
-            chain.stages(devices), optimum.term_bound_s, optimum.trip_bound_s
+        boundaries, recompute, shard = chain.backtrack(
+            chain.stages(devices), optimum.term_bound_s, optimum.trip_bound_s, shard=True
         )
-        plans.append((boundaries, devices, recompute))
-    return Found(*plans[0], exact, state.solved, plans)
+        plans.append((boundaries, devices, recompute, shard))
+    boundaries, devices, recompute, shard = plans[0]
+    return Found(boundaries, devices, recompute, exact, state.solved, plans, shard)
 
 
 class Found(NamedTuple):
@@ -126,7 +127,8 @@ class Found(NamedTuple):
     recompute: list[bool]
     exact: bool
     solved: int
-    candidates: list[tuple[list[int], list[tuple[int, ...]], list[bool]]]
+    candidates: list[tuple[list[int], list[tuple[int, ...]], list[bool], list[bool]]]  # ... and shard flags
+    shard: list[bool]
 
 
 class _Search:

@@ -11,10 +11,11 @@ encode and decode of the codecs the sending stage's cut uses (``StageCost.codecs
 ``codecs.message_s``): they hold the link, not the stage. A recomputing stage's
 backward includes the forward it recomputes. Under a split schedule (zb-h1) a stage's B(m) is its
 backward less the weight gradients (``problem.wgrad_s``) and sends the gradients back; W(m) is those
-weight gradients, which wait for nothing but the stage and send nothing. A replicated stage ends with the all-reduce of its
-gradients, once all its replicas are done; then a parameter tied across stages (``tied_blocks``) is
-summed over every device holding it, which the search's formula leaves out; the step ends when the
-last device does.
+weight gradients, which wait for nothing but the stage and send nothing. A replicated stage ends
+with the all-reduce of its gradients, once all its replicas are done (``ALLREDUCE``), and where it
+shards its optimizer state (ZeRO-1) with the all-gather of its updated parameters right after
+(``ALLGATHER``); then a parameter tied across stages (``tied_blocks``) is summed over every device
+holding it, which the search's formula leaves out; the step ends when the last device does.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ class Event:
     """One interval on the timeline; a send belongs to the replica that issues it."""
 
     stage: int
-    kind: str  # "F", "B", "W", "SEND_F", "SEND_B" or "ALLREDUCE"
-    microbatch: int  # -1 for the all-reduce
+    kind: str  # "F", "B", "W", "SEND_F", "SEND_B", "ALLREDUCE" or "ALLGATHER"
+    microbatch: int  # -1 for the all-reduce and the all-gather
     start_s: float
     end_s: float
     replica: int = 0
@@ -64,13 +65,14 @@ def simulate(
     events: bool = True,
     stages: Sequence[StageCost] | None = None,
     codecs: Codecs = None,
+    shard: Sequence[bool] | None = None,
 ) -> Simulation:
     """Replay one step of the plan (stage k = blocks [boundaries[k], boundaries[k+1]) on the replica
     group devices[k], recomputing if recompute[k]). ``events=False`` keeps no timeline (the search's
     many replays need only the figures); ``stages``: the plan's ``stage_costs``, where the caller has
-    them (else ``codecs`` pins stages' codecs as in ``objective.evaluate``)."""
+    them (else ``codecs`` pins stages' codecs and ``shard`` their sharding as in ``objective.evaluate``)."""
     if stages is None:
-        stages = stage_costs(problem, boundaries, devices, recompute, codecs)  # validates the plan
+        stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard)  # validates the plan
     k = len(stages)
     groups = [s.group for s in stages]
     actions = stage_actions(
@@ -202,15 +204,20 @@ class _Timeline:
             self.events.append(Event(stage, kind, m, start, end, lane.replica, name))
 
     def all_reduce(self, lanes: list[_Lane]) -> None:
-        """Each replicated stage sums its gradients once every replica is done."""
+        """Each replicated stage sums its gradients once every replica is done; a sharding stage then
+        gathers its updated parameters."""
         for j, stage in enumerate(self.stages):
-            if stage.allreduce_s <= 0:
+            if stage.allreduce_s <= 0 and stage.allgather_s <= 0:
                 continue
             mine = [lane for lane in lanes if lane.stage == j]
             start = max(lane.free_s for lane in mine)
-            for lane in mine:
-                lane.free_s = start + stage.allreduce_s
-                self._note(lane, j, "ALLREDUCE", -1, start, lane.free_s)
+            for kind, seconds in (("ALLREDUCE", stage.allreduce_s), ("ALLGATHER", stage.allgather_s)):
+                if seconds <= 0:
+                    continue
+                for lane in mine:
+                    lane.free_s = start + seconds
+                    self._note(lane, j, kind, -1, start, lane.free_s)
+                start += seconds
 
     def tied_sums(self, lanes: list[_Lane]) -> None:
         """Then every tied parameter held by several stages is summed over all their devices (a ring

@@ -21,6 +21,7 @@ from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, inflight_microbatches
 from hetcc.solver.search import search
+from hetcc.solver.sharding import sharded_whole_chain
 from hetcc.solver.simulate import simulate
 
 
@@ -45,13 +46,15 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
     seen, best = set(), None
     for space, candidates in searches:
         scored = []
-        for boundaries, groups, recompute in candidates:
-            key = (tuple(boundaries), tuple(map(tuple, groups)), tuple(recompute))
+        for boundaries, groups, recompute, shard in candidates:
+            key = (tuple(boundaries), tuple(map(tuple, groups)), tuple(recompute), tuple(shard))
             if key in seen:  # a pure pipeline may be found by both searches
                 continue
             seen.add(key)
-            plan = evaluate(problem, boundaries, groups, recompute, bound_s)
-            simulated = simulate(problem, boundaries, groups, recompute, events=False).step_time_s
+            plan = evaluate(problem, boundaries, groups, recompute, bound_s, shard=shard)
+            simulated = simulate(
+                problem, boundaries, groups, recompute, events=False, shard=shard
+            ).step_time_s
             scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
         if not scored:
             continue
@@ -145,6 +148,9 @@ def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:
     hints = ["more or larger devices"]
     if problem.training and not problem.recompute:
         hints.insert(0, "recompute=True (keeps each stage's inputs, rebuilds activations in backward)")
+    sharding = problem.shard or problem.shard_all
+    if problem.training and problem.replicate and any(problem.optimizer_bytes or ()) and not sharding:
+        hints.insert(0, "shard=True (replicas split their optimizer state, ZeRO-1)")
     if problem.training and problem.schedule == "gpipe":
         hints.insert(0, "schedule='1f1b' (holds fewer microbatches' activations)")
     elif problem.training:
@@ -161,7 +167,8 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
 
     Devices are taken largest first (1F1B's early stages hold the most microbatches) and, for each
     number of stages, a DP finds the cut that minimises the largest overflow; the worst stage of the
-    best such cut is reported.
+    best such cut is reported. Where replicas may shard their optimizer state, the whole chain on one
+    sharding replica group (``sharding.sharded_whole_chain``) is reported instead when it is closer.
     """
     order = sorted(range(len(problem.devices)), key=lambda d: -problem.devices[d].memory_bytes)
     best = None
@@ -176,13 +183,17 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
         ((j, rng, used) for j, (rng, used) in enumerate(stages)),
         key=lambda item: item[2] - problem.devices[devices[item[0]]].memory_bytes,
     )
-    device = problem.devices[devices[j]]
+    device, replicas = problem.devices[devices[j]], ""
+    group = sharded_whole_chain(problem)
+    if group is not None and group[2] - problem.devices[group[0]].memory_bytes < used - device.memory_bytes:
+        (start, stop), used = (0, len(problem.blocks)), group[2]
+        device, replicas = problem.devices[group[0]], f" and {group[1] - 1} more sharding its optimizer state"
     names = (
         problem.blocks[start] if stop - start == 1 else f"{problem.blocks[start]}..{problem.blocks[stop - 1]}"
     )
     return (
         f"the closest plan found still needs {format_bytes(used)} for blocks {names} on device "
-        f"{device.name} ({device.type}, {format_bytes(device.memory_bytes)} usable): "
+        f"{device.name}{replicas} ({device.type}, {format_bytes(device.memory_bytes)} usable): "
         f"{format_bytes(used - device.memory_bytes)} missing"
     )
 

@@ -70,6 +70,8 @@ class RunResult:
     - ``cuda_graphs`` (a string): whether the stage's compute ran as CUDA graphs, or why not
       (``StageExecutor.cuda_graphs``); fused groups inside a graph count their launches while it is
       captured (warm-up included), not when it replays.
+    - ``optimizer_state_bytes``: the optimizer state the rank holds at the end (on a stage whose replicas
+      shard it, ZeRO-1, its share).
     """
 
     losses: list[float] = field(default_factory=list)

@@ -29,7 +29,7 @@ from hetcc.errors import HetccError
 from hetcc.kernels import launch_stats, reset_launch_stats
 from hetcc.sendrecv import reset_transfer_stats, transfer_stats
 from hetcc.train.metrics import MetricsLog, RunFigures, summary_lines
-from hetcc.train.optim import LRSchedule, apply_settings, build_optimizer
+from hetcc.train.optim import LRSchedule, apply_settings, build_optimizer, optimizer_state_bytes
 from hetcc.train.rank import PipelineRank
 
 
@@ -54,7 +54,7 @@ class TrainSettings:
 def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any = None) -> dict[str, Any]:
     """Run ``settings.steps`` steps on ``rank`` (every rank calls it); returns what ``RunResult`` takes
     from a rank: losses and records (reporting rank), gradients, counters, the summary."""
-    optimizer = build_optimizer(settings.optimizer, rank.named_parameters()) if rank.training else None
+    optimizer = rank.optimizer(settings.optimizer) if rank.training else None
     first_step, position, notes = _resume(rank, optimizer, settings) if settings.resume else (0, 0, [])
     if not rank.training:
         notes.append(f"{rank.directory} was compiled for inference: each step is a forward-only evaluation, "
@@ -93,7 +93,8 @@ def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any
         "losses": [r["loss"] for r in records], "records": records, "eval_losses": evals, "first_step": first_step,
         "notes": notes, "outputs": _outputs_on_cpu(last),
         "grads": rank.executor.named_grads(),
-        "stats": {**transfer_stats(), **launch_stats(), "cuda_graphs": rank.executor.cuda_graphs},
+        "stats": {**transfer_stats(), **launch_stats(), "cuda_graphs": rank.executor.cuda_graphs,
+                  "optimizer_state_bytes": optimizer_state_bytes(optimizer)},
         "summary": _summary(rank, figures, step_times, busy), "metrics": str(log.path) if log is not None else None,
     }  # fmt: skip
 

@@ -27,10 +27,14 @@ DECAYS = ("constant", "linear", "cosine")
 
 
 def build_optimizer(
-    spec: Mapping[str, Any] | None, named_params: Iterable[tuple[str, torch.nn.Parameter]]
+    spec: Mapping[str, Any] | None,
+    named_params: Iterable[tuple[str, torch.nn.Parameter]],
+    shard_group: Any = None,
 ) -> torch.optim.Optimizer | None:
     """A ``torch.optim`` optimizer over ``named_params`` from ``spec`` (None, or a name the planner knows
-    that steps nothing, such as "none": no optimizer)."""
+    that steps nothing, such as "none": no optimizer). ``shard_group``: the process group of a stage's
+    replicas whose optimizer state is sharded over them (ZeRO-1): torch's ``ZeroRedundancyOptimizer``
+    around the same optimizer (it takes parameters without their names)."""
     named = [(name, p) for name, p in named_params if p.requires_grad]
     if spec is None or not named:
         return None
@@ -40,13 +44,30 @@ def build_optimizer(
         return None
     options = {**entry.defaults, **options}
     groups = param_groups(named, float(options.get("weight_decay", 0.0)))
+    kind = getattr(torch.optim, entry.torch_class)
     try:
-        return getattr(torch.optim, entry.torch_class)(groups, **options)
+        if shard_group is not None:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            plain = [{**g, "params": [p for _, p in g["params"]]} for g in groups]
+            return ZeroRedundancyOptimizer(plain, optimizer_class=kind, process_group=shard_group, **options)
+        return kind(groups, **options)
     except (TypeError, ValueError) as error:
         raise HetccError(
             f"optimizer {dict(spec)}: {error}",
             hint=f"use the keyword arguments of torch.optim.{entry.torch_class}",
         ) from None
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the state tensors ``optimizer`` holds on this rank (a ``ZeroRedundancyOptimizer``: its
+    shard's); 0 without one."""
+    if optimizer is None:
+        return 0
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer wraps the one that steps
+    return sum(
+        t.numel() * t.element_size() for s in local.state.values() for t in s.values() if torch.is_tensor(t)
+    )
 
 
 def param_groups(named: list[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict[str, Any]]:

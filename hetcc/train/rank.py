@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetcc import config
 from hetcc.errors import HetccError, RuntimeFailure
@@ -40,6 +41,7 @@ from hetcc.runtime.store import PipelineOutline, load_stage, read_outline
 from hetcc.runtime.torchrun import start_process_group
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.data import RankBatch, RankData, RankInputs, share_of
+from hetcc.train.optim import build_optimizer
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,19 @@ class PipelineRank:
     def parameters(self) -> list[torch.nn.Parameter]:
         return [param for _, param in self.named_parameters()]
 
+    @property
+    def shards_optimizer(self) -> bool:
+        """Whether the plan shards this stage's optimizer state over its replicas (ZeRO-1)."""
+        return self.training and self.outline.meta.shard[self.stage_index] and self.links.replicas is not None
+
+    def optimizer(self, spec: Mapping[str, Any] | None) -> torch.optim.Optimizer | None:
+        """The optimizer ``spec`` names (``{"name": "adamw", "lr": ...}``: ``hetcc.train.optim``) over this
+        rank's parameters; on a stage the plan shards, torch's ``ZeroRedundancyOptimizer`` over its
+        replicas (each steps its share of the parameters and broadcasts them: same weights, 1/r of the
+        state). A loop of one's own that builds a plain ``torch.optim`` optimizer keeps the state whole."""
+        group = self.links.replicas[0] if self.shards_optimizer else None
+        return build_optimizer(spec, self.named_parameters(), shard_group=group)
+
     # ---------------------------------------------------------------------------------- running
 
     def data(self, data: Any, *, seed: int = 0, position: int = 0) -> RankData:
@@ -215,6 +230,8 @@ class PipelineRank:
         another replica only its RNG."""
         directory, stage, step = os.fspath(directory), self.stage_index, self.steps_done
         rng = ckpt.rng_state(self.device)
+        if isinstance(optimizer, ZeroRedundancyOptimizer):  # every replica sends replica 0 its shard
+            optimizer.consolidate_state_dict(to=0)
         if self.replica:
             ckpt.save_replica_rng(directory, stage, self.replica, step, rng)
             return

@@ -1,0 +1,111 @@
+"""ZeRO-1 for replicated stages: the optimizer state of a stage split across its r replicas.
+
+Each replica of a sharding stage holds the weights and gradients whole but only 1/r of the optimizer
+state (``problem.optimizer_bytes``), so it holds ``state - optimizer * (1 - 1/r)`` bytes. After the
+gradients' ring all-reduce each replica updates its shard of the parameters, and the updated shards
+are gathered back (torch's ``ZeroRedundancyOptimizer`` broadcasts each shard from its owner), priced as
+a ring all-gather of the stage's parameter bytes over the group's slowest link:
+``(r - 1) * (latency + params / r / bandwidth)``, half a ring all-reduce. Sharding saves memory and
+only costs time, so a stage shards where ``problem.shard_all`` asks for it, or where
+``problem.shard`` allows it and the stage fits only with it (``chosen_shard``; the DP's choice for
+given cuts is the same, ``dp.Chain._modes``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+from hetcc.solver.problem import PartitionProblem, inflight_microbatches, replica_inflight, slowest_link
+
+
+def ring_allgather_s(nbytes: float, replicas: int, bandwidth_bps: float, latency_s: float) -> float:
+    """Seconds of a ring all-gather of ``nbytes`` over ``replicas`` devices: r - 1 steps of
+    nbytes / r each over the slowest link of the ring."""
+    if replicas <= 1:
+        return 0.0
+    return (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_bps)
+
+
+def allgather_s(problem: PartitionProblem, group: Sequence[int], start: int, stop: int) -> float:
+    """The all-gather of the parameters of blocks ``[start, stop)`` after a sharded optimizer step
+    over the replica ``group`` (0 for one device or inference)."""
+    if not problem.training or len(group) < 2:
+        return 0.0
+    nbytes = math.fsum(problem.block_param_bytes()[start:stop])
+    return ring_allgather_s(nbytes, len(group), *slowest_link(problem, group))
+
+
+def step_end_rates(problem: PartitionProblem, group: Sequence[int]) -> tuple[tuple[float, float], ...]:
+    """(seconds per parameter byte, constant seconds) of the replica ``group``'s step-end ring
+    all-reduce and of the all-gather a sharding group adds (``ring_allreduce_s``, ``ring_allgather_s``
+    at the slowest link); zeros for one device or inference."""
+    r = len(group)
+    if r < 2 or not problem.training:
+        return (0.0, 0.0), (0.0, 0.0)
+    bandwidth, latency = slowest_link(problem, group)
+    return (2 * (r - 1) / r / bandwidth, 2 * (r - 1) * latency), ((r - 1) / r / bandwidth, (r - 1) * latency)
+
+
+def unheld_fraction(replicas: int) -> float:
+    """The part of its optimizer state a replica of ``replicas`` sharding ones does not hold: 1 - 1/r."""
+    return 1.0 - 1.0 / replicas
+
+
+def block_optimizer_bytes(problem: PartitionProblem) -> list[float]:
+    """Each block's optimizer-state bytes (zeros where the problem has none)."""
+    return [0.0] * len(problem.blocks) if problem.optimizer_bytes is None else list(problem.optimizer_bytes)
+
+
+def sharded_bytes(problem: PartitionProblem, start: int, stop: int, replicas: int) -> float:
+    """Bytes of blocks ``[start, stop)``'s optimizer state one of ``replicas`` sharding replicas does
+    not hold (0 for one replica or inference)."""
+    if not problem.training or replicas < 2 or problem.optimizer_bytes is None:
+        return 0.0
+    return math.fsum(problem.optimizer_bytes[start:stop]) * unheld_fraction(replicas)
+
+
+def shard_choices(problem: PartitionProblem, replicas: int) -> tuple[bool, ...]:
+    """The sharding a stage on ``replicas`` devices may choose: not sharding first (it costs no time)."""
+    if not problem.training or replicas < 2:
+        return (False,)
+    if problem.shard_all:
+        return (True,)
+    return (False, True) if problem.shard else (False,)
+
+
+def chosen_shard(problem: PartitionProblem, replicas: int, saved_bytes: float, fits_whole: bool) -> bool:
+    """Whether a stage on ``replicas`` devices shards when the plan does not say: always under
+    ``shard_all``; under ``shard`` only where it saves bytes and the stage does not fit without it."""
+    choices = shard_choices(problem, replicas)
+    if len(choices) == 1:
+        return choices[0]
+    return saved_bytes > 0 and not fits_whole
+
+
+def least_held_state(problem: PartitionProblem) -> list[float]:
+    """Per block, the fewest state bytes a device running it holds: all of it, or with sharding
+    allowed ``o * (1 - 1/n)`` less (n = devices in the problem, the most replicas a group can have)."""
+    state = list(problem.state_bytes)
+    n = len(problem.devices)
+    if not (problem.shard or problem.shard_all) or not problem.training or n < 2:
+        return state
+    kept = unheld_fraction(n)
+    return [s - o * kept for s, o in zip(state, block_optimizer_bytes(problem))]
+
+
+def sharded_whole_chain(problem: PartitionProblem) -> tuple[int, int, float] | None:
+    """The plan sharding saves most memory in, for a diagnosis: every block on one replica group of
+    the most numerous identical devices (type and memory), sharded. (Its first device, its replicas,
+    the bytes each holds); None where replicated stages may not shard."""
+    if not (problem.shard or problem.shard_all) or not problem.training or not problem.replicate:
+        return None
+    classes = Counter((d.type, d.memory_bytes) for d in problem.devices)
+    (kind, memory), r = max(classes.items(), key=lambda item: (item[1], item[0][1]))
+    if r < 2:
+        return None
+    first = next(i for i, d in enumerate(problem.devices) if (d.type, d.memory_bytes) == (kind, memory))
+    held = replica_inflight(inflight_microbatches(problem, 0, 1, [r]), r)
+    used = math.fsum(problem.state_bytes) - sharded_bytes(problem, 0, len(problem.blocks), r)
+    return first, r, used + held * math.fsum(problem.act_bytes)
