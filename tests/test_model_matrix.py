@@ -76,9 +76,11 @@ def test_analyse_plan_and_train_like_eager(case, tmp_path):
     flops, want = float(analysis.total_flops()), reference_flops(case)
     assert abs(flops - want) <= 0.02 * want, (flops, want)
 
+    # shard=0: memory is sized for two stages, which ZeRO-1 on a replica group would spare (it has its own
+    # tests); the matrix checks every architecture across a cut
     compiled = hetcc.compile(case.model, mixed_cluster(memory_for_two_stages(analysis)),
                              example_kwargs=case.inputs, microbatches=MICROBATCHES, schedule="1f1b",
-                             optimizer="adam")  # fmt: skip
+                             optimizer="adam", shard=0)  # fmt: skip
     assert len(compiled.plan.stages) >= 2, compiled.explain()
     _check_export(case, compiled, tmp_path)
     result = hetcc.run_local(compiled, case.inputs, targets=case.targets, loss_fn=case.loss_fn, steps=2,

@@ -11,6 +11,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_plan_space import homogeneous_groups
 
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.bound import lower_bound
@@ -169,29 +170,12 @@ def problems(draw, max_blocks: int = 4, max_devices: int = 4) -> PartitionProble
     )  # fmt: skip
 
 
-def _groups(problem: PartitionProblem):
-    """Every ordered sequence of disjoint non-empty groups of one type each (the first free devices)."""
-    by_type: dict[str, list[int]] = {}
-    for index, device in enumerate(problem.devices):
-        by_type.setdefault(device.type, []).append(index)
-
-    def extend(prefix, used):
-        if prefix:
-            yield list(prefix)
-        for members in by_type.values():
-            free = [d for d in members if d not in used]
-            for r in range(1, len(free) + 1):
-                yield from extend(prefix + [tuple(free[:r])], used | set(free[:r]))
-
-    yield from extend([], set())
-
-
 def _brute_force(problem: PartitionProblem):
     """Per group sequence, the least objective over cuts x recompute x shard in the plan space; and
     every feasible plan."""
     n, best, plans = len(problem.blocks), {}, []
     recompute_choices = [True] if problem.recompute_all else [False, True] if problem.recompute else [False]
-    for groups in _groups(problem):
+    for groups in homogeneous_groups(problem):
         if len(groups) > n:
             continue
         shards = itertools.product(*(shard_choices(problem, len(g)) for g in groups))
@@ -259,7 +243,7 @@ def test_sharded_plans_simulate_no_faster_than_the_bound(problem, schedule):
 @given(problems(), st.data())
 def test_without_sharding_no_stage_shards(problem, data):
     problem = dataclasses.replace(problem, shard=False, shard_all=False)
-    groups = data.draw(st.sampled_from(list(_groups(problem))[:40]))
+    groups = data.draw(st.sampled_from(list(homogeneous_groups(problem))[:40]))
     k = min(len(groups), len(problem.blocks))
     groups = groups[:k]
     cuts = sorted(data.draw(st.sets(st.integers(1, len(problem.blocks) - 1), min_size=k - 1, max_size=k - 1)))

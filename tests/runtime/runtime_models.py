@@ -10,6 +10,30 @@ import torch.nn.functional as F
 
 from hetcc.sendrecv import LocalTransport, use_transport
 
+_SLOW_CARDS_NODE = """  - name: node{k}
+    intra_link: {{kind: nvlink, bandwidth: 300 GB/s, latency: 2 us}}
+    devices: [{{type: Slow, count: {count}, memory: {memory}}}]
+"""
+
+
+def slow_cards(per_node: list[int], memory_bytes: int, inter_node: str = "") -> str:
+    """A cluster file of cards with A100 memory bandwidth but 20 GFLOP/s (compute dominates, so plans
+    replicate and split), ``per_node[k]`` of them on node k, each with ``memory_bytes`` usable, nodes
+    joined by ``inter_node`` (e.g. "10 Mb/s")."""
+    nodes = "".join(
+        _SLOW_CARDS_NODE.format(k=k, count=n, memory=memory_bytes) for k, n in enumerate(per_node)
+    )
+    link = (
+        f"inter_node_link: {{kind: ethernet, bandwidth: {inter_node}, latency: 20 us}}\n"
+        if inter_node
+        else ""
+    )
+    return (
+        "name: slow-cards\nmemory_reserve: 0\ncustom_types:\n"
+        "  - {name: Slow, base: A100-80GB, peak_flops: {fp32: 20 GFLOP/s}}\n"
+        f"nodes:\n{nodes}{link}"
+    )
+
 
 class ResidualMLP(torch.nn.Module):
     """Three linear layers; the first layer's activation skips the second (a cut over two stages)."""

@@ -10,25 +10,11 @@ import math
 import pytest
 import torch
 from models import eager_training, gpt2, token_ids
-from runtime_models import planned_transfers, run_in_process
+from runtime_models import planned_transfers, run_in_process, slow_cards
 
 import hetcc
 from hetcc.solver.codecs import wire_bytes_per_step
 
-TWO_NODES = """
-name: two-nodes-slow-link
-memory_reserve: 0
-custom_types:
-  - {name: Slow, base: A100-80GB, peak_flops: {fp32: 20 GFLOP/s}}
-nodes:
-  - name: node0
-    intra_link: {kind: nvlink, bandwidth: 300 GB/s, latency: 2 us}
-    devices: [{type: Slow, count: 2, memory: MEMORY}]
-  - name: node1
-    intra_link: {kind: nvlink, bandwidth: 300 GB/s, latency: 2 us}
-    devices: [{type: Slow, count: 1, memory: MEMORY}]
-inter_node_link: {kind: ethernet, bandwidth: 10 Mb/s, latency: 20 us}
-"""
 PINS = {"intra-node": ("int8", "bf16"), "inter-node": ("int8", "bf16")}
 ADAM = {"name": "adam", "lr": 0.01}
 STEPS = 2
@@ -43,7 +29,7 @@ def coded(tmp_path_factory):
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     state = sum(p.numel() * 4 for p in model.parameters()) * 4
     cluster = tmp_path_factory.mktemp("codecs") / "cluster.yaml"
-    cluster.write_text(TWO_NODES.replace("MEMORY", str(int(state * 0.8))))
+    cluster.write_text(slow_cards([2, 1], int(state * 0.8), inter_node="10 Mb/s"))
     compiled = hetcc.compile(
         model, cluster, example_kwargs=inputs, microbatches=4, compress=PINS, replicate=False
     )

@@ -6,21 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 from models import eager_training, gpt2, token_ids
+from runtime_models import slow_cards
 
 import hetcc
 from hetcc.solver.schedules import splits_backward
 
 # Slow cards on fast links: compute dominates, so replicas (no bubbles) beat a 4-deep pipeline.
-FOUR_SLOW_CARDS = """
-name: four-slow-cards
-memory_reserve: 0
-custom_types:
-  - {name: Slow, base: A100-80GB, peak_flops: {fp32: 20 GFLOP/s}}
-nodes:
-  - name: node0
-    intra_link: {kind: nvlink, bandwidth: 300 GB/s, latency: 2 us}
-    devices: [{type: Slow, count: 4, memory: MEMORY}]
-"""
+FOUR_SLOW_CARDS = slow_cards([4], "MEMORY")
 ADAM = {"name": "adam", "lr": 0.01}
 
 

@@ -7,19 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from models import eager_training, gpt2, token_ids
+from runtime_models import slow_cards
 
 import hetcc
 
-FOUR_CARDS = """
-name: four-slow-cards
-memory_reserve: 0
-custom_types:
-  - {name: Slow, base: A100-80GB, peak_flops: {fp32: 20 GFLOP/s}}
-nodes:
-  - name: node0
-    intra_link: {kind: nvlink, bandwidth: 300 GB/s, latency: 2 us}
-    devices: [{type: Slow, count: 4, memory: MEMORY}]
-"""
 ADAM = {"name": "adam", "lr": 0.01}
 
 
@@ -31,7 +22,7 @@ def sharded(tmp_path_factory):
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
     state = sum(p.numel() * 4 for p in model.parameters()) * 4
     cluster = tmp_path_factory.mktemp("shard") / "cluster.yaml"
-    cluster.write_text(FOUR_CARDS.replace("MEMORY", str(int(state * 0.75))))
+    cluster.write_text(slow_cards([4], int(state * 0.75)))
     compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=4, shard=1)
     return model, inputs, compiled
 

@@ -51,10 +51,16 @@ def test_replan_keeps_the_old_builds_precision_and_plan_space_unless_told(tmp_pa
     from hetcc.hardware.schema import Where
     from hetcc.runtime.contract import PipelineMeta, PlanSpace, read_meta
 
-    meta = PipelineMeta(1, precision="bf16-mixed", plan_space=PlanSpace(replicate=False, recompute=True))
-    assert plan_space_options(meta) == {"precision": "bf16-mixed", "replicate": False, "recompute": True}
+    space = PlanSpace(replicate=False, recompute=True, shard=1)
+    meta = PipelineMeta(1, precision="bf16-mixed", plan_space=space)
+    assert plan_space_options(meta) == {
+        "precision": "bf16-mixed",
+        "replicate": False,
+        "recompute": True,
+        "shard": 1,
+    }
     default = plan_space_options(PipelineMeta(1))
-    assert default == {"precision": "fp32", "replicate": True, "recompute": "auto"}
+    assert default == {"precision": "fp32", "replicate": True, "recompute": "auto", "shard": "auto"}
     where = Where(str(tmp_path / "pipeline.json"), error=PlanFormatError).at("meta")
     assert plan_space_options(read_meta({}, 1, where, version=1)) == default  # an older build
     for bad in ({"precision": ["fp32"]}, {"plan_space": {"replicate": 1}}, {"plan_space": {"recompute": 1}}):
