@@ -21,7 +21,7 @@ from hetcc import ir
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, TiedParam
-from hetcc.passes.compress import codec_rows, compress_spec, keep_paying_codecs, stage_wire_bytes
+from hetcc.passes.compress import PAYS_RTOL, codec_rows, compress_spec, keep_paying_codecs, stage_wire_bytes
 from hetcc.passes.cost import block_times, op_name
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
@@ -108,16 +108,16 @@ def _codecs_that_pay(
 ) -> tuple[PartitionSolution, list[str]]:
     """The plan's codecs, each kept only where it shortens the simulated step (``keep_paying_codecs``);
     where nothing is pinned (no link kind, no cut), the best plan without codecs is solved too and kept
-    if it is as fast."""
+    unless the plan with codecs is faster by more than ``PAYS_RTOL``."""
     solution, notes = keep_paying_codecs(problem, solution)
     spec = compress_spec(settings.compress)
     if problem.codecs is None or spec.links or spec.cuts:
         return solution, notes
     plain = solve(replace(problem, codecs=None), rerank=RERANK)
-    if plain.simulated_s <= solution.simulated_s:
+    if plain.simulated_s <= solution.simulated_s * (1 + PAYS_RTOL):
         return plain, [
-            f"compress: no codec pays: the best plan without codecs simulates {plain.simulated_s * 1e3:.2f} ms, "
-            f"the best with them {solution.simulated_s * 1e3:.2f} ms"
+            f"compress: no codec pays (by more than {PAYS_RTOL:.1%} of the step): the best plan without codecs "
+            f"simulates {plain.simulated_s * 1e3:.2f} ms, the best with them {solution.simulated_s * 1e3:.2f} ms"
         ]
     return solution, [
         *notes,
