@@ -198,8 +198,6 @@ class Chain:
         stage. A mode is left out where one without its recomputation or sharding has the same memory
         window: it would only cost time."""
         row, r, problem = self.type_row[device.type], len(group), self.problem
-        # Seconds per parameter byte and constant at step end, (all-reduce, all-gather): timed for stage 0.
-        rates = step_end_rates(problem, group) if first else ((0.0, 0.0), (0.0, 0.0))
         choices = [False]
         if problem.training and problem.recompute_all:
             choices = [True]
@@ -208,7 +206,8 @@ class Chain:
         modes = []
         for recompute, shard in itertools.product(choices, shard_choices(problem, r)):
             term = self._term_rows[row, recompute]
-            per_byte, constant = (rates[0][0] + rates[1][0], rates[0][1] + rates[1][1]) if shard else rates[0]
+            # seconds per parameter byte and constant at step end (all-reduce, all-gather): timed for stage 0
+            per_byte, constant = step_end_rates(problem, group, shard) if first else (0.0, 0.0)
             key = (row, recompute, per_byte)
             if key not in self._sums:
                 self._sums[key] = term + per_byte * self.param_prefix if per_byte else term

@@ -17,35 +17,36 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from hetcc.solver.problem import PartitionProblem, inflight_microbatches, replica_inflight, slowest_link
+from hetcc.solver.problem import (
+    PartitionProblem,
+    device_ring_s,
+    inflight_microbatches,
+    replica_inflight,
+    slowest_link,
+)
 
-
-def ring_allgather_s(nbytes: float, replicas: int, bandwidth_bps: float, latency_s: float) -> float:
-    """Seconds of a ring all-gather of ``nbytes`` over ``replicas`` devices: r - 1 steps of
-    nbytes / r each over the slowest link of the ring."""
-    if replicas <= 1:
-        return 0.0
-    return (replicas - 1) * (latency_s + nbytes / replicas / bandwidth_bps)
+# A ring all-gather is the second half of a ring all-reduce: r - 1 of its 2 (r - 1) steps.
+ALLGATHER_SHARE = 0.5
 
 
 def allgather_s(problem: PartitionProblem, group: Sequence[int], start: int, stop: int) -> float:
     """The all-gather of the parameters of blocks ``[start, stop)`` after a sharded optimizer step
     over the replica ``group`` (0 for one device or inference)."""
-    if not problem.training or len(group) < 2:
+    if not problem.training:
         return 0.0
-    nbytes = math.fsum(problem.block_param_bytes()[start:stop])
-    return ring_allgather_s(nbytes, len(group), *slowest_link(problem, group))
+    return ALLGATHER_SHARE * device_ring_s(problem, group, math.fsum(problem.block_param_bytes()[start:stop]))
 
 
-def step_end_rates(problem: PartitionProblem, group: Sequence[int]) -> tuple[tuple[float, float], ...]:
-    """(seconds per parameter byte, constant seconds) of the replica ``group``'s step-end ring
-    all-reduce and of the all-gather a sharding group adds (``ring_allreduce_s``, ``ring_allgather_s``
-    at the slowest link); zeros for one device or inference."""
+def step_end_rates(problem: PartitionProblem, group: Sequence[int], shard: bool) -> tuple[float, float]:
+    """(seconds per parameter byte, constant seconds) of the replica ``group``'s step end: its ring
+    all-reduce at the slowest link (``ring_allreduce_s``), and the all-gather after it where it shards;
+    zeros for one device or inference."""
     r = len(group)
     if r < 2 or not problem.training:
-        return (0.0, 0.0), (0.0, 0.0)
+        return 0.0, 0.0
     bandwidth, latency = slowest_link(problem, group)
-    return (2 * (r - 1) / r / bandwidth, 2 * (r - 1) * latency), ((r - 1) / r / bandwidth, (r - 1) * latency)
+    scale = 1.0 + (ALLGATHER_SHARE if shard else 0.0)
+    return scale * 2 * (r - 1) / r / bandwidth, scale * 2 * (r - 1) * latency
 
 
 def unheld_fraction(replicas: int) -> float:
