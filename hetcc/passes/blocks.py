@@ -27,7 +27,7 @@ import itertools
 import math
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,17 @@ class Block:
     def cut_grad_bytes(self) -> Number:
         """Gradient bytes crossing back over the cut after this block (training)."""
         return sum((c.bytes for c in self.cut_tensors if c.grad), 0)
+
+
+def crossing_once(chain: Sequence[Block]) -> list[CutTensor]:
+    """Every tensor that crosses a cut, once (its first record with consumers), in chain order: what the
+    runtime sends, from its producer's stage to each stage holding a consumer."""
+    seen: dict[str, CutTensor] = {}
+    for block in chain:
+        for c in block.cut_tensors:
+            if c.consumers:
+                seen.setdefault(c.node, c)
+    return list(seen.values())
 
 
 def blocks(gm: torch.fx.GraphModule, *, max_block_bytes: float = math.inf) -> torch.fx.GraphModule:

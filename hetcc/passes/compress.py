@@ -28,7 +28,7 @@ import torch.fx
 from hetcc import ir
 from hetcc.errors import PlanFormatError
 from hetcc.hardware.cluster import Cluster
-from hetcc.passes.blocks import Block
+from hetcc.passes.blocks import Block, CutTensor
 from hetcc.passes.comm import wire_codecs
 from hetcc.solver.codecs import allowed, stage_messages
 from hetcc.solver.objective import evaluate, stage_costs
@@ -111,10 +111,11 @@ def codec_rows(
     cluster: Cluster,
     spec: CompressSpec,
     training: bool,
-    cut_tensors: Sequence[Sequence] | None,
+    crossing: Sequence[CutTensor],
     subs: dict | None = None,
 ) -> list[WireCodec] | None:
-    """The problem's ``codecs``: one row per (codec, direction, where it may go); None when off."""
+    """The problem's ``codecs``: one row per (codec, direction, where it may go); None when off.
+    ``crossing``: the tensors of the problem's ``cut_tensors`` (``blocks.crossing_once``)."""
     if spec.off:
         return None
     names = [b.name for b in chain[:-1]]
@@ -135,7 +136,7 @@ def codec_rows(
             for codec in CODECS:
                 if where is not None and within_budget(codec, spec.budget[direction]):
                     wanted[(codec, gradient, where, tuple(free_cuts))] = None
-    tensors = _crossing(gm, chain, cut_tensors, subs)
+    tensors = _crossing(gm, chain, crossing, subs)
     return [
         _row(codec, gradient, links, list(mask), tensors, cluster)
         for codec, gradient, links, mask in wanted
@@ -145,25 +146,16 @@ def codec_rows(
 
 @dataclass(frozen=True)
 class _Crossing:
-    """The tensors of the chain's cuts and of ``cut_tensors``, with their shapes and dtypes."""
+    """The tensors of the chain's cuts and of the problem's ``cut_tensors``: (shape, dtype, grad) each."""
 
-    by_cut: list[list[tuple[tuple[int, ...], torch.dtype, bool]]]  # per cut: (shape, dtype, grad)
-    entries: list[tuple[tuple[int, ...], torch.dtype, bool]] | None  # per cut_tensors entry
+    by_cut: list[list[tuple[tuple[int, ...], torch.dtype, bool]]]  # per cut
+    entries: list[tuple[tuple[int, ...], torch.dtype, bool]]  # per cut_tensors entry
 
 
-def _crossing(gm, chain: Sequence[Block], cut_tensors, subs) -> _Crossing:
+def _crossing(gm, chain: Sequence[Block], crossing: Sequence[CutTensor], subs) -> _Crossing:
     nodes = {n.name: n for n in gm.graph.nodes}
-    spec = lambda name, grad: (*_shape_dtype(nodes[name], subs), grad)  # noqa: E731
-    by_cut = [[spec(c.node, bool(c.grad)) for c in block.cut_tensors] for block in chain[:-1]]
-    entries = None
-    if cut_tensors is not None:
-        firsts: dict[str, object] = {}
-        for block in chain:
-            for c in block.cut_tensors:
-                if c.consumers:
-                    firsts.setdefault(c.node, c)
-        entries = [spec(c.node, bool(c.grad)) for c in firsts.values()]
-    return _Crossing(by_cut, entries)
+    spec = lambda c: (*_shape_dtype(nodes[c.node], subs), bool(c.grad))  # noqa: E731
+    return _Crossing([list(map(spec, block.cut_tensors)) for block in chain[:-1]], list(map(spec, crossing)))
 
 
 def _shape_dtype(node: torch.fx.Node, subs: dict | None) -> tuple[tuple[int, ...], torch.dtype]:
@@ -176,36 +168,29 @@ def _row(codec: str, gradient: bool, links: str, mask: list[bool], tensors: _Cro
     """One ``WireCodec``: the wire bytes, coded bytes and calls of every cut (and cut tensor) under
     ``codec`` in one direction, and its seconds per byte and per call on every device type."""
 
-    def costs(items):
-        wire, coded, calls = [], [], []
-        for shape, dtype, grad in items:
-            raw = math.prod(shape) * dtype.itemsize
-            if gradient and not grad:
-                wire.append(0.0), coded.append(0.0), calls.append(0)
-            elif codec != NO_CODEC and wire_codecs(shape, dtype, grad, codec, NO_CODEC)[0] != NO_CODEC:
-                (
-                    wire.append(float(get_codec(codec).payload_bytes(shape))),
-                    coded.append(float(raw)),
-                    calls.append(1),
-                )
-            else:
-                wire.append(float(raw)), coded.append(0.0), calls.append(0)
-        return wire, coded, calls
+    def cost(shape, dtype, grad) -> tuple[float, float, int]:
+        """(wire bytes, coded raw bytes, encode calls) of one tensor in this direction."""
+        if gradient and not grad:
+            return 0.0, 0.0, 0  # no gradient comes back for it
+        raw = float(math.prod(shape) * dtype.itemsize)
+        if codec != NO_CODEC and wire_codecs(shape, dtype, grad, codec, NO_CODEC)[0] != NO_CODEC:
+            return float(get_codec(codec).payload_bytes(shape)), raw, 1
+        return raw, 0.0, 0
 
-    per_cut = [costs(items) for items in tensors.by_cut]
-    entries = costs(tensors.entries) if tensors.entries is not None else None
+    per_cut = [[cost(*t) for t in items] for items in tensors.by_cut]
+    entries = [cost(*t) for t in tensors.entries]
     encode, decode, call = _seconds(codec, cluster)
     return WireCodec(
         name=codec,
         gradient=gradient,
-        cut_bytes=[math.fsum(w) for w, _, _ in per_cut],
-        coded_bytes=[math.fsum(c) for _, c, _ in per_cut],
-        calls=[sum(n) for _, _, n in per_cut],
+        cut_bytes=[math.fsum(w for w, _, _ in cut) for cut in per_cut],
+        coded_bytes=[math.fsum(c for _, c, _ in cut) for cut in per_cut],
+        calls=[sum(n for _, _, n in cut) for cut in per_cut],
         encode_s_per_byte=encode,
         decode_s_per_byte=decode,
         call_s=call,
-        tensor_bytes=entries[0] if entries else None,
-        tensor_coded=[n > 0 for n in entries[2]] if entries else None,
+        tensor_bytes=[w for w, _, _ in entries],
+        tensor_coded=[n > 0 for _, _, n in entries],
         links=links,
         cuts=mask,
     )
@@ -236,8 +221,8 @@ def keep_paying_codecs(
     if problem.codecs is None:
         return solution, []
     codecs = [list(s.codecs) for s in solution.stages]
-    limit = _simulated(problem, solution, codecs) * (1 + PAYS_RTOL)
-    groups = solution.groups
+    step = _simulated(problem, solution, codecs)
+    limit, groups = step * (1 + PAYS_RTOL), solution.groups
     for j, stage in enumerate(solution.stages[:-1]):
         pair = (groups[j][0], groups[j + 1][0])
         for direction, gradient in ((0, False), (1, True)):
@@ -247,8 +232,9 @@ def keep_paying_codecs(
                 continue
             trial = [list(p) for p in codecs]
             trial[j][direction] = NO_CODEC
-            if _simulated(problem, solution, trial) <= limit:
-                codecs = trial
+            without = _simulated(problem, solution, trial)
+            if without <= limit:
+                codecs, step = trial, without
     pinned = [tuple(p) for p in codecs]
     scored = evaluate(
         problem,
@@ -258,7 +244,6 @@ def keep_paying_codecs(
         bound_s=solution.lower_bound_s,
         codecs=pinned,
     )
-    step = _simulated(problem, solution, pinned)
     kept = replace(scored, simulated_s=step, gap=step / solution.lower_bound_s - 1, exact=solution.exact,
                    orders_searched=solution.orders_searched)  # fmt: skip
     return kept, _notes(problem, kept)

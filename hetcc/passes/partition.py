@@ -20,7 +20,7 @@ import torch.fx
 from hetcc import ir
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
-from hetcc.passes.blocks import Block, TiedParam
+from hetcc.passes.blocks import Block, CutTensor, TiedParam, crossing_once
 from hetcc.passes.compress import PAYS_RTOL, codec_rows, compress_spec, keep_paying_codecs, stage_wire_bytes
 from hetcc.passes.cost import block_times, op_name
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
@@ -143,7 +143,7 @@ def build_problem(
     for param in tied:
         for name in param.blocks[1:]:  # the first user's block already counts it
             params[index[name]] += param.bytes
-    cut_tensors = _cut_tensors(chain, index, training)
+    crossing = crossing_once(chain)
     devices = [
         ProblemDevice(d.name, d.type.name, float(cluster.usable_memory_bytes(d)), d.node)
         for d in cluster.devices
@@ -160,7 +160,7 @@ def build_problem(
         cut_bytes=[float(b.cut_bytes) for b in chain[:-1]],
         cut_grad_bytes=[float(b.cut_grad_bytes) for b in chain[:-1]] if training else None,
         tied_blocks=[[index[name] for name in t.blocks] for t in tied],
-        cut_tensors=cut_tensors,
+        cut_tensors=_cut_tensors(crossing, index, training),
         tied_bytes=[float(t.bytes) for t in tied],
         devices=devices,
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
@@ -185,7 +185,7 @@ def build_problem(
             cluster,
             compress_spec(settings.compress, [b.name for b in chain]),
             training,
-            cut_tensors,
+            crossing,
             subs,
         ),
     )
@@ -335,12 +335,14 @@ def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float,
     )
 
 
-def _cut_tensors(chain, index: dict[str, int], training: bool) -> list[list]:
-    """Every tensor crossing a cut once: [producer block, consumer blocks, bytes, gradient bytes]."""
-    seen: dict[str, list] = {}
-    for block in chain:
-        for c in block.cut_tensors:
-            if c.node not in seen and c.consumers:
-                grad = float(c.bytes) if training and c.grad else 0.0
-                seen[c.node] = [index[c.producer], [index[b] for b in c.consumers], float(c.bytes), grad]
-    return list(seen.values())
+def _cut_tensors(crossing: Sequence[CutTensor], index: dict[str, int], training: bool) -> list[list]:
+    """The problem's ``cut_tensors``: [producer block, consumer blocks, bytes, gradient bytes] each."""
+    return [
+        [
+            index[c.producer],
+            [index[b] for b in c.consumers],
+            float(c.bytes),
+            float(c.bytes) if training and c.grad else 0.0,
+        ]
+        for c in crossing
+    ]
