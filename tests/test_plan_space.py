@@ -102,17 +102,26 @@ def brute_force(problem: PartitionProblem):
     return best, plans
 
 
+def solves_like_brute_force(problem: PartitionProblem, best: float):
+    """``solve(problem)`` where brute force found ``best``: infeasible where it is inf (None), else an
+    exact plan of that objective (returned)."""
+    if best == math.inf:
+        with pytest.raises(InfeasiblePlanError):
+            solve(problem)
+        return None
+    found = solve(problem)
+    assert found.exact
+    assert found.step_time_s == pytest.approx(best, rel=1e-9, abs=1e-12)
+    return found
+
+
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_solve_with_replicas_and_recompute_matches_brute_force(problem):
     (best, plan), feasible = brute_force(problem)
-    if best == math.inf:
-        with pytest.raises(InfeasiblePlanError):
-            solve(problem)
+    found = solves_like_brute_force(problem, best)
+    if found is None:
         return
-    found = solve(problem)
-    assert found.exact
-    assert found.step_time_s == pytest.approx(best, rel=1e-9, abs=1e-12)
     assert all(s.fits for s in found.stages)
     bound = lower_bound(problem)
     for bounds, groups, flags in feasible[:: max(1, len(feasible) // 40)]:  # no plan beats the bound
