@@ -1,0 +1,208 @@
+"""The collectives of a tensor-parallel stage as graph ops: ``hetcc::all_reduce``, ``hetcc::all_gather``,
+``hetcc::tensor_enter`` and ``hetcc::tensor_slice``.
+
+A stage with tensor degree t runs on t devices, each holding a shard of its weights
+(``hetcc.passes.tensor_parallel``). Every tensor in its graph is either *replicated* (the same on every
+device) or *sharded* along one dimension; the ops move a tensor between the two, and their backward
+keeps the one invariant the pass relies on: **the gradient of a replicated tensor is the same on every
+device**. Hence (Megatron-LM's f and g, generalised):
+
+=================  ==============================================  ============================================
+op                 forward                                         backward
+=================  ==============================================  ============================================
+``all_reduce``     sum of the devices' partial sums (row-parallel  identity (the gradient is already the same
+                   matmul): replicated                             on every device)
+``tensor_enter``   identity, where a replicated tensor feeds an    all-reduce: each device's gradient is its
+                   op whose result is sharded                      shard's part of the whole
+``all_gather``     the shards concatenated along ``dim``           this device's slice of the (replicated)
+                                                                   gradient
+``tensor_slice``   this device's slice along ``dim``               the gradients' shards gathered
+=================  ==============================================  ============================================
+
+The ops run over the *current tensor group* (``use_tensor_group``), which the runtime sets to the
+stage's tensor-parallel process group; ``LocalTensorGroup`` is a group of one (degree 1) for tests and
+tools that run a stage's code in one process. Like ``hetcc.sendrecv``, this module sits below the passes
+and the runtime and imports neither.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+
+from hetcc.errors import RuntimeFailure
+
+
+class TensorGroup(Protocol):
+    """The devices of one tensor-parallel stage: this device's ``rank`` among ``size``."""
+
+    rank: int
+    size: int
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
+
+
+class LocalTensorGroup:
+    """A tensor group of one device: every collective is the identity."""
+
+    rank, size = 0, 1
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor.clone()
+
+
+class ProcessTensorGroup:
+    """A tensor group over a ``torch.distributed`` process group (``group``: None is the world)."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+
+        self._dist, self.group = dist, group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.contiguous().clone()
+        self._dist.all_reduce(out, group=self.group)
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(self.size)]
+        self._dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+_current: list[TensorGroup] = []
+
+
+@contextlib.contextmanager
+def use_tensor_group(group: TensorGroup) -> Iterator[TensorGroup]:
+    """Run the collectives of the stage's graph over ``group`` for the block."""
+    _current.append(group)
+    try:
+        yield group
+    finally:
+        _current.pop()
+
+
+def _group() -> TensorGroup:
+    if not _current:
+        raise RuntimeFailure(
+            "a tensor-parallel collective (hetcc.all_reduce / all_gather / tensor_enter / tensor_slice) ran "
+            "outside a tensor group",
+            hint="run stage modules through hetcc.runtime (run_local / launch), or inside "
+            "hetcc.collectives.use_tensor_group(...)",
+        )
+    return _current[-1]
+
+
+def own_slice(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Device ``rank``'s equal part of ``tensor`` along ``dim``, of ``size`` parts."""
+    return tensor.chunk(size, dim=dim)[rank]
+
+
+# ------------------------------------------------------------------------------------------ all_reduce
+
+
+@torch.library.custom_op("hetcc::all_reduce", mutates_args=())
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor`` over the tensor group (each device holds a partial sum)."""
+    return _group().all_reduce(tensor)
+
+
+@all_reduce.register_fake
+def _all_reduce_fake(tensor):
+    return torch.empty_like(tensor)
+
+
+all_reduce.register_autograd(lambda ctx, grad: grad, setup_context=lambda ctx, inputs, output: None)
+
+
+# ---------------------------------------------------------------------------------------- tensor_enter
+
+
+@torch.library.custom_op("hetcc::tensor_enter", mutates_args=())
+def tensor_enter(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (replicated) as the input of sharded ops: the identity, whose gradient is all-reduced."""
+    return tensor.clone()
+
+
+@tensor_enter.register_fake
+def _tensor_enter_fake(tensor):
+    return torch.empty_like(tensor)
+
+
+tensor_enter.register_autograd(
+    lambda ctx, grad: _group().all_reduce(grad), setup_context=lambda ctx, inputs, output: None
+)
+
+
+# ------------------------------------------------------------------------------------------ all_gather
+
+
+@torch.library.custom_op("hetcc::all_gather", mutates_args=())
+def all_gather(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
+    """The ``degree`` devices' shards of a tensor, concatenated along ``dim``."""
+    group = _group()
+    if group.size != degree:
+        raise _degree_error("all_gather", degree, group.size)
+    return group.all_gather(tensor, dim)
+
+
+@all_gather.register_fake
+def _all_gather_fake(tensor, dim, degree):
+    shape = list(tensor.shape)
+    shape[dim] *= degree
+    return tensor.new_empty(shape)
+
+
+def _gather_setup(ctx, inputs, output) -> None:
+    _, ctx.dim, ctx.degree = inputs
+
+
+def _all_gather_backward(ctx, grad):
+    group = _group()
+    return own_slice(grad, ctx.dim, group.rank, ctx.degree).contiguous(), None, None
+
+
+all_gather.register_autograd(_all_gather_backward, setup_context=_gather_setup)
+
+
+# ---------------------------------------------------------------------------------------- tensor_slice
+
+
+@torch.library.custom_op("hetcc::tensor_slice", mutates_args=())
+def tensor_slice(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
+    """This device's part of a replicated ``tensor`` along ``dim`` (of ``degree`` equal parts)."""
+    group = _group()
+    if group.size != degree:
+        raise _degree_error("tensor_slice", degree, group.size)
+    return own_slice(tensor, dim, group.rank, degree).contiguous()
+
+
+@tensor_slice.register_fake
+def _tensor_slice_fake(tensor, dim, degree):
+    shape = list(tensor.shape)
+    shape[dim] //= degree
+    return tensor.new_empty(shape)
+
+
+def _tensor_slice_backward(ctx, grad):
+    return _group().all_gather(grad.contiguous(), ctx.dim), None, None
+
+
+tensor_slice.register_autograd(_tensor_slice_backward, setup_context=_gather_setup)
+
+
+def _degree_error(op: str, degree: int, size: int) -> RuntimeFailure:
+    return RuntimeFailure(
+        f"hetcc.{op} was compiled for tensor degree {degree} but runs in a tensor group of {size} devices",
+        hint="run the stage on as many devices as its plan gives it (pipeline.json: tensor degree per stage)",
+    )
