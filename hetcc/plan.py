@@ -56,7 +56,8 @@ class PlanStage:
     memory: MemoryBreakdown  # of the fullest replica
     device_memory_bytes: float  # usable memory of that replica's device
     bubble: float = 0.0  # share of the step this stage's devices idle (from the simulator)
-    devices: tuple[str, ...] = ()  # the replica group; ``device`` is its first
+    # the replica group, each replica's ``tensor`` devices in turn; ``device`` is its first
+    devices: tuple[str, ...] = ()
     shares: tuple[int, ...] = ()  # microbatches each replica runs
     recompute: bool = False  # activations recomputed in backward (keeps only the stage's inputs)
     precision: str = "fp32"
@@ -67,6 +68,7 @@ class PlanStage:
     # Per microbatch, what it sends (to every later stage) and the gradients it gets back: bytes whole,
     # then on the wire with its codecs: (activations, gradients, activations on the wire, gradients on it).
     wire_bytes: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    tensor: int = 1  # tensor degree: each replica is this many devices, each with its part of the weights
 
     def __post_init__(self):
         if not self.devices:
@@ -256,7 +258,13 @@ def _check_stage(stage: PlanStage, microbatches: int) -> None:
         raise _fail(f"{at}.bubble", f"a share of the step, got {stage.bubble!r}")
     if not all(_count(n) for n in stage.shares):
         raise _fail("stages", f"stage {stage.index}: shares must be microbatch counts")
-    if stage.shares and (len(stage.shares) != len(stage.devices) or sum(stage.shares) != microbatches):
+    if not _count(stage.tensor, 1) or len(stage.devices) % stage.tensor:
+        raise _fail(
+            f"{at}.tensor",
+            f"must be a degree >= 1 dividing its {len(stage.devices)} devices, got {stage.tensor!r}",
+        )
+    replicas = len(stage.devices) // stage.tensor
+    if stage.shares and (len(stage.shares) != replicas or sum(stage.shares) != microbatches):
         raise _fail(
             "stages", f"stage {stage.index}: shares {list(stage.shares)} do not cover the microbatches"
         )
@@ -290,6 +298,9 @@ def explain(plan: Plan) -> str:
     )
     coded = any(s.codecs != ("none", "none") for s in plan.stages)
     sharded = any(s.shard for s in plan.stages)
+    split = any(s.tensor > 1 for s in plan.stages)
+    if split:
+        header += f" {'tp':>3}"
     if sharded:
         header += f" {'zero-1':>6}"
     if coded:
@@ -305,10 +316,15 @@ def explain(plan: Plan) -> str:
             f"{(s.fwd_flops + s.bwd_flops) / total_flops:>5.0%} "
             f"{_memory(s.peak_memory_bytes, s.device_memory_bytes):>24} "
             f"{s.compute_s * 1e3:>13.2f} {s.comm_s * 1e3:>10.2f} {'yes' if s.recompute else 'no':>9} {s.bubble:>6.0%}"
+            + (f" {s.tensor:>3}" if split else "")
             + (f" {'yes' if s.shard else 'no':>6}" if sharded else "")
             + (f" {'/'.join(s.codecs):>13} {_wire(s):>34}" if coded else "")
         )
     lines.append("ms/mb: per microbatch on one replica; memory: the fullest replica's device")
+    if split:
+        lines.append(
+            "tp: tensor degree: each replica is tp devices of one node, each with 1/tp of the weights"
+        )
     if sharded:
         lines.append(
             "zero-1: the stage's replicas each hold 1/r of its optimizer state (memory: the fullest's share)"

@@ -2,7 +2,7 @@
 another.
 
     analyze:  trace -> shapes -> flops -> memory -> blocks
-    compile:  analyze -> cost -> partition -> fuse -> comm -> codegen
+    compile:  analyze -> cost -> (tensor_cost) -> partition -> fuse -> comm -> (shard) -> codegen
     replan:   newest checkpoint -> compile (the old run's options) -> checkpoint moved into the new stages
 
 Each step is a function in ``hetcc/passes/<step>.py``. With ``dump_dir=`` (or ``HETCC_DUMP_DIR``) the IR
@@ -35,7 +35,7 @@ from hetcc.hardware.cluster import Cluster
 from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import blocks, collect_blocks
 from hetcc.passes.codegen import codegen, stage_source
-from hetcc.passes.comm import format_stages, split_stages
+from hetcc.passes.comm import StageGraph, format_stages, split_stages
 from hetcc.passes.compress import compress_spec
 from hetcc.passes.cost import cost, cost_notes
 from hetcc.passes.flops import flops, format_flops
@@ -44,12 +44,15 @@ from hetcc.passes.memory import memory
 from hetcc.passes.partition import PlanSettings, partition
 from hetcc.passes.partition import optimizer as optimizer_entry
 from hetcc.passes.shapes import shapes
+from hetcc.passes.tensor_cost import tensor_cost, tried_degrees
+from hetcc.passes.tensor_parallel import tensor_parallel
 from hetcc.passes.trace import drop_dtype_asserts, trace
 from hetcc.plan import PRECISIONS, Plan
 from hetcc.report import write_report
 from hetcc.runtime.contract import PlanSpace, pipeline_meta_for
 from hetcc.runtime.cudagraphs import graphs_note
 from hetcc.runtime.store import Pipeline, pipeline_meta
+from hetcc.sendrecv import ANCHOR_NAME, attach_anchor
 from hetcc.solver.schedules import splits_backward
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.export import export
@@ -126,6 +129,7 @@ def compile(  # noqa: A001 - the public API name
     replicate: bool = True,
     compress: str | dict = "off",
     shard: int | str = "auto",
+    tensor_parallel: bool | int | str = False,
 ) -> Compiled:
     """Plan ``model`` over ``cluster``. ``example_inputs`` are one step's batch; dim 0 is split into
     ``microbatches`` equal microbatches, and every cost is per microbatch. ``microbatches="auto"``
@@ -144,17 +148,24 @@ def compile(  # noqa: A001 - the public API name
     shortens the simulated step) or a dict of pins per link kind or cut and an auto "budget".
     ``shard``: a replicated stage's optimizer state split over its replicas (ZeRO-1, torch's
     ``ZeroRedundancyOptimizer``): "auto" where the simulated plan gains (memory for longer stages or no
-    recompute, against one more all-gather of the weights), 1 on every replicated stage, 0 never."""
+    recompute, against one more all-gather of the weights), 1 on every replicated stage, 0 never.
+    ``tensor_parallel``: stages on groups of t like devices of one node, each holding 1/t of the weights
+    (Megatron-style, ``passes.tensor_parallel``): False never, a degree t (every device class with t on a
+    node runs at t), or "auto" (2, 4, 8 priced, each class at the degree whose plan simulates fastest,
+    degree 1 included). The microbatch search prices plans without it."""
     check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir)
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
     optimizer_entry(optimizer)  # reject an unknown optimizer before the slow steps
-    check_plan_space(precision, recompute, replicate, shard)
+    check_plan_space(precision, recompute, replicate, shard, tensor_parallel)
     compress_spec(compress)  # reject a bad codec name before the slow steps
     if dtype is None:
         dtype = PRECISIONS[precision]
     rows = batch_rows(example_inputs, example_kwargs or {})
+    tensor = False if tensor_parallel == 1 else tensor_parallel  # degree 1: no split
+    if tensor:
+        tried_degrees(cluster, tensor)  # a degree no node has room for fails before tracing
     settings = PlanSettings(
-        1, schedule, training, optimizer, precision, recompute, replicate, rows, compress, shard
+        1, schedule, training, optimizer, precision, recompute, replicate, rows, compress, shard, tensor
     )
     inputs = (example_inputs, example_kwargs or {})
     if microbatches != "auto":
@@ -206,15 +217,21 @@ def _compile_at(
     with _step(dumper, "cost", lambda: _cost_dump(gm, choice), lambda: verify.check_graph(gm, "cost")):
         choice = cost(gm, device_types=cluster.types, candidates=candidates, fuse=config.fuse, **pricing)
     notes.extend(cost_notes(gm))
+    split = None
+    if settings.tensor_parallel:
+        with _step(dumper, "tensor_cost", lambda: split.summary([b.name for b in analysis.blocks]), None):
+            split = tensor_cost(gm, analysis.blocks, analysis.tied_params, cluster, settings, dtype)
     with _step(dumper, "partition", lambda: plan.explain(), lambda: verify.check_stages(gm, plan)):
         change = choice.act_bytes_change([b.name for b in analysis.blocks]) if training else None
         plan, problem, solution = partition(
-            gm, analysis.blocks, analysis.tied_params, cluster, settings, change
+            gm, analysis.blocks, analysis.tied_params, cluster, settings, change, split and split.rows
         )
         fusion = choice.note([s.device_type for s in plan.stages])
+        split_note = [split.note([s.tensor for s in plan.stages])] if split else []
         plan = replace(
-            plan, microbatch_search=tuple(search), notes=(*plan.notes, *notes, *([fusion] if fusion else []))
-        )
+            plan, microbatch_search=tuple(search),
+            notes=(*plan.notes, *notes, *([fusion] if fusion else []), *split_note),
+        )  # fmt: skip
     with _step(dumper, "fuse", lambda: gm.code, lambda: verify.check_graph(gm, "fuse")):
         plan = _fuse_for_stages(gm, plan, choice, analysis)
     _dump_kernels(gm, dumper)
@@ -224,6 +241,9 @@ def _compile_at(
         present = {node.name for node in gm.graph.nodes}
         stage_of = {n: k for n, k in plan.stage_of.items() if n in present}
         stages = split_stages(gm, stage_of, len(plan.stages), [s.codecs for s in plan.stages])
+    if any(s.tensor > 1 for s in plan.stages):
+        with _step(dumper, "shard", lambda: format_stages(stages), lambda: verify.check_pipeline(stages)):
+            _shard_stages(stages, plan)
     sources = functools.cache(lambda: [stage_source(s) for s in stages])  # only made when dumped
     with _step(dumper, "codegen", lambda: "\n".join(sources()), None):
         codegen(stages)
@@ -238,7 +258,7 @@ def _compile_at(
         print(plan.explain(), file=sys.stderr)
     meta = pipeline_meta_for(
         plan, cluster, solution, optimizer=optimizer, inputs=[n.target for n in gm.graph.find_nodes(op="placeholder")],
-        state_dict=_state_dict_keys(model), plan_space=PlanSpace(replicate, recompute, settings.shard),
+        state_dict=_state_dict_keys(model), plan_space=PlanSpace(replicate, recompute, settings.shard, settings.tensor_parallel),
     )  # fmt: skip
     return Compiled(plan, problem, analysis, cluster, solution, Pipeline(stages, meta), optimizer)
 
@@ -254,15 +274,35 @@ def _with_graphs_note(plan: Plan, stages: Sequence, cluster: Cluster) -> Plan:
 
 
 def _fuse_for_stages(gm: torch.fx.GraphModule, plan: Plan, choice: FusionChoice, analysis: Analysis) -> Plan:
-    """Fuse each group chosen for the device type of the stage that runs it; the blocks and the plan's
-    node lists then name the graph that runs."""
+    """Fuse each group chosen for the device type of the stage that runs it, except on tensor-parallel
+    stages (a fused group has no sharding rule: its inputs would be gathered around it); the blocks and
+    the plan's node lists then name the graph that runs."""
+    stage_of = [ir.info(c.members[-1]).stage for c in choice.candidates]
     type_of = {s.index: s.device_type for s in plan.stages}
-    stage_type = [type_of[ir.info(c.members[-1]).stage] for c in choice.candidates]
-    fuse(gm, [c for k, c in enumerate(choice.candidates) if k in choice.fused[stage_type[k]]])
+    split = {s.index for s in plan.stages if s.tensor > 1}
+    fused = [k for k, stage in enumerate(stage_of) if k in choice.fused[type_of[stage]]]
+    fuse(gm, [choice.candidates[k] for k in fused if stage_of[k] not in split])
     analysis.blocks, analysis.tied_params = collect_blocks(gm)
     nodes = {b.name: b.nodes for b in analysis.blocks}
     stages = tuple(replace(s, nodes=tuple(n for b in s.blocks for n in nodes[b])) for s in plan.stages)
-    return replace(plan, stages=stages)
+    kept = sum(1 for k in fused if stage_of[k] in split)
+    note = (
+        f"fusion: {kept} group(s) the cost chose left as ops on the tensor-parallel stages "
+        f"{sorted(split)} (a fused group has no sharding rule: its inputs would be gathered around it)"
+    )
+    return replace(plan, stages=stages, notes=(*plan.notes, note) if kept else plan.notes)
+
+
+def _shard_stages(stages: Sequence[StageGraph], plan: Plan) -> None:
+    """Each stage of tensor degree t > 1 becomes the graph each of its t devices runs, with explicit
+    collectives (``passes.tensor_parallel``); weights it shares with other stages stay whole."""
+    for stage, planned in zip(stages, plan.stages):
+        if planned.tensor > 1:
+            weights = next(stage.module.parameters(), None)
+            if weights is not None and weights.is_meta and hasattr(stage.module, ANCHOR_NAME):
+                attach_anchor(stage.module, "meta")  # a recv's value is on its anchor's device: the weights'
+            tied = frozenset(name for g in stage.tied for k, name in g.members if k == stage.index)
+            stage.module, stage.tensor = tensor_parallel(stage.module, planned.tensor, keep_whole=tied)
 
 
 def _cost_dump(gm: torch.fx.GraphModule, choice: FusionChoice) -> str:

@@ -17,7 +17,14 @@ from hetcc.plan import PRECISIONS
 from hetcc.solver.schedules import SCHEDULES
 
 
-def check_plan_space(precision: object, recompute: object, replicate: object, shard: object = "auto") -> None:
+def check_plan_space(
+    precision: object,
+    recompute: object,
+    replicate: object,
+    shard: object = "auto",
+    tensor_parallel: object = False,
+) -> None:
+    """The plan-space options of ``hetcc.compile`` (and ``replan``), before anything is traced."""
     if not isinstance(precision, str) or precision not in PRECISIONS:
         raise HetccError(
             f"unknown precision {precision!r}{did_you_mean(precision, PRECISIONS)}",
@@ -35,6 +42,23 @@ def check_plan_space(precision: object, recompute: object, replicate: object, sh
     if shard not in ("auto", 0, 1) or isinstance(shard, bool):
         raise HetccError(
             f"shard must be 'auto', 0 or 1, got {shard!r}", hint="1: ZeRO-1 on every replicated stage"
+        )
+    _check_tensor_parallel(tensor_parallel)
+
+
+def _check_tensor_parallel(value: object) -> None:
+    """False, "auto", or a degree: an integer from 1 (no split) to the most like devices a node holds."""
+    if value is False or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise HetccError(
+            f"tensor_parallel must be False, 'auto' or a tensor degree (an integer >= 1), got {short_repr(value)}",
+            hint="e.g. tensor_parallel=2 (stages on pairs of like devices of one node) or 'auto'",
+        )
+    if value < 1:
+        raise HetccError(
+            f"tensor_parallel={value}: a tensor degree is the number of devices sharing a stage's weights (>= 1)",
+            hint="use 2, 4 or 8 (at most the like devices one node holds), 'auto', or False",
         )
 
 

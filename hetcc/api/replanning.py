@@ -35,7 +35,8 @@ def plan_space_options(meta: PipelineMeta) -> dict[str, Any]:
     """The old build's precision and plan space (checked when ``pipeline.json`` was read), as ``compile``
     options."""
     return {"precision": meta.precision, "replicate": meta.plan_space.replicate,
-            "recompute": meta.plan_space.recompute, "shard": meta.plan_space.shard}  # fmt: skip
+            "recompute": meta.plan_space.recompute, "shard": meta.plan_space.shard,
+            "tensor_parallel": meta.plan_space.tensor_parallel}  # fmt: skip
 
 
 def save_replanned(compiled: Compiled, build: Path, root: Path, step: int, out: Path) -> None:

@@ -77,6 +77,7 @@ def _compile(args: argparse.Namespace) -> None:
         schedule=args.schedule, training=not args.inference, optimizer=args.optimizer, dump_dir=out / "ir",
         precision=args.precision, recompute={"auto": "auto", "always": True, "never": False}[args.recompute],
         replicate=not args.no_replicate, compress=args.compress, shard=args.shard,
+        tensor_parallel=args.tensor_parallel,
     )  # fmt: skip
     if any(p.is_meta for p in model.parameters()):  # planned without weights: nothing to run yet
         compiled.save_plan(out)
@@ -239,6 +240,10 @@ def _add_compile(commands) -> None:
     compile_cmd.add_argument("--shard", type=lambda t: t if t == "auto" else int(t), choices=("auto", 0, 1),
                              default="auto", help="ZeRO-1 of replicated stages (optimizer state split over the "
                              "replicas): auto where it pays (default), 1 always, 0 never")  # fmt: skip
+    compile_cmd.add_argument("--tensor-parallel", type=_tensor_parallel, default=False, metavar="{off,auto,T}",
+                             help="stages on groups of T like devices of one node, each holding 1/T of the "
+                             "weights (Megatron-style): off (default), auto (2, 4 and 8 priced, the fastest "
+                             "simulated kept per device type) or a degree T")  # fmt: skip
     compile_cmd.add_argument("--compress", type=_compress, default="off",
                              help="codecs on the wire between stages: off (default), auto (per cut where "
                              "it shortens the step, no lossier than int8 activations / bf16 gradients), or "
@@ -248,6 +253,17 @@ def _add_compile(commands) -> None:
                              "sgd_momentum or none (default adam)")  # fmt: skip
     compile_cmd.add_argument("--inference", action="store_true", help="plan forward only (no gradients)")
     compile_cmd.set_defaults(run=_compile)
+
+
+def _tensor_parallel(text: str) -> bool | int | str:
+    if text in ("off", "auto"):
+        return "auto" if text == "auto" else False
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected off, auto or a degree (an integer), got {text!r}"
+        ) from None
 
 
 def _compress(text: str) -> str | dict:

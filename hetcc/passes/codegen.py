@@ -109,11 +109,23 @@ def stage_source(stage: StageGraph, *, recompute: bool = False, precision: str =
         wraps.append("torch.utils.checkpoint (recomputed in backward: recvs replayed, no re-send)")
     if wraps:
         lines.append(f"# forward runs under {' and '.join(wraps)}")
+    split = stage.tensor.sharded_params if stage.tensor is not None else {}
+    if stage.tensor is not None:
+        lines.append(
+            f"# tensor parallel: each replica is {stage.tensor.degree} ranks running this code, each with its "
+            "part of the split weights; hetcc.all_reduce / all_gather / tensor_enter / tensor_slice run over them"
+        )
     lines.append("# parameters:")
     for local, name in stage.param_names.items():
         param = stage.module.get_parameter(local)
         alias = "" if local == name else f"  (model name {name})"
-        lines.append(f"#   {local}: {_spec(param.shape, param.dtype)}{alias}")
+        shard = split.get(local)
+        part = (
+            ""
+            if shard is None
+            else f", split along dim {shard.dim}" + (f" in {shard.blocks} blocks" if shard.blocks > 1 else "")
+        )
+        lines.append(f"#   {local}: {_spec(param.shape, param.dtype)}{alias}{part}")
     for group in stage.tied:
         if stage.index in group.stages:
             lines.append(f"# tied: {group.name} held by stages {list(group.stages)}; gradients summed")

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.passes.remat import rematerialisable, trainable_values
 from hetcc.passes.stage_assign import assign_stages, is_tensor
+from hetcc.passes.tensor_parallel import TensorLayout
 from hetcc.sendrecv import ANCHOR_NAME, attach_anchor, gradient_wire, new_anchor
 from hetcc.wire import NO_CODEC, get_codec
 
@@ -98,6 +99,9 @@ class StageGraph:
     num_outputs: int  # flat model outputs returned (last stage only; 0 elsewhere)
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # traced (microbatch) shapes
     input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # traced dtypes of tensor inputs
+    # Tensor parallel (``passes.tensor_parallel``): the module is the graph each of the replica's t ranks
+    # runs, holding the whole weights; each rank takes its part (``take_part``). None: not split.
+    tensor: TensorLayout | None = None
 
     @property
     def is_last(self) -> bool:

@@ -312,14 +312,16 @@ def _cast_elements(node: torch.fx.Node) -> tuple[object, int]:
     elements, tensors = 0, 0
     for arg in node.all_input_nodes:
         record = info(arg)
-        if record.dtype != torch.float32 or record.shape is None or _low_precision_source(arg):
+        if record.dtype != torch.float32 or record.shape is None or autocast_half(arg):
             continue
         elements += math.prod(record.shape)
         tensors += 1
     return elements, tensors
 
 
-def _low_precision_source(node: torch.fx.Node) -> bool:
+def autocast_half(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s value is half precision under autocast: an op autocast runs in the lower
+    precision computed it, or the tensor it views."""
     while node.op == "call_function" and _launch_kind(node, info(node)) == "view" and node.all_input_nodes:
         node = node.all_input_nodes[0]
     return node.op in _COMPUTE and op_name(node) in LOWER_PRECISION_OPS

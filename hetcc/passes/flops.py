@@ -180,6 +180,9 @@ BYTE_RULES: dict[str, Callable[[torch.fx.Node], object]] = {
     "aten.index_select": _gather,
     "transformers.grouped_mm_fallback": _io,
     "_operator.getitem": _zero,
+    # a tensor-parallel stage's collectives (``hetcc.collectives``) move bytes over links, not through
+    # memory: ``passes.tensor_cost`` prices each as a ring on the node's link
+    **{f"hetcc.{name}": _zero for name in ("all_reduce", "all_gather", "tensor_enter", "tensor_slice")},
     # symbolic_trace graphs keep leaf modules as call_module nodes
     **{
         f"nn.{name}": _io

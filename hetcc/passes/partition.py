@@ -6,6 +6,10 @@ replays the solution in the event-driven simulator, prices the baselines, and wr
 State bytes per block = parameters × (1 weight + 1 gradient + optimizer states) when training. A tied
 parameter (GPT-2's wte/lm_head) is charged to every block that uses it, because every stage that runs
 one of those blocks holds a copy (it over-counts only when the same stage holds both users).
+
+With tensor parallelism on (``PlanSettings.tensor_parallel``), the problem carries the ``TensorSplit`` rows
+``passes.tensor_cost`` priced, ``solver.tensor.solve_tensor`` plans it as a problem of composite devices (a
+group of t like devices on one node is one device), and each stage is mapped back to its real devices.
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from hetcc.passes.compress import PAYS_RTOL, codec_rows, compress_spec, keep_pay
 from hetcc.passes.cost import block_times, op_name
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
-from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
+from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, TensorSplit
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
+from hetcc.solver.tensor import DeviceMap, composite_problem, megatron_baseline, solve_tensor
 
 
 @dataclass(frozen=True)
@@ -83,24 +88,38 @@ class PlanSettings:
     batch_rows: int = 0
     compress: object = "off"  # ``passes.compress``: "off", "auto" or a dict of pins
     shard: int | str = "auto"  # ZeRO-1 of replicated stages: "auto" (where it pays), 1 (always), 0 (never)
+    tensor_parallel: bool | int | str = False  # False (none), a pinned degree, or "auto" (``solve_tensor``)
 
 
 def partition(
     gm: torch.fx.GraphModule, chain: Sequence[Block], tied: Sequence[TiedParam], cluster: Cluster,
     settings: PlanSettings, act_change: Sequence[float] | None = None,
+    tensor_splits: Sequence[TensorSplit] | None = None,
 ) -> tuple[Plan, PartitionProblem, PartitionSolution]:  # fmt: skip
     """Plan ``chain`` over ``cluster`` and annotate every node of ``gm`` with its stage.
-    ``act_change``: per block, what fusion changes in its saved activations (``FusionChoice``)."""
-    problem = build_problem(gm, chain, tied, cluster, settings, act_change=act_change)
-    problem, solution, note = solve_schedules(problem, settings.schedule)
+    ``act_change``: per block, what fusion changes in its saved activations (``FusionChoice``);
+    ``tensor_splits``: the rows of ``passes.tensor_cost``, planned with where ``settings.tensor_parallel``
+    is on; the problem returned then holds them, and the solution's device indices name the devices of its
+    composite problem for the degrees chosen (``solver.tensor.composite_problem``; the plan's stages name
+    the real devices)."""
+    whole = build_problem(gm, chain, tied, cluster, settings, act_change=act_change)
+    tensor = bool(settings.tensor_parallel and tensor_splits)
+    if tensor:
+        whole = replace(whole, tensor_splits=list(tensor_splits))
+    problem, solution, note, device_map = solve_each_schedule(
+        whole, settings.schedule, settings.tensor_parallel
+    )
+    bound = solution.lower_bound_s  # with tensor parallelism: valid for every degree (``tensor_bound``)
     solution, codec_notes = _codecs_that_pay(problem, solution, settings)
-    plan = _plan(problem, solution, chain, settings)
+    if tensor and solution.lower_bound_s != bound:  # a plan without codecs kept: still the tensor bound
+        solution = replace(solution, lower_bound_s=bound, gap=solution.simulated_s / bound - 1)
+    plan = _plan(problem, solution, chain, settings, whole, device_map)
     plan = replace(plan, notes=(*plan.notes, *([note] if note else []), *codec_notes))
     stage_of = plan.stage_of
     for node in gm.graph.nodes:
         if node.name in stage_of:
             ir.annotate(node, stage=stage_of[node.name])
-    return plan, problem, solution
+    return plan, replace(whole, schedule=problem.schedule) if tensor else problem, solution
 
 
 def _codecs_that_pay(
@@ -202,20 +221,41 @@ def solve_schedules(
     """``problem`` solved under ``schedule``, or under ``"auto"`` once per schedule of ``AUTO_SCHEDULES``
     (a schedule no plan fits under is skipped); the problem and solution kept, and a note saying what
     each tried schedule simulated (empty unless ``"auto"``)."""
+    return solve_each_schedule(problem, schedule)[:3]
+
+
+def solve_each_schedule(
+    problem: PartitionProblem, schedule: str, tensor: bool | int | str = False
+) -> tuple[PartitionProblem, PartitionSolution, str, DeviceMap]:
+    """``solve_schedules`` with each schedule solved by ``solve_one`` (``tensor``: its tensor degrees),
+    and the device map of the solution kept."""
     if schedule != "auto":
-        return problem, solve(problem, rerank=RERANK), ""
+        solved, solution, device_map = solve_one(problem, tensor)
+        return solved, solution, "", device_map
     tried, first_error = [], None
     for name in AUTO_SCHEDULES:
-        candidate = replace(problem, schedule=name)
         try:
-            tried.append((candidate, solve(candidate, rerank=RERANK)))
+            tried.append(solve_one(replace(problem, schedule=name), tensor))
         except InfeasiblePlanError as error:
             first_error = first_error or error
     if not tried:
         raise first_error
-    best = min(tried, key=lambda pair: pair[1].simulated_s)
-    figures = ", ".join(f"{p.schedule} {s.simulated_s * 1e3:.2f} ms" for p, s in tried)
-    return (*best, f"schedule: {best[0].schedule} kept by simulation ({figures})")
+    solved, solution, device_map = min(tried, key=lambda found: found[1].simulated_s)
+    figures = ", ".join(f"{p.schedule} {s.simulated_s * 1e3:.2f} ms" for p, s, _ in tried)
+    return solved, solution, f"schedule: {solved.schedule} kept by simulation ({figures})", device_map
+
+
+def solve_one(
+    problem: PartitionProblem, tensor: bool | int | str = False
+) -> tuple[PartitionProblem, PartitionSolution, DeviceMap]:
+    """``problem`` solved by ``solve``, or where ``tensor`` (a degree or "auto") is on and the problem has
+    ``tensor_splits``, by ``solver.tensor.solve_tensor``: (the problem the solution's device indices name,
+    for tensor parallelism the composite problem of the degrees chosen; the solution; per device of that
+    problem, the devices of ``problem`` it stands for)."""
+    if not tensor or not problem.tensor_splits:
+        return problem, solve(problem, rerank=RERANK), [(i,) for i in range(len(problem.devices))]
+    solution, assignment, device_map = solve_tensor(problem, tensor, rerank=RERANK)
+    return composite_problem(problem, assignment)[0], solution, device_map
 
 
 # Ops whose backward computes a parameter's gradient as one more GEMM of the forward's size (dW = dY^T X):
@@ -254,7 +294,9 @@ def _parameter(node: torch.fx.Node, depth: int = 3) -> bool:
     return depth > 0 and view and any(_parameter(a, depth - 1) for a in node.all_input_nodes)
 
 
-def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> Plan:
+def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, whole, device_map) -> Plan:
+    """The plan of ``solution`` on ``problem`` (the composite problem under tensor parallelism), its stages
+    on the real devices of ``whole`` (``device_map``), the baselines priced on ``whole``."""
     simulation = simulate(
         problem,
         solution.boundaries,
@@ -264,15 +306,18 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> 
         stages=solution.stages,
     )
     stages = tuple(
-        _stage(k, stage_plan, problem, chain, settings, simulation.bubble_fraction[k], wire)
+        _stage(k, stage_plan, whole, device_map, chain, settings, simulation.bubble_fraction[k], wire)
         for k, (stage_plan, wire) in enumerate(zip(solution.stages, stage_wire_bytes(problem, solution)))
     )
     base = {}
-    for name, plan in baselines(problem).items():
+    for name, plan in baselines(whole).items():
         fits = all(s.fits for s in plan.stages)
         base[name] = (
-            simulate(problem, plan.boundaries, plan.devices, events=False).step_time_s if fits else math.inf
+            simulate(whole, plan.boundaries, plan.devices, events=False).step_time_s if fits else math.inf
         )
+    megatron = megatron_baseline(whole) if settings.tensor_parallel and whole.tensor_splits else None
+    if megatron is not None:
+        base["megatron"] = megatron[0].simulated_s
     rows = settings.batch_rows // problem.microbatches if settings.batch_rows else 0
     return Plan(
         stages=stages,
@@ -291,13 +336,18 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings) -> 
     )
 
 
-def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float, wire) -> PlanStage:
+def _stage(k, stage_plan, whole, device_map, chain, settings: PlanSettings, bubble: float, wire) -> PlanStage:
+    """Stage ``k`` on its real devices: each replica's group of ``tensor`` devices of ``whole`` in turn
+    (``device_map``: per device of the solved problem, the devices of ``whole`` it stands for); memory
+    figures per device."""
     start, stop = stage_plan.blocks
     blocks = chain[start:stop]
     training = settings.training
     multiplier = state_multiplier(training, settings.optimizer, settings.precision)
     params = stage_plan.state_bytes / multiplier
-    device = problem.devices[stage_plan.device]
+    groups = [device_map[i] for i in stage_plan.group]
+    devices = tuple(whole.devices[i].name for group in groups for i in group)
+    device = whole.devices[groups[0][0]]
     states = params * optimizer(settings.optimizer).states if training else 0.0
     held = states - stage_plan.sharded_bytes  # ZeRO-1: one replica's share
     activations = stage_plan.memory_bytes - stage_plan.state_bytes + stage_plan.sharded_bytes
@@ -323,7 +373,7 @@ def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float,
         memory=memory,
         device_memory_bytes=stage_plan.memory_capacity_bytes,
         bubble=bubble,
-        devices=stage_plan.device_names,
+        devices=devices,
         shares=stage_plan.shares,
         recompute=stage_plan.recompute,
         precision=settings.precision,
@@ -332,6 +382,7 @@ def _stage(k, stage_plan, problem, chain, settings: PlanSettings, bubble: float,
         codecs=stage_plan.codecs,
         shard=stage_plan.shard,
         wire_bytes=wire,
+        tensor=len(groups[0]),
     )
 
 

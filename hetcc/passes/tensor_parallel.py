@@ -11,6 +11,8 @@ dim d). The graph's inputs are replicated. Two rules are hetcc's own:
   contracts makes it *row-parallel* (the weight split along the input features; the partial sums are
   all-reduced, then the bias is added). Megatron-LM's attention and MLP fall out: q/k/v and the first MLP
   matmul are column-parallel, heads split, the output projections row-parallel.
+- **An embedding table** used once is split along its features: each device looks up its part of
+  every row, and the rows are gathered whole.
 - **A fused projection split afterwards** (GPT-2's ``c_attn``: one matmul for q, k and v, then
   ``split``): the weight is laid out so each device's part of every piece is contiguous (``blocks``: the
   output features are k pieces, each split t ways), so the split stays local.
@@ -181,6 +183,8 @@ class _Rewrite:
                 self._matmul(node)
             elif node.target in _SPLITS and self._split(node):
                 pass
+            elif node.target is aten.embedding.default and self._embedding(node):
+                pass
             else:
                 self._propagate(node)
         self.layout.placements = {n.name: _name(p) for n, p in self.place.items()}
@@ -279,6 +283,21 @@ class _Rewrite:
         if node.target is aten.matmul.default:
             return self.graph.call_function(aten.matmul.default, (x, weight))
         return self.graph.call_function(aten.mm.default, (x, weight))
+
+    def _embedding(self, node: fx.Node) -> bool:
+        """An embedding table only this lookup uses is split along its features: each device looks up
+        its part of every row, and the parts are gathered at once (what follows a lookup, a norm or a
+        sum with positions, wants the rows whole). False where it cannot be."""
+        table = node.args[0]
+        value = _val(table)
+        if not self._owns(table) or value is None or value.dim() != 2 or value.shape[1] % self.t:
+            return False
+        self.layout.params[table.target] = ParamShard(1)
+        self.place[table] = Shard(1)
+        last = _val(node).dim() - 1
+        self.env[node] = self._call("all_gather", self._copy(node, Shard(last)), last, self.t)
+        self.place[node] = _R
+        return True
 
     # --------------------------------------------------------------------------------- splits
     def _split(self, node: fx.Node) -> bool:

@@ -32,9 +32,8 @@ def propagate(node: fx.Node, placements: dict[fx.Node, object], mesh, degree: in
     schema = OpSchema(
         node.target, tuple(to_schema(a) for a in node.args), {k: to_schema(v) for k, v in node.kwargs.items()}
     )
-    try:
-        sharding = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached(schema)
-    except Exception:  # noqa: BLE001 - torch raises many kinds for "no rule"; every one means: gather
+    sharding = _sharding(schema)
+    if sharding is None:
         return None
     out = _placements(sharding.output_spec)
     if out is None or not _even(sharding.output_spec, degree):
@@ -59,6 +58,46 @@ def propagate(node: fx.Node, placements: dict[fx.Node, object], mesh, degree: in
     except _Unusable:
         return None
     return wants, out, args, kwargs
+
+
+_ANSWERS: dict[tuple, object] = {}  # the propagator's answers by question: repeated layers ask once
+_MAX_ANSWERS = 1 << 16
+
+
+def _sharding(schema: OpSchema):
+    """torch's answer for ``schema`` (None: no rule), each question asked once. The key is the op and
+    every argument, tensors by their full spec (mesh, placement, shape, stride, dtype): torch's own cache
+    keys a schema built without its runtime info by less than that."""
+    key = _frozen((schema.op, schema.args_schema, schema.kwargs_schema))
+    if key is not None and key in _ANSWERS:
+        return _ANSWERS[key]
+    try:
+        answer = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached(schema)
+    except Exception:  # noqa: BLE001 - torch raises many kinds for "no rule"; every one means: gather
+        answer = None
+    if key is not None:
+        if len(_ANSWERS) >= _MAX_ANSWERS:
+            _ANSWERS.clear()
+        _ANSWERS[key] = answer
+    return answer
+
+
+def _frozen(value):
+    """``value`` as a hashable key (lists and dicts as tuples), or None where part of it is unhashable."""
+    if isinstance(value, (list, tuple)):
+        items = [_frozen(v) for v in value]
+        return (
+            None
+            if any(i is None and v is not None for i, v in zip(items, value))
+            else (type(value).__name__, *items)
+        )
+    if isinstance(value, dict):
+        return _frozen([(k, v) for k, v in sorted(value.items())])
+    try:
+        hash(value)
+    except TypeError:
+        return None
+    return value
 
 
 def _attention(node: fx.Node, placements: dict[fx.Node, object]):

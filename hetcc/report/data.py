@@ -17,6 +17,7 @@ from typing import Any
 from hetcc.errors import HetccError, PlanFormatError
 from hetcc.plan import Plan, PlanStage, read_plan, read_saved
 from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.tensor import composite_problem, group_name
 
 CLUSTER_FILE = "cluster.json"  # the cluster the plan was made for, as Cluster.to_spec() writes it
 
@@ -39,8 +40,12 @@ class SavedPlan:
 
     @property
     def rows(self) -> dict[tuple[int, int], str]:
-        """(stage, replica) -> device name: one timeline row each."""
-        return {(s.index, r): name for s in self.stages for r, name in enumerate(s.devices)}
+        """(stage, replica) -> device name (a tensor group's names joined): one timeline row each."""
+        return {
+            (s.index, r): group_name(s.devices[i : i + s.tensor])
+            for s in self.stages
+            for r, i in enumerate(range(0, len(s.devices), s.tensor))
+        }
 
     @property
     def used_devices(self) -> dict[str, int]:
@@ -75,22 +80,41 @@ def simulate_plan(plan: Plan, problem: PartitionProblem):
     from hetcc.solver.simulate import simulate
 
     codecs = [s.codecs for s in plan.stages] if problem.codecs is not None else None
-    return simulate(problem, *plan_layout(plan.stages, problem), codecs=codecs)
+    solved = solved_problem(plan.stages, problem)
+    return simulate(solved, *plan_layout(plan.stages, solved), codecs=codecs)
+
+
+def solved_problem(stages: Sequence[PlanStage], problem: PartitionProblem) -> PartitionProblem:
+    """``problem`` as the plan solved it: with tensor-parallel stages, its composite problem at their
+    degrees (``solver.tensor.composite_problem``: each group of t devices is one device)."""
+    by_name = {d.name: d for d in problem.devices}
+    assignment = {}
+    for stage in stages:
+        if stage.tensor > 1:
+            if stage.devices[0] not in by_name:
+                raise PlanFormatError(
+                    f"stage {stage.index}'s device {stage.devices[0]!r} is not in problem.json"
+                )
+            device = by_name[stage.devices[0]]
+            assignment[device.type, device.memory_bytes] = stage.tensor
+    return composite_problem(problem, assignment)[0] if assignment else problem
 
 
 def plan_layout(stages: Sequence[PlanStage], problem: PartitionProblem):
     """(boundaries, replica groups as device indices, recompute flags) of a plan's stages on
-    ``problem``'s devices."""
+    ``problem``'s devices (the solved problem's: a tensor group is one device)."""
     boundaries = [0]
     for stage in stages:
         boundaries.append(boundaries[-1] + len(stage.blocks))
     names = [d.name for d in problem.devices]
     groups: list[tuple[int, ...]] = []
     for stage in stages:
-        missing = [name for name in stage.devices if name not in names]
+        t, devices = stage.tensor, stage.devices
+        replicas = [group_name(devices[i : i + t]) for i in range(0, len(devices), t)]
+        missing = [name for name in replicas if name not in names]
         if missing:
             raise PlanFormatError(f"stage {stage.index}'s devices {missing} are not in problem.json")
-        groups.append(tuple(names.index(name) for name in stage.devices))
+        groups.append(tuple(names.index(name) for name in replicas))
     return boundaries, groups, [stage.recompute for stage in stages]
 
 

@@ -122,13 +122,17 @@ def _links_table(saved: SavedPlan) -> str:
     )
 
 
+_HEADS = {"tensor": "tp"}  # optional columns headed other than by their PlanStage field
+
+
 def _stage_table(saved: SavedPlan) -> str:
     shown = {"recompute": any(s.recompute for s in saved.stages),  # columns shown when a stage uses them
-             "precision": any(s.precision != "fp32" for s in saved.stages)}  # fmt: skip
+             "precision": any(s.precision != "fp32" for s in saved.stages),
+             "tensor": any(s.tensor > 1 for s in saved.stages)}  # fmt: skip
     optional = [key for key, used in shown.items() if used]
     coded = any(s.codecs != ("none", "none") for s in saved.stages)
     head = ["stage", "devices", "type", "blocks", "fwd ms/mb", "bwd ms/mb", "compute ms/mb", "comm ms/mb",
-            "in flight", "peak memory", "of capacity", "bubble"] + optional  # fmt: skip
+            "in flight", "peak memory", "of capacity", "bubble"] + [_HEADS.get(k, k) for k in optional]  # fmt: skip
     head += ["codecs (act/grad)", "sent per mb: before -> on the wire"] if coded else []
     rows = []
     for s in saved.stages:

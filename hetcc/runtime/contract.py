@@ -56,6 +56,7 @@ class PlanSpace:
     replicate: bool = True
     recompute: bool | str = "auto"
     shard: int | str = "auto"  # ZeRO level of replicated stages: "auto", 0 or 1
+    tensor_parallel: bool | int | str = False  # tensor degree: False, a degree >= 2 or "auto"
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def pipeline_meta_for(
     stage_devices = [[cluster.device(name) for name in stage.devices] for stage in plan.stages]
     return PipelineMeta(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),
-        placement(stage_devices), tuple(tuple(s.route) for s in solution.stages),
+        placement(stage_devices, [s.tensor for s in plan.stages]), tuple(tuple(s.route) for s in solution.stages),
         tuple(s.recompute for s in plan.stages), tuple(s.shard for s in plan.stages), plan.precision, {},
         plan_space, dict(state_dict), plan.training,
     )  # fmt: skip
@@ -147,7 +148,7 @@ _RANK = Record(
     {"rank": Count(minimum=0), "stage": Count(minimum=0), "replica": Count(minimum=0), "vendor": Text(),
      "device": Nullable(Text()), "node": Nullable(Text()), "local_index": Nullable(Count(minimum=0)),
      "type": Nullable(Text()), "memory_bytes": Count(minimum=0), "node_rank": Nullable(Count(minimum=0)),
-     "local_rank": Nullable(Count(minimum=0))},
+     "local_rank": Nullable(Count(minimum=0)), "tensor": Count(minimum=0)},
     required=("stage",), missing_hint=RECOMPILE,
 )  # fmt: skip
 
@@ -180,9 +181,16 @@ def _fields(nonempty: bool) -> dict[str, Callable[[object, Where], Any]]:
     }
 
 
+def _tensor_policy(value: object, where: Where) -> bool | int | str:
+    if not (value is False or value == "auto" or (_count(value, 2) and value is not True)):
+        where.fail(f'expected false, "auto" or a degree >= 2; got {short_repr(value)}')
+    return value
+
+
 _PLAN_SPACE = Record(
-    {"replicate": Flag(), "recompute": _recompute_policy, "shard": Choice(("auto", 0, 1), "shard level")}
-)
+    {"replicate": Flag(), "recompute": _recompute_policy, "shard": Choice(("auto", 0, 1), "shard level"),
+     "tensor_parallel": _tensor_policy}
+)  # fmt: skip
 _OPTIONAL = ("shard",)  # written since version 2 was: absent means its default
 _META = {
     2: Record(
@@ -258,7 +266,9 @@ def _check(meta: PipelineMeta, where: Where) -> None:
         where.at("precision").fail(f"unknown precision {short_repr(meta.precision)}",
                                    f"use one of {', '.join(PRECISIONS)}")  # fmt: skip
     _check_placement(meta.placement, meta.num_stages, where.at("placement"))
-    replicas = [sum(1 for rank in meta.placement if rank.stage == k) for k in range(meta.num_stages)]
+    replicas = [
+        len({rank.replica for rank in meta.placement if rank.stage == k}) for k in range(meta.num_stages)
+    ]
     _check_per_stage(meta.routing, meta.num_stages, where.at("routing"))
     for k, row in enumerate(meta.routing):
         if len(row) != meta.microbatches:
@@ -282,8 +292,8 @@ def _check_per_stage(values: Sequence[object], num_stages: int, where: Where) ->
 
 
 def _check_placement(ranks: Sequence[RankPlacement], num_stages: int, where: Where) -> None:
-    """Ranks in rank order, each on a stage of the pipeline, each stage's replicas numbered 0..R-1, and
-    torchrun positions (node rank, local rank) on every rank or none, each taken once, each node rank
+    """Ranks in rank order, each on a stage of the pipeline, each stage's replicas numbered 0..R-1 and each
+    replica's parts 0..t-1 (one t per stage), and torchrun positions (node rank, local rank) on every rank or none, each taken once, each node rank
     one named node."""
     for i, rank in enumerate(ranks):
         if rank.rank != i:
@@ -291,9 +301,15 @@ def _check_placement(ranks: Sequence[RankPlacement], num_stages: int, where: Whe
         if not _count(rank.stage, 0) or rank.stage >= num_stages:
             where.at(i, "stage").fail(f"stage {short_repr(rank.stage)} of a {num_stages}-stage pipeline")
     for k in range(num_stages):
-        numbers = sorted(rank.replica for rank in ranks if rank.stage == k)
-        if numbers != list(range(len(numbers))) or not numbers:
-            where.fail(f"stage {k} has replicas {numbers}; expected 0..R-1 with R >= 1")
+        cells = sorted((rank.replica, rank.tensor) for rank in ranks if rank.stage == k)
+        replicas, parts = len({r for r, _ in cells}), len({t for _, t in cells})
+        if cells != [(r, t) for r in range(replicas) for t in range(parts)] or not cells:
+            if parts <= 1:
+                where.fail(f"stage {k} has replicas {[r for r, _ in cells]}; expected 0..R-1 with R >= 1")
+            where.fail(
+                f"stage {k} has (replica, tensor part) ranks {cells}; expected every replica 0..R-1 with "
+                "every part 0..t-1"
+            )
     positions = [(rank.node_rank, rank.local_rank) for rank in ranks]
     given = [None not in position for position in positions]
     if any(position != (None, None) for position in positions) and not all(given):

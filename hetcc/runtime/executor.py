@@ -14,7 +14,10 @@ interprets the actions of ``hetcc.solver.schedules.stage_actions``:
   schedule (zb-h1) ``B m`` computes only the gradients of what the stage received, and
 - ``W m`` its weight gradients, from what ``B m`` kept (``runtime.split_backward``); it moves nothing.
 
-A replicated stage runs on several ranks, each with the actions of the microbatches routed to it
+A tensor-parallel stage's replica runs on t ranks (``passes.tensor_parallel``): each takes its part of
+the weights, and the graph's collectives run over the replica's ranks (``Links.tensor``); gradients,
+weights and checkpoints leave the executor whole (``named_grads``, ``state_dict``), gathered from the
+parts. A replicated stage runs on several ranks, each with the actions of the microbatches routed to it
 (``RankLayout.actions``). After the last action the sends are waited for, the replicas' gradients are
 summed (all-reduce over the stage's replicas), tied parameters' gradients are summed over every rank
 holding them (all replicas of their stages): each parameter then holds its full-batch gradient, for
@@ -39,9 +42,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from hetcc import config
+from hetcc.collectives import use_tensor_group
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import StageGraph
+from hetcc.passes.tensor_parallel import take_part
 from hetcc.runtime.cudagraphs import graphs_for_stage
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
@@ -85,6 +90,9 @@ class StageExecutor:
         self.stage, self.links, self.microbatches, self.loss_fn = stage, links, microbatches, loss_fn
         self.device = torch.device(device)
         self.module = module_for_device(stage, self.device).to(self.device)
+        self.part = layout.ranks[links.rank].tensor if layout is not None else 0
+        if stage.tensor is not None:
+            take_part(self.module, stage.tensor, self.part)
         self.recompute = layout is not None and layout.recompute[stage.index]
         self.precision = layout.precision if layout is not None else "fp32"
         self.scaler = LossScaler(**layout.loss_scale) if self.precision == "fp16-mixed" else None
@@ -121,7 +129,7 @@ class StageExecutor:
             param.grad = None
         result = StepResult()
         split = any(action.kind == "W" for action in actions)  # a zero-bubble schedule splits the backward
-        with use_transport(self.transport):
+        with use_transport(self.transport), use_tensor_group(self.links.tensor):
             for action in actions:
                 m = self.transport.microbatch = action.microbatch
                 with self.recorder.record(action.kind, m, result):
@@ -147,7 +155,12 @@ class StageExecutor:
         forward updates (train-mode BatchNorm statistics) are restored after it."""
         result = StepResult()
         buffers = _buffer_snapshot(self.module)
-        with use_transport(self.transport), torch.no_grad(), without_dropout():
+        with (
+            use_transport(self.transport),
+            use_tensor_group(self.links.tensor),
+            torch.no_grad(),
+            without_dropout(),
+        ):
             for m in (action.microbatch for action in actions if action.kind == "F"):
                 self.transport.microbatch = m
                 with self.recorder.record("F", m, result):
@@ -161,25 +174,41 @@ class StageExecutor:
         return result
 
     def named_grads(self) -> dict[str, torch.Tensor]:
-        """Gradients keyed by the model's parameter names (a tied parameter once)."""
+        """Gradients keyed by the model's parameter names (a tied parameter once); whole, on every part
+        of a tensor-parallel replica (a collective there)."""
         grads = {}
         for local, name in self.stage.param_names.items():
             grad = self.module.get_parameter(local).grad
             if grad is not None and name not in grads:
-                grads[name] = grad.detach().cpu().clone()
+                grads[name] = self.whole(local, grad.detach()).cpu().clone()
         return grads
 
+    def whole(self, local: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (this rank's part of weight ``local``, or of its gradient or optimizer state) made
+        whole from every part's; itself where the weight is not split (a collective on split ones)."""
+        shard = self.stage.tensor.params.get(local) if self.stage.tensor is not None else None
+        if shard is None or shard.dim is None:
+            return value
+        gathered = self.links.tensor.all_gather(value.contiguous(), shard.dim)
+        return shard.whole(list(gathered.chunk(self.stage.tensor.degree, dim=shard.dim)))
+
+    def part_of(self, local: str, value: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``value``, a whole weight ``local`` (or its state): ``whole``'s inverse."""
+        shard = self.stage.tensor.params.get(local) if self.stage.tensor is not None else None
+        return value if shard is None else shard.part(value, self.part, self.stage.tensor.degree)
+
     def state_dict(self) -> dict:
-        """What a checkpoint keeps of this stage's execution: weights and buffers, and the fp16 loss scale
-        (JSON-able values only besides the tensors)."""
-        state = {"module": self.module.state_dict()}
+        """What a checkpoint keeps of this stage's execution: weights (whole) and buffers, and the fp16
+        loss scale (JSON-able values only besides the tensors)."""
+        state = {"module": {k: self.whole(k, v) for k, v in self.module.state_dict().items()}}
         if self.scaler is not None:
             state["loss_scale"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from ``state_dict()``'s output: values are copied in place (tied names share one)."""
-        result = self.module.load_state_dict(state["module"], strict=False)
+        parts = {k: self.part_of(k, v) for k, v in state["module"].items()}
+        result = self.module.load_state_dict(parts, strict=False)
         own = self.module.state_dict(keep_vars=True)
         loaded = {id(own[name]) for name in state["module"] if name in own}
         missing = [name for name in result.missing_keys if id(own[name]) not in loaded]  # aliases are fine
@@ -308,6 +337,8 @@ class StageExecutor:
             param = self.module.get_parameter(local)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
+            if self.links.tensor.size > 1:  # each part of the replica holds the same whole gradient
+                param.grad /= self.links.tensor.size
             self.links.all_reduce(param.grad, index, f"gradient sum of tied parameter {group.name}")
 
 

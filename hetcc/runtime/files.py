@@ -69,6 +69,19 @@ _EDGE = Record(
 )  # fmt: skip
 _EDGE_FIELDS = ("src", "dst", "value", "shape", "dtype", "requires_grad", "codec", "grad_codec")
 _TENSOR = Record({"dtype": Text(), "shape": ListOf(_INDEX)}, required=("dtype", "shape"))
+
+
+def _split(value: object, where: Where) -> tuple[int, int]:
+    """How a weight of a tensor-parallel stage is split: [dim, blocks]."""
+    if not isinstance(value, list) or len(value) != 2:
+        where.fail(f"expected [dim, blocks]; got {short_repr(value)}")
+    return Count(minimum=0)(value[0], where.at(0)), Count(minimum=1)(value[1], where.at(1))
+
+
+_TENSOR_PARALLEL = Record(
+    {"degree": Count(minimum=2), "params": Table(None, _split, "weight to [dim, blocks]")},
+    required=("degree", "params"),
+)
 _STAGE = Record(
     {
         "index": _INDEX, "inputs": ListOf(Text()), "recvs": ListOf(_EDGE), "sends": ListOf(_EDGE),
@@ -76,6 +89,7 @@ _STAGE = Record(
         "input_dtypes": Table(None, Text(), "input to dtype"),
         "param_names": _NAMES, "aliases": _NAMES, "frozen": ListOf(Text()), "training": Flag(),
         "graph": Text(), "weights": Text(), "source": Text(), "weights_sha256": Text(), "tensors": Table(None, _TENSOR, "tensor to dtype and shape"),
+        "tensor": _TENSOR_PARALLEL,
     },
     required=("index", "inputs", "recvs", "sends", "num_outputs", "param_names", "aliases", "graph", "weights"),
     open=True,

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from hetcc.collectives import LocalTensorGroup, ProcessTensorGroup, TensorGroup
 from hetcc.errors import RuntimeFailure
 
 GPU_VENDORS = ("nvidia", "amd")
@@ -48,12 +49,13 @@ def world_backend(vendors: Sequence[str]) -> str:
 
 
 class Links:
-    """The process group of every rank pair, of every tied-parameter group and of every replicated
-    stage's replicas, plus timed waits.
+    """The process group of every rank pair, of every tied-parameter group, of every replicated
+    stage's replicas and of every tensor-parallel replica's parts, plus timed waits.
 
     ``vendors``: per rank; ``tied_ranks``: per tied group, every rank holding the parameter;
-    ``replica_ranks``: per replicated stage, its replicas' ranks. Must be built on every rank with the
-    same arguments (``new_group`` is collective).
+    ``replica_ranks``: per replicated stage (and part), its replicas' ranks; ``tensor_ranks``: per
+    tensor-parallel replica, its parts' ranks (``tensor``: this rank's, a ``hetcc.collectives`` group).
+    Must be built on every rank with the same arguments (``new_group`` is collective).
     """
 
     def __init__(
@@ -63,6 +65,7 @@ class Links:
         timeout_s: float,
         device: torch.device | str = "cpu",
         replica_ranks: Sequence[Sequence[int]] = (),
+        tensor_ranks: Sequence[Sequence[int]] = (),
     ):
         self.rank, self.timeout_s, self.device = dist.get_rank(), timeout_s, torch.device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -80,6 +83,12 @@ class Links:
             group = dist.new_group(sorted(ranks), backend=backend, timeout=self.timeout)
             if self.rank in ranks:
                 self.replicas = (group, backend)
+        self.tensor: TensorGroup = LocalTensorGroup()  # the collectives of this rank's stage graph
+        for ranks in tensor_ranks:
+            backend = world_backend([vendors[rank] for rank in ranks])
+            group = dist.new_group(list(ranks), backend=backend, timeout=self.timeout)
+            if self.rank in ranks:
+                self.tensor = ProcessTensorGroup(group)
         self.gloo_peers = {
             j if i == self.rank else i
             for (i, j), backend in link_backends(vendors).items()

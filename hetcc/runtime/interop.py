@@ -63,6 +63,12 @@ def pipelining_schedule(
 
 def _check_chain(stages: list[StageGraph]) -> None:
     for stage in stages:
+        if stage.tensor is not None:
+            raise PlanFormatError(
+                f"stage {stage.index} is tensor parallel ({stage.tensor.degree} ranks per replica), which "
+                "torch.distributed.pipelining does not run (one rank per stage)",
+                hint="run this plan with hetcc's runtime, or compile it with tensor_parallel=False for torch",
+            )
         coded = [e.value for e in stage.sends if (e.codec, e.grad_codec) != ("none", "none")]
         if coded:
             raise PlanFormatError(

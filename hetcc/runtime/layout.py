@@ -2,7 +2,8 @@
 executor and the transport use them (``RankLayout``, a view of ``hetcc.runtime.contract.PipelineMeta``).
 
 A stage runs on one or more ranks (its replicas; every replica holds the same stage module and the
-same initial weights); microbatch m of stage k runs on replica ``routing[k][m]``. A replica runs the
+same initial weights); microbatch m of stage k runs on replica ``routing[k][m]``. A tensor-parallel
+stage's replica is t ranks (its parts 0..t-1), which run every microbatch of the replica together. A replica runs the
 subsequence of its stage's schedule whose microbatches it owns: that only removes waits, so the pipeline
 stays deadlock-free.
 """
@@ -36,21 +37,28 @@ class RankLayout:
     def num_ranks(self) -> int:
         return len(self.ranks)
 
-    def stage_ranks(self, stage: int) -> list[int]:
-        """The ranks of ``stage``'s replicas, by replica index."""
+    def stage_ranks(self, stage: int, tensor: int = 0) -> list[int]:
+        """The ranks of ``stage``'s replicas (their part ``tensor``), by replica index."""
         return [
-            rank for _, rank in sorted((p.replica, i) for i, p in enumerate(self.ranks) if p.stage == stage)
+            rank
+            for _, rank in sorted(
+                (p.replica, i) for i, p in enumerate(self.ranks) if p.stage == stage and p.tensor == tensor
+            )
         ]
 
-    def rank_running(self, stage: int, microbatch: int) -> int:
-        """The rank that runs microbatch ``microbatch`` of ``stage``."""
-        return self.stage_ranks(stage)[self.routing[stage][microbatch]]
+    def rank_running(self, stage: int, microbatch: int, tensor: int = 0) -> int:
+        """The rank that runs part ``tensor`` of microbatch ``microbatch`` of ``stage``."""
+        return self.stage_ranks(stage, tensor)[self.routing[stage][microbatch]]
+
+    def tensor_degree(self, stage: int) -> int:
+        """How many ranks each replica of ``stage`` is (1 unless it is tensor parallel)."""
+        return 1 + max(p.tensor for p in self.ranks if p.stage == stage)
 
     def actions(self, schedule: str, rank: int, training: bool = True) -> list[Action]:
         """``rank``'s part of its stage's schedule (forwards only unless ``training``): the actions of
         the microbatches routed to it."""
         placement = self.ranks[rank]
-        replicas = [sum(1 for r in self.ranks if r.stage == k) for k in range(len(self.routing))]
+        replicas = [len(self.stage_ranks(k)) for k in range(len(self.routing))]
         every = stage_actions(
             schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas,
             recompute=self.recompute,
@@ -58,9 +66,23 @@ class RankLayout:
         return [a for a in every if self.routing[placement.stage][a.microbatch] == placement.replica]
 
     def replica_groups(self) -> list[list[int]]:
-        """Per stage with more than one replica (in stage order), the ranks whose gradients are summed."""
-        groups = [self.stage_ranks(k) for k in range(len(self.routing))]
+        """Per stage with more than one replica (in stage order) and per part, the ranks whose gradients
+        are summed."""
+        groups = [
+            self.stage_ranks(k, part)
+            for k in range(len(self.routing))
+            for part in range(self.tensor_degree(k))
+        ]
         return [group for group in groups if len(group) > 1]
+
+    def tensor_groups(self) -> list[list[int]]:
+        """Per tensor-parallel replica (in stage and replica order), its ranks by part."""
+        groups = []
+        for k in range(len(self.routing)):
+            degree = self.tensor_degree(k)
+            parts = [self.stage_ranks(k, part) for part in range(degree)]
+            groups += [list(ranks) for ranks in zip(*parts)] if degree > 1 else []
+        return groups
 
     def holders(self, stages: Sequence[int]) -> list[int]:
         """Every rank running one of ``stages`` (e.g. all replicas of the stages of a tied group)."""

@@ -27,8 +27,9 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class RankPlacement:
-    """One rank: the stage and replica it runs and the device the plan put it on. A pipeline split by
-    hand (``save_stages`` without a plan) knows only the stage, the replica and the vendor."""
+    """One rank: the stage and replica it runs (and its part of the replica, where the stage is tensor
+    parallel) and the device the plan put it on. A pipeline split by hand (``save_stages`` without a
+    plan) knows only the stage, the replica, the part and the vendor."""
 
     rank: int
     stage: int
@@ -41,15 +42,20 @@ class RankPlacement:
     memory_bytes: int = 0  # of that device (0: unknown)
     node_rank: int | None = None  # torchrun's GROUP_RANK of the node
     local_rank: int | None = None  # torchrun's LOCAL_RANK on that node
+    tensor: int = 0  # its part of a tensor-parallel replica: 0..t-1 (``hetcc.passes.tensor_parallel``)
 
 
-def placement(stage_devices: Sequence[Sequence[Any]]) -> tuple[RankPlacement, ...]:
+def placement(
+    stage_devices: Sequence[Sequence[Any]], tensor: Sequence[int] | None = None
+) -> tuple[RankPlacement, ...]:
     """Ranks for stages whose replicas run on ``stage_devices[k]`` (``hetcc.hardware`` Device records,
-    in the cluster's order), with each rank's node rank and local rank for torchrun."""
+    in the cluster's order), with each rank's node rank and local rank for torchrun. ``tensor[k]``: stage
+    k's tensor degree t (None: 1 everywhere); its devices are then its replicas' t devices in turn."""
+    degrees = tensor or [1] * len(stage_devices)
     ranks = [
-        (stage, replica, device)
+        (stage, position // degrees[stage], device, position % degrees[stage])
         for stage, devices in enumerate(stage_devices)
-        for replica, device in enumerate(devices)
+        for position, device in enumerate(devices)
     ]
     by_order = sorted(range(len(ranks)), key=lambda rank: ranks[rank][2].index)
     nodes = list(dict.fromkeys(ranks[rank][2].node for rank in by_order))
@@ -58,23 +64,36 @@ def placement(stage_devices: Sequence[Sequence[Any]]) -> tuple[RankPlacement, ..
         on_node = [rank for rank in by_order if ranks[rank][2].node == node]
         position.update({rank: (node_rank, local_rank) for local_rank, rank in enumerate(on_node)})
     return tuple(
-        _rank(rank, stage, replica, device, *position[rank])
-        for rank, (stage, replica, device) in enumerate(ranks)
+        _rank(rank, stage, replica, device, *position[rank], part)
+        for rank, (stage, replica, device, part) in enumerate(ranks)
     )
 
 
-def ranks_for(replicas: Sequence[int], vendor: str = "cpu") -> tuple[RankPlacement, ...]:
-    """A placement without devices (a pipeline split by hand): ``replicas[k]`` ranks for stage k, in
-    stage order, on ``vendor``."""
-    stages = [(stage, replica) for stage, count in enumerate(replicas) for replica in range(count)]
-    return tuple(RankPlacement(rank, stage, replica, vendor) for rank, (stage, replica) in enumerate(stages))
+def ranks_for(
+    replicas: Sequence[int], vendor: str = "cpu", tensor: Sequence[int] | None = None
+) -> tuple[RankPlacement, ...]:
+    """A placement without devices (a pipeline split by hand): ``replicas[k]`` replicas of stage k, each
+    ``tensor[k]`` ranks (None: 1), in stage order, on ``vendor``."""
+    degrees = tensor or [1] * len(replicas)
+    stages = [
+        (stage, replica, part)
+        for stage, count in enumerate(replicas)
+        for replica in range(count)
+        for part in range(degrees[stage])
+    ]
+    return tuple(
+        RankPlacement(rank, stage, replica, vendor, tensor=part)
+        for rank, (stage, replica, part) in enumerate(stages)
+    )
 
 
-def _rank(rank: int, stage: int, replica: int, device: Any, node_rank: int, local_rank: int) -> RankPlacement:
+def _rank(
+    rank: int, stage: int, replica: int, device: Any, node_rank: int, local_rank: int, part: int
+) -> RankPlacement:
     return RankPlacement(
         rank, stage, replica, vendor=device.vendor, device=device.name, node=device.node,
         local_index=device.local_index, type=device.type.name, memory_bytes=int(device.memory_bytes),
-        node_rank=node_rank, local_rank=local_rank,
+        node_rank=node_rank, local_rank=local_rank, tensor=part,
     )  # fmt: skip
 
 

@@ -29,6 +29,7 @@ from hetcc.kernels import FUSION_META_KEY, fused, load_groups, write_kernel
 from hetcc.kernels.op import registered_group
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.comm import CommEdge, StageGraph, TiedGroup
+from hetcc.passes.tensor_parallel import ParamShard, TensorLayout
 from hetcc.runtime.contract import VERSION, PipelineMeta
 from hetcc.runtime.files import (
     FORMAT,
@@ -250,7 +251,35 @@ def _stage_entry(stage: StageGraph) -> dict[str, Any]:
         "graph": f"stage{stage.index}.graph.json",
         "weights": f"stage{stage.index}.safetensors",
         "source": f"stage{stage.index}.py",
+        **({"tensor": _tensor_json(stage.tensor)} if stage.tensor is not None else {}),
     }
+
+
+def _tensor_json(layout: TensorLayout) -> dict[str, Any]:
+    """A tensor-parallel stage's degree and how each split weight is split (the weights file holds
+    them whole; each rank takes its part when it loads the stage)."""
+    return {
+        "degree": layout.degree,
+        "params": {name: [shard.dim, shard.blocks] for name, shard in layout.sharded_params.items()},
+    }
+
+
+def _tensor_layout(entry: dict, weights: dict[str, torch.Tensor], where: str) -> TensorLayout | None:
+    """The entry's tensor-parallel layout, each split checked against its weight; None: not split."""
+    record = entry.get("tensor")
+    if record is None:
+        return None
+    degree, params = record["degree"], {}
+    for name, (dim, blocks) in record["params"].items():
+        shape = weights[name].shape if name in weights else None
+        if shape is None or dim >= len(shape) or shape[dim] % (degree * blocks):
+            raise PlanFormatError(
+                f"{where}: weight {name!r} ({'absent' if shape is None else list(shape)}) cannot be split "
+                f"along dim {dim} into {blocks} x {degree} equal parts",
+                hint="save the pipeline again",
+            )
+        params[name] = ParamShard(dim, blocks)
+    return TensorLayout(degree, params)
 
 
 def _tensor_records(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -335,6 +364,7 @@ def _load_stage(entry: dict, directory: str, num_stages: int, tied: tuple[TiedGr
         tuple(_edge_from_json(e) for e in entry["recvs"]), tuple(_edge_from_json(e) for e in entry["sends"]),
         dict(entry["param_names"]), tied, entry["num_outputs"],
         {name: tuple(shape) for name, shape in entry.get("input_shapes", {}).items()}, _input_dtypes(entry),
+        _tensor_layout(entry, state, weights),
     )  # fmt: skip
 
 

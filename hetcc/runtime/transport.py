@@ -2,7 +2,11 @@
 
 A stage's ops name their edge (tag) and peer *stage*, but not the microbatch or the peer *rank*: the
 executor sets ``microbatch`` before it runs a forward or backward, and the rank layout says which
-replica of the peer stage runs that microbatch (``RankLayout.rank_running``). Sends are non-blocking and
+replica of the peer stage runs that microbatch (``RankLayout.rank_running``). Between tensor-parallel
+stages (every tensor crossing a cut is whole on each of a replica's t ranks) part j of the sending
+replica sends to the receiving replica's parts i with i mod t_send = j, and part i receives from part
+i mod t_send; gradients go back the same way: part j of the sending stage receives from part
+j mod t_receive, which sends to every part j with j mod t_receive = i. Sends are non-blocking and
 waited for, with the timeout, at the end of the step (``Links.wait_sends``): a blocking gloo send waits
 for its recv, and 1F1B would deadlock. Receives block with the timeout; a failure is a
 ``RuntimeFailure`` naming the peer and the tensor.
@@ -78,15 +82,37 @@ class LinkTransport:
         self.arrived: dict[int, torch.Tensor] = {}  # tag -> gradient received, not yet taken by an op
         self.asked: set[int] = set()  # peer stages whose gradients of this microbatch were received
         self.wire_dtypes: dict[tuple[int, int], torch.dtype] = {}  # (tag, peer rank) -> announced dtype
+        self.crossed: dict[int, torch.dtype] = {}  # tag -> the dtype its tensor crossed in (its gradient's)
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (tag, microbatch), kept for replay
         self.replaying = False
 
     def carries_gradient(self, tag: int) -> bool:
         return self.edges[tag].requires_grad
 
+    def peer_ranks(self, peer_stage: int) -> list[int]:
+        """The ranks of ``peer_stage`` this rank sends to for the current microbatch: one, or none or
+        several between tensor-parallel stages (see the module docstring)."""
+        if self.layout is None:
+            return [peer_stage]
+        part, degree = self._part()
+        return [
+            self.layout.rank_running(peer_stage, self.microbatch, p)
+            for p in range(self.layout.tensor_degree(peer_stage))
+            if p % degree == part
+        ]
+
     def peer_rank(self, peer_stage: int) -> int:
-        """The rank running ``peer_stage`` for the current microbatch."""
-        return peer_stage if self.layout is None else self.layout.rank_running(peer_stage, self.microbatch)
+        """The rank of ``peer_stage`` this rank receives from for the current microbatch."""
+        if self.layout is None:
+            return peer_stage
+        part, _ = self._part()
+        return self.layout.rank_running(
+            peer_stage, self.microbatch, part % self.layout.tensor_degree(peer_stage)
+        )
+
+    def _part(self) -> tuple[int, int]:
+        """This rank's part of its stage's replica, and the stage's tensor degree."""
+        return self.layout.ranks[self.links.rank].tensor, self.layout.tensor_degree(self.index)
 
     def send(self, tensor: torch.Tensor, peer: int, tag: int, *, grad: bool) -> None:
         if grad:  # recv's backward: sent with the microbatch's other gradients by ``settle_gradients``
@@ -94,7 +120,7 @@ class LinkTransport:
             return
         if self.replaying:
             return  # a recomputed forward: the tensor was sent by the first forward
-        edge, rank = self.edges[tag], self.peer_rank(peer)
+        edge = self.edges[tag]
         if not fits_spec(tensor.shape, tensor.dtype, *edge.wire, self.mixed_precision):
             raise RuntimeFailure(
                 f"stage {self.index} computed {edge.value} (tag {edge.tag}) for stage {peer} as "
@@ -104,10 +130,12 @@ class LinkTransport:
                 "it again for the shapes you run",
             )
         what = f"F{self.microbatch} {edge.value}"
-        if (tag, rank) not in self.wire_dtypes:
-            self.wire_dtypes[(tag, rank)] = tensor.dtype
-            self.links.isend(_header(tensor), rank, f"shape and dtype of {what}")
-        self.links.isend(tensor.to(self.wire_dtypes[(tag, rank)]), rank, what)
+        self.crossed.setdefault(tag, tensor.dtype)
+        for rank in self.peer_ranks(peer):
+            if (tag, rank) not in self.wire_dtypes:
+                self.wire_dtypes[(tag, rank)] = tensor.dtype
+                self.links.isend(_header(tensor), rank, f"shape and dtype of {what}")
+            self.links.isend(tensor.to(self.wire_dtypes[(tag, rank)]), rank, what)
 
     def recv(self, peer: int, tag: int, shape: list[int], dtype: torch.dtype, *, grad: bool) -> torch.Tensor:
         if grad:  # send's backward
@@ -122,6 +150,7 @@ class LinkTransport:
         if (tag, rank) not in self.wire_dtypes:
             header = self.links.recv(rank, [2 + HEADER_DIMS], torch.int64, f"shape and dtype of {what}")
             self.wire_dtypes[(tag, rank)] = self._check_header(header, edge, peer, shape, dtype)
+            self.crossed[tag] = self.wire_dtypes[(tag, rank)]
         tensor = self.links.recv(rank, shape, self.wire_dtypes[(tag, rank)], what)
         if self.keep_received:
             self.received[(tag, m)] = tensor
@@ -137,8 +166,7 @@ class LinkTransport:
         and drop those no op took."""
         m = self.microbatch
         for edge in self.grads_out:
-            rank = self.peer_rank(edge.src)
-            shape, dtype = self._grad_wire(edge, rank)
+            shape, dtype = self._grad_wire(edge)
             grad = self.computed.pop(edge.tag, None)
             if grad is None:  # a zero payload decodes to zeros under every codec
                 grad = torch.zeros(shape, dtype=dtype)
@@ -150,7 +178,8 @@ class LinkTransport:
                     hint="the stage's graph and pipeline.json disagree on the edge's codecs: compile and save the "
                     "pipeline again rather than editing its files",
                 )
-            self.links.isend(grad.to(dtype), rank, f"B{m} grad of {edge.value}")
+            for rank in self.peer_ranks(edge.src):
+                self.links.isend(grad.to(dtype), rank, f"B{m} grad of {edge.value}")
         for peer in sorted({edge.dst for edge in self.grads_in} - self.asked):
             self._receive_gradients(peer)
         for _ in self.arrived:
@@ -163,14 +192,13 @@ class LinkTransport:
         rank = self.peer_rank(peer)
         for edge in (e for e in self.grads_in if e.dst == peer):
             what = f"B{self.microbatch} grad of {edge.value} (stage {peer})"
-            shape, dtype = self._grad_wire(edge, rank)
+            shape, dtype = self._grad_wire(edge)
             self.arrived[edge.tag] = self.links.recv(rank, list(shape), dtype, what)
 
-    def _grad_wire(self, edge: CommEdge, rank: int) -> tuple[tuple[int, ...], torch.dtype]:
-        """What the gradient of ``edge`` crosses as between this rank and ``rank``: its codec's payload,
-        or the tensor in the dtype it crossed in (announced by its header; an encoded activation is
-        decoded to the traced dtype)."""
-        sent = edge.dtype if edge.codec != NO_CODEC else self.wire_dtypes[(edge.tag, rank)]
+    def _grad_wire(self, edge: CommEdge) -> tuple[tuple[int, ...], torch.dtype]:
+        """What the gradient of ``edge`` crosses as: its codec's payload, or the tensor in the dtype it
+        crossed in (announced by its header; an encoded activation is decoded to the traced dtype)."""
+        sent = edge.dtype if edge.codec != NO_CODEC else self.crossed[edge.tag]
         return edge.grad_wire(sent)
 
     def _check_header(

@@ -4,6 +4,8 @@ the search's objective (what lets it skip device sets that cannot win)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,7 +16,9 @@ from hetcc.solver.sharding import least_held_state
 ROUNDS = 300
 
 
-def lower_bound(problem: PartitionProblem) -> float:
+def lower_bound(
+    problem: PartitionProblem, ways: Mapping[tuple[str, float], Sequence[Way]] | None = None
+) -> float:
     """A simulated step time no plan (replicated, recomputing or not) can beat: the larger of
 
     - the chain: microbatch 0 runs every block's forward, then every backward, one after the other, so
@@ -24,52 +28,76 @@ def lower_bound(problem: PartitionProblem) -> float:
     - the balance with memory: a device is busy at most the whole step. Let x[i, t] be the share of
       block i's M microbatches run by devices of class t (a type and memory size, n_t devices of
       capacity K_t). Then ``step >= M * sum_i x[i, t] * c_t[i] / n_t`` for every t, and, since a device
-      running any microbatch of block i holds all of its state s_i, ``sum_i x[i, t] * s_i <= n_t * K_t``
-      (where replicas may shard their optimizer state o_i, s_i is at least ``s_i - o_i (1 - 1/n)`` with
-      n devices in all: ``sharding.least_held_state``).
+      running any microbatch of block i holds all of its state s_t[i] (its type's ``state_for``),
+      ``sum_i x[i, t] * s_t[i] <= n_t * K_t`` (where replicas may shard their optimizer state o, s is
+      at least ``s - o (1 - 1/n)`` with n devices in all: ``sharding.least_held_state``).
       The least such step is a linear program; any Lagrange weights lambda_t >= 0 with
       ``sum_t lambda_t n_t = 1`` and mu_t >= 0 give a value no larger than it,
-      ``sum_i min_t (lambda_t M c_t[i] + mu_t s_i) - sum_t mu_t n_t K_t``, improved here by
+      ``sum_i min_t (lambda_t M c_t[i] + mu_t s_t[i]) - sum_t mu_t n_t K_t``, improved here by
       subgradient steps. Communication, recomputation and the fill only add, so they are left out
       (codecs too: their encode and decode are priced on the messages, never on a compute lane).
+
+    ``ways`` widens the plan space the bound covers (``solver.tensor``): per class, every ``Way`` its
+    devices may run blocks (default: one device of the class's own type). A way of w devices together
+    spends w * c[i] device-seconds and holds w * s[i] bytes per block i, so the constraints of class t
+    become ``M sum_(i, way) x * w * c <= n_t * step`` and ``sum_(i, way) x * w * s <= n_t K_t``, and
+    the minimum over t runs over the ways of each class: a bound for every plan using any of them.
     """
     classes = sorted({(d.type, d.memory_bytes) for d in problem.devices})
-    costs = np.array([problem.block_cost_s(t) for t, _ in classes], dtype=float)
+    rows = [(k, way) for k, c in enumerate(classes) for way in (ways or {}).get(c, [Way(c[0], 1)])]
+    kinds = [way.kind for _, way in rows]
+    costs = np.array([problem.block_cost_s(kind) for kind in kinds], dtype=float)
     counts = np.array([sum((d.type, d.memory_bytes) == c for d in problem.devices) for c in classes], float)
     capacity = np.array([m for _, m in classes], dtype=float)
-    chain = float(_chain_costs(problem, classes, costs).min(axis=0).sum())
-    state = np.asarray(least_held_state(problem), dtype=float)
-    return max(chain, _memory_balance_bound(costs, counts, capacity, state, problem.microbatches))
+    chain = float(_chain_costs(problem, kinds, costs).min(axis=0).sum())
+    state = np.array([least_held_state(problem, kind) for kind in kinds], dtype=float)
+    owner = np.array([k for k, _ in rows])
+    width = np.array([way.devices for _, way in rows], dtype=float)[:, None]
+    balance = _memory_balance_bound(
+        costs * width, state * width, owner, counts, capacity, problem.microbatches
+    )
+    return max(chain, balance)
 
 
-def _chain_costs(problem: PartitionProblem, classes, costs: np.ndarray) -> np.ndarray:
-    """Per class and block, what one microbatch's chain of forwards and backwards must spend on it."""
+class Way(NamedTuple):
+    """One way a device class may run blocks in ``lower_bound``: ``devices`` of them together, each
+    costed and holding bytes as a device of type ``kind``."""
+
+    kind: str
+    devices: int
+
+
+def _chain_costs(problem: PartitionProblem, kinds: list[str], costs: np.ndarray) -> np.ndarray:
+    """Per row and block, what one microbatch's chain of forwards and backwards must spend on it."""
     if problem.schedule not in SPLIT_SCHEDULES or problem.wgrad_s is None or not problem.training:
         return costs
-    weights = np.array([problem.wgrad_s[t] for t, _ in classes], dtype=float)
+    weights = np.array([problem.wgrad_s[kind] for kind in kinds], dtype=float)
     weights[:, 0] = 0.0  # the first block is in the first stage, which does not split
     return costs - weights
 
 
-def _memory_balance_bound(costs, counts, capacity, state, microbatches: int) -> float:
-    work = microbatches * costs  # (classes, blocks): seconds of all M microbatches of block i
-    speed = counts / np.maximum(work.sum(axis=1), 1e-300)
+def _memory_balance_bound(costs, state, owner, counts, capacity, microbatches: int) -> float:
+    """The Lagrangian bound of ``lower_bound`` for rows (ways) ``costs`` and ``state`` (device-seconds
+    and bytes per block), row r belonging to class ``owner[r]`` of ``counts`` devices of ``capacity``."""
+    work = microbatches * costs  # (rows, blocks): device-seconds of all M microbatches of block i
+    first = np.unique(owner, return_index=True)[1]  # each class's first row
+    speed = counts / np.maximum(work[first].sum(axis=1), 1e-300)
     share = speed / speed.sum()  # lambda_t * n_t
     room = counts * capacity
     # mu_t = nu_t * (seconds a block of class t costs per byte of state it holds): nu_t is unitless.
-    per_byte = work.mean(axis=1) / max(float(state.mean()), 1e-300)
+    per_byte = work[first].mean(axis=1) / np.maximum(state[first].mean(axis=1), 1e-300)
     nu = np.zeros(len(counts))
     columns = np.arange(work.shape[1])
     best = 0.0
     for step in range(ROUNDS):
         mu = nu * per_byte * share / counts
-        priced = (share / counts)[:, None] * work + mu[:, None] * state[None, :]
-        owner = priced.argmin(axis=0)
-        best = max(best, float(priced[owner, columns].sum() - (mu * room).sum()))
-        load = np.bincount(owner, weights=work[owner, columns], minlength=len(counts)) / counts
+        priced = (share / counts)[owner][:, None] * work + mu[owner][:, None] * state
+        row = priced.argmin(axis=0)
+        best = max(best, float(priced[row, columns].sum() - (mu * room).sum()))
+        load = np.bincount(owner[row], weights=work[row, columns], minlength=len(counts)) / counts
         share = share * np.exp(load / max(float(load.max()), 1e-300) / math.sqrt(step + 1))
         share = share / share.sum()
-        held = np.bincount(owner, weights=state, minlength=len(counts))
+        held = np.bincount(owner[row], weights=state[row, columns], minlength=len(counts))
         nu = np.maximum(0.0, nu + (held - room) / np.maximum(room, 1e-300) / math.sqrt(step + 1))
     return best
 

@@ -46,7 +46,7 @@ from hetcc.solver.problem import (
     steady_share,
 )
 from hetcc.solver.schedules import SPLIT_SCHEDULES
-from hetcc.solver.sharding import block_optimizer_bytes, shard_choices, step_end_rates, unheld_fraction
+from hetcc.solver.sharding import shard_choices, step_end_rates, unheld_fraction
 
 PROBES_PER_ROUND = 32
 _BOUND_RTOL = 1e-12  # slack on b so a term equal to a candidate value is never lost to rounding
@@ -113,10 +113,11 @@ class Chain:
             for row in range(len(self.types))
             for recompute in (False, True)
         }
-        self.state_prefix = np.concatenate([[0.0], np.cumsum(problem.state_bytes)])
-        self.act_prefix = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
-        self.param_prefix = np.concatenate([[0.0], np.cumsum(problem.block_param_bytes())])
-        self.optimizer_prefix = np.concatenate([[0.0], np.cumsum(block_optimizer_bytes(problem))])
+        # Per device type: prefix sums of the state, activation, parameter and optimizer bytes it holds.
+        self.state_prefix, self.act_prefix, self.param_prefix, self.optimizer_prefix = (
+            {t: np.concatenate([[0.0], np.cumsum(read(t))]) for t in self.types}
+            for read in (problem.state_for, problem.act_for, problem.params_for, problem.optimizer_for)
+        )
         self.cut_at = np.concatenate([[0.0], np.asarray(problem.cut_bytes, dtype=float), [0.0]])
         grads = [problem.cut_grad_at(i) for i in range(self.n - 1)]
         self.grad_at = np.concatenate([[0.0], np.asarray(grads, dtype=float), [0.0]])
@@ -210,8 +211,8 @@ class Chain:
             per_byte, constant = step_end_rates(problem, group, shard) if first else (0.0, 0.0)
             key = (row, recompute, per_byte)
             if key not in self._sums:
-                self._sums[key] = term + per_byte * self.param_prefix if per_byte else term
-            window = self._memory_window(device.memory_bytes, held, recompute, unheld_fraction(r) * shard)
+                self._sums[key] = term + per_byte * self.param_prefix[device.type] if per_byte else term
+            window = self._memory_window(device, held, recompute, unheld_fraction(r) * shard)
             if any(m.recompute <= recompute and m.shard <= shard and np.array_equal(window, m.hi_memory)
                    for m in modes):  # fmt: skip
                 continue
@@ -247,14 +248,15 @@ class Chain:
             self._links[link] = comm
         return self._links[link]
 
-    def _memory_window(self, capacity: float, held: int, recompute: bool, unheld: float = 0.0) -> np.ndarray:
-        """hi[a] = last end i such that blocks [a, i) fit; hi[a] = a when not even one block does.
-        ``unheld``: the part of the optimizer state a sharding replica does not hold."""
-        key = (capacity, held, recompute, unheld)
+    def _memory_window(self, device, held: int, recompute: bool, unheld: float = 0.0) -> np.ndarray:
+        """hi[a] = last end i such that blocks [a, i) fit on ``device``; hi[a] = a when not even one block
+        does. ``unheld``: the part of the optimizer state a sharding replica does not hold."""
+        capacity, kind = device.memory_bytes, device.type
+        key = (kind, capacity, held, recompute, unheld)
         if key not in self._windows:
-            w, a = self.state_prefix, self.act_prefix
+            w, a = self.state_prefix[kind], self.act_prefix[kind]
             if unheld:
-                w = w - unheld * self.optimizer_prefix
+                w = w - unheld * self.optimizer_prefix[kind]
             span_act = a[None, :] - a[:, None]  # [start, stop]
             if recompute:  # keeps each held microbatch's inputs, rebuilds one microbatch's activations
                 used = (w[None, :] - w[:, None]) + held * self.cut_at[:, None] + span_act

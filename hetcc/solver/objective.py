@@ -23,7 +23,8 @@ R_j = sum_{i >= j} (T_i + C_i) (+ A_0 for j = 0) is the round trip a
 Memory of one replica: ``sum w + held * sum a`` (``held`` = the microbatches its share of the
 schedule holds at once), or with recomputation ``sum w + held * x_in + sum a``: the stage keeps only
 its inputs per microbatch and rebuilds one microbatch's activations at a time. A sharding replica
-holds ``sum o * (1 - 1/r)`` less of ``sum w`` (its share of the optimizer state ``o``).
+holds ``sum o * (1 - 1/r)`` less of ``sum w`` (its share of the optimizer state ``o``). ``w``, ``a``
+and ``o`` are those of the replica's device type (``problem.state_for`` and the like).
 
 ``evaluate`` scores any plan (the search's winner, the baselines); ``step_time`` is its T. The
 simulator (``solver.simulate``) replays the same plan event by event and is the judge of a plan's step.
@@ -50,7 +51,7 @@ from hetcc.solver.problem import (
     steady_share,
 )
 from hetcc.solver.schedules import max_inflight, replica_actions, stage_actions
-from hetcc.solver.sharding import allgather_s, chosen_shard, sharded_bytes
+from hetcc.solver.sharding import allgather_s, chosen_shard, group_param_bytes, sharded_bytes
 
 Device = int | Sequence[int]  # a device index, or a replica group of them
 Codecs = Sequence[tuple[str, str] | None] | None  # per stage: pinned (activation, gradient) codec names
@@ -190,20 +191,21 @@ def _stage_plan(
         times = {pair: pair_s(problem, stop - 1, pair, rows) for pair in pairs}
         comm, codecs = max(times.values()), names(rows)
         link_busy = max(steady_share(count, m) * times[pair] for pair, count in pairs.items())
-    state = math.fsum(problem.state_bytes[start:stop])
-    act = math.fsum(problem.act_bytes[start:stop])
+    kinds = [problem.devices[d].type for d in group]
+    state = [math.fsum(problem.state_for(t)[start:stop]) for t in kinds]
+    act = [math.fsum(problem.act_for(t)[start:stop]) for t in kinds]
     kept = problem.cut_bytes[start - 1] if start > 0 else 0.0  # what a recomputing stage keeps
     held = [
         max_inflight(replica_actions(actions, route, r)) if problem.training else 1 for r in range(len(group))
     ]
-    used = [state + (h * kept + act if recompute else h * act) for h in held]
-    saved = sharded_bytes(problem, start, stop, len(group))
+    used = [w + (h * kept + a if recompute else h * a) for w, a, h in zip(state, act, held)]
+    saved = [sharded_bytes(problem, t, start, stop, len(group)) for t in kinds]
     if shard is None:
         fits = all(u <= problem.devices[d].memory_bytes * (1 + MEMORY_RTOL) for u, d in zip(used, group))
-        shard = chosen_shard(problem, len(group), saved, fits)
+        shard = chosen_shard(problem, len(group), max(saved), fits)
     shard = shard and problem.training
     if shard:
-        used = [u - saved for u in used]
+        used = [u - s for u, s in zip(used, saved)]
     worst = max(range(len(group)), key=lambda r: used[r] - problem.devices[group[r]].memory_bytes)
     return StageCost(
         blocks=(start, stop),
@@ -213,8 +215,8 @@ def _stage_plan(
         bwd_s=bwd,
         compute_s=seconds[slowest],
         comm_s=comm,
-        state_bytes=state,
-        act_bytes=act,
+        state_bytes=state[worst],
+        act_bytes=act[worst],
         inflight=held[worst],
         memory_bytes=used[worst],
         memory_capacity_bytes=problem.devices[group[worst]].memory_bytes,
@@ -229,7 +231,7 @@ def _stage_plan(
         codecs=codecs,
         shard=shard,
         allgather_s=allgather_s(problem, group, start, stop) if shard else 0.0,
-        sharded_bytes=saved if shard else 0.0,
+        sharded_bytes=saved[worst] if shard else 0.0,
     )
 
 
@@ -237,7 +239,7 @@ def _allreduce_s(problem: PartitionProblem, group: tuple[int, ...], start: int, 
     """The replicas' gradient sum at step end (0 for one device or inference)."""
     if not problem.training:
         return 0.0
-    return device_ring_s(problem, group, math.fsum(problem.block_param_bytes()[start:stop]))
+    return device_ring_s(problem, group, group_param_bytes(problem, group, start, stop))
 
 
 def _check_plan(problem: PartitionProblem, boundaries, groups, recompute, codecs, shard) -> None:

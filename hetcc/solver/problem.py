@@ -3,9 +3,10 @@
 A chain of N blocks is cut into K contiguous stages; each stage runs on a group of one or more devices
 (replicas holding the same blocks; each microbatch passes one replica per stage). ``PartitionProblem``
 holds every number the solver needs (per-block seconds per device type, state, parameter and activation
-bytes, cut bytes, device memory, link bandwidth and latency) and the plan space to search (replicas,
-recomputation, ZeRO-1 sharding of replicas' optimizer state, a codec per cut: ``WireCodec``); it round-trips through JSON exactly, so an outside
-planner can be fed the same numbers.
+bytes, per device type where they differ, cut bytes, device memory, link bandwidth and latency) and the
+plan space to search (replicas, recomputation, ZeRO-1 sharding of replicas' optimizer state, a codec per
+cut: ``WireCodec``, tensor-parallel groups of identical devices: ``TensorSplit``, planned by
+``solver.tensor``); it round-trips through JSON exactly, so an outside planner can be fed the same numbers.
 ``StageCost`` and ``PartitionSolution`` are what a plan costs; the model behind those costs is
 ``solver.objective``.
 """
@@ -58,6 +59,23 @@ class WireCodec:
     cuts: list[bool] | None = None  # per cut: whether the plan may use it there (None: every cut)
 
 
+@dataclass(frozen=True)
+class TensorSplit:
+    """What each of ``degree`` devices does per block when a stage runs it tensor-parallel (Megatron-style:
+    identical devices of one node, each ~1/degree of the work plus the collectives between them). One row
+    per degree; ``solver.tensor`` makes each such group one device of type ``f"{type}/tp{degree}"``.
+    """
+
+    degree: int
+    fwd_s: dict[str, list[float]]  # per device type, per block: seconds on each device, collectives included
+    bwd_s: dict[str, list[float]]
+    wgrad_s: dict[str, list[float]] | None  # the weight-gradient part of bwd_s (needed if the problem's is)
+    state_bytes: list[float]  # per block: bytes on each device
+    act_bytes: list[float]
+    param_bytes: list[float]
+    optimizer_bytes: list[float] | None  # None: no optimizer state to shard
+
+
 @dataclass
 class PartitionProblem:
     """Everything the solver needs, in seconds and bytes (per microbatch where it says so)."""
@@ -102,6 +120,13 @@ class PartitionProblem:
     optimizer_bytes: list[float] | None = None
     shard: bool = False
     shard_all: bool = False
+    # Per device type, the per-block "state_bytes", "act_bytes", "param_bytes" or "optimizer_bytes" a
+    # device of that type holds instead of the arrays above (a tensor-parallel group holds ~1/t of the
+    # weights); read them with ``state_for``, ``act_for``, ``params_for`` and ``optimizer_for``. None: none.
+    type_bytes: dict[str, dict[str, list[float]]] | None = None
+    # Tensor parallelism: one row per degree a stage may run at (``solver.tensor``); None: none. The
+    # plain solver ignores it: ``tensor.solve_tensor`` plans with it.
+    tensor_splits: list[TensorSplit] | None = None
     # Self-description for outside planners (the costs above already include them).
     precision: str = "fp32"
     optimizer: str = ""
@@ -124,8 +149,29 @@ class PartitionProblem:
             return 0.0
         return (self.cut_bytes if self.cut_grad_bytes is None else self.cut_grad_bytes)[cut]
 
-    def block_param_bytes(self) -> list[float]:
-        return list(self.state_bytes if self.param_bytes is None else self.param_bytes)
+    def state_for(self, device_type: str) -> list[float]:
+        """Per block, the state bytes (parameters, gradients, optimizer state) a ``device_type`` holds."""
+        return self._bytes_for(device_type, "state_bytes")
+
+    def act_for(self, device_type: str) -> list[float]:
+        """Per block, the activation bytes per microbatch a ``device_type`` device saves for backward."""
+        return self._bytes_for(device_type, "act_bytes")
+
+    def params_for(self, device_type: str) -> list[float]:
+        """Per block, the parameter bytes (its gradient in a replica all-reduce) on ``device_type``; where
+        neither ``type_bytes`` nor ``param_bytes`` gives them, its ``state_for``."""
+        params = self._bytes_for(device_type, "param_bytes")
+        return self.state_for(device_type) if params is None else params
+
+    def optimizer_for(self, device_type: str) -> list[float]:
+        """Per block, the part of ``state_for(device_type)`` that is optimizer state (zeros: none given)."""
+        optimizer = self._bytes_for(device_type, "optimizer_bytes")
+        return [0.0] * len(self.blocks) if optimizer is None else optimizer
+
+    def _bytes_for(self, device_type: str, name: str) -> list[float] | None:
+        """``type_bytes[device_type][name]`` where given, else the problem's array ``name``."""
+        own = (self.type_bytes or {}).get(device_type, {})
+        return own[name] if name in own else getattr(self, name)
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -143,6 +189,8 @@ class PartitionProblem:
             data["devices"] = [ProblemDevice(**dev) for dev in data["devices"]]
             if data.get("codecs") is not None:
                 data["codecs"] = [WireCodec(**row) for row in data["codecs"]]
+            if data.get("tensor_splits") is not None:
+                data["tensor_splits"] = [TensorSplit(**row) for row in data["tensor_splits"]]
             for key in ("bandwidth_bps", "latency_s"):
                 data[key] = [[math.inf if v == "inf" else v for v in row] for row in data[key]]
             problem = cls(**data)
@@ -170,7 +218,8 @@ class StageCost:
     microbatch, ``link_busy_s`` the busiest link's share of the period; ``allreduce_s`` sums the
     replicas' gradients at step end; with ``shard`` (ZeRO-1, ``solver.sharding``) each replica holds
     ``sharded_bytes`` less optimizer state and ``allgather_s`` gathers the updated parameters after it.
-    Memory is the fullest replica's (``inflight`` microbatches).
+    Memory figures (``state_bytes``, ``act_bytes``, ``sharded_bytes``: per device type) are the fullest
+    replica's (``inflight`` microbatches).
     ``codecs`` names the rows of ``problem.codecs`` the outgoing cut's messages use ("none": uncoded).
     """
 

@@ -5,6 +5,7 @@ and ``from_json`` on every file read): types, lengths and ranges, field by field
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.schedules import SCHEDULES
@@ -187,6 +188,7 @@ def validate_problem(problem) -> None:
         _check_vector("cut_grad_bytes", problem.cut_grad_bytes, n - 1)
     _check_tied(problem, n)
     _check_cut_tensors(problem, n)
+    _check_type_bytes(problem, n)
     _check_optimizer(problem, n)
     for flag in ("training", "replicate", "recompute", "recompute_all", "shard", "shard_all"):
         if not isinstance(getattr(problem, flag), bool):
@@ -212,17 +214,104 @@ def validate_problem(problem) -> None:
     _check_matrix("bandwidth_bps", problem.bandwidth_bps, d, positive=True)
     _check_matrix("latency_s", problem.latency_s, d, positive=False)
     _check_codecs(problem, n)
+    _check_tensor_splits(problem, n)
+
+
+# The per-block arrays ``type_bytes`` may override per device type.
+TYPE_BYTE_FIELDS = ("state_bytes", "act_bytes", "param_bytes", "optimizer_bytes")
+
+
+def _check_type_bytes(problem, n: int) -> None:
+    """``type_bytes``: per device type of ``fwd_s``, some of ``TYPE_BYTE_FIELDS``, one number per block."""
+    if problem.type_bytes is None:
+        return
+    if not isinstance(problem.type_bytes, dict):
+        raise _fail("type_bytes", "must map device type -> {field: bytes per block}", "or null")
+    for kind, arrays in problem.type_bytes.items():
+        if kind not in problem.fwd_s:
+            raise _fail(
+                "type_bytes",
+                f"names unknown device type {kind!r}",
+                f"use types of fwd_s: {sorted(problem.fwd_s)}",
+            )
+        if not isinstance(arrays, dict) or not set(arrays) <= set(TYPE_BYTE_FIELDS):
+            raise _fail(f"type_bytes[{kind!r}]", f"must map some of {', '.join(TYPE_BYTE_FIELDS)} to lists",
+                        "one number per block in each")  # fmt: skip
+        for name, values in arrays.items():
+            _check_vector(f"type_bytes[{kind!r}][{name!r}]", values, n)
 
 
 def _check_optimizer(problem, n: int) -> None:
-    """``optimizer_bytes``: per block, the part of its ``state_bytes`` that is optimizer state."""
-    if problem.optimizer_bytes is None:
-        return
-    _check_vector("optimizer_bytes", problem.optimizer_bytes, n)
-    for i, (o, s) in enumerate(zip(problem.optimizer_bytes, problem.state_bytes)):
+    """``optimizer_bytes``: per block, the part of its ``state_bytes`` that is optimizer state, on every
+    device type (``type_bytes`` may override either)."""
+    if problem.optimizer_bytes is not None:
+        _check_vector("optimizer_bytes", problem.optimizer_bytes, n)
+    _check_part("optimizer_bytes", problem.optimizer_bytes or (), problem.state_bytes)
+    for kind in problem.type_bytes or {}:
+        _check_part(
+            f"type_bytes[{kind!r}] optimizer_bytes", problem.optimizer_for(kind), problem.state_for(kind)
+        )
+
+
+def _check_part(field: str, optimizer, state) -> None:
+    for i, (o, s) in enumerate(zip(optimizer, state)):
         if o > s:
-            raise _fail("optimizer_bytes", f"entry {i} ({o!r}) exceeds the block's state_bytes ({s!r})",
+            raise _fail(field, f"entry {i} ({o!r}) exceeds the block's state_bytes ({s!r})",
                         "optimizer state is a part of the state")  # fmt: skip
+
+
+def _check_tensor_splits(problem, n: int) -> None:
+    """``tensor_splits``: ``TensorSplit`` rows, one per degree >= 2, each costed per block on every device
+    type with ``degree`` devices of one class (type and memory) on one node."""
+    if problem.tensor_splits is None:
+        return
+    if not isinstance(problem.tensor_splits, list):
+        raise _fail("tensor_splits", "must be a list of TensorSplit rows", "one row per degree, or null")
+    degrees = set()
+    for k, row in enumerate(problem.tensor_splits):
+        at = f"tensor_splits[{k}]"
+        if not all(hasattr(row, name) for name in ("degree", "fwd_s", "bwd_s", "wgrad_s", *TYPE_BYTE_FIELDS)):
+            raise _fail(at, f"is not a TensorSplit: {row!r}", "build rows with TensorSplit(...)")
+        if isinstance(row.degree, bool) or not isinstance(row.degree, int) or row.degree < 2:
+            raise _fail(
+                f"{at}.degree", f"must be an integer >= 2, got {row.degree!r}", "degree 1 is no split"
+            )
+        if row.degree in degrees:
+            raise _fail(f"{at}.degree", f"degree {row.degree} has two rows", "one row per degree")
+        degrees.add(row.degree)
+        for name in TYPE_BYTE_FIELDS:
+            if name != "optimizer_bytes" or row.optimizer_bytes is not None:
+                _check_vector(f"{at}.{name}", getattr(row, name), n)
+        _check_part(f"{at}.optimizer_bytes", row.optimizer_bytes or (), row.state_bytes)
+        _check_split_times(problem, row, at, n)
+
+
+def _check_split_times(problem, row, at: str, n: int) -> None:
+    """A ``TensorSplit`` row's seconds: per device type of the problem (every type with ``degree``
+    identical devices on a node among them), one number per block, weight gradients within backwards."""
+    for table in ("fwd_s", "bwd_s"):
+        if not isinstance(getattr(row, table), dict):
+            raise _fail(f"{at}.{table}", "must map device type -> seconds per block", "see TensorSplit")
+    if not set(row.fwd_s) <= set(problem.fwd_s) or set(row.bwd_s) != set(row.fwd_s):
+        raise _fail(f"{at}.fwd_s", f"must name the same device types as bwd_s, of {sorted(problem.fwd_s)}",
+                    "one list per device type in each")  # fmt: skip
+    per_node = Counter((d.node, d.type, d.memory_bytes) for d in problem.devices)
+    for (node, kind, _), count in per_node.items():
+        if count >= row.degree and kind not in row.fwd_s:
+            hint = f"cost degree {row.degree} on every type with {row.degree} like devices on a node"
+            raise _fail(
+                f"{at}.fwd_s", f"has no entry for device type {kind!r} ({count} on node {node})", hint
+            )
+    if problem.wgrad_s is not None and row.wgrad_s is None:
+        raise _fail(f"{at}.wgrad_s", "is needed where the problem's wgrad_s is given", "give those seconds")
+    if row.wgrad_s is not None and (not isinstance(row.wgrad_s, dict) or set(row.wgrad_s) != set(row.bwd_s)):
+        raise _fail(f"{at}.wgrad_s", "must name the device types bwd_s names", "one list per type, or null")
+    for kind in row.fwd_s:
+        for table in ("fwd_s", "bwd_s"):
+            _check_vector(f"{at}.{table}[{kind!r}]", getattr(row, table)[kind], n)
+        if row.wgrad_s is not None:
+            _check_vector(f"{at}.wgrad_s[{kind!r}]", row.wgrad_s[kind], n)
+            _check_within(f"{at}.wgrad_s[{kind!r}]", row.wgrad_s[kind], row.bwd_s[kind])
 
 
 def _check_weight_grads(problem, n: int) -> None:
@@ -233,10 +322,14 @@ def _check_weight_grads(problem, n: int) -> None:
         raise _fail("wgrad_s", "must name the device types bwd_s names", "one list per device type, or null")
     for kind, values in problem.wgrad_s.items():
         _check_vector(f"wgrad_s[{kind!r}]", values, n)
-        for i, (w, b) in enumerate(zip(values, problem.bwd_s[kind])):
-            if w > b * (1 + 1e-9) + 1e-15:
-                raise _fail(f"wgrad_s[{kind!r}]", f"entry {i} ({w!r}) exceeds the block's backward ({b!r})",
-                            "the weight gradient is a part of the backward")  # fmt: skip
+        _check_within(f"wgrad_s[{kind!r}]", values, problem.bwd_s[kind])
+
+
+def _check_within(field: str, weights, backward) -> None:
+    for i, (w, b) in enumerate(zip(weights, backward)):
+        if w > b * (1 + 1e-9) + 1e-15:
+            raise _fail(field, f"entry {i} ({w!r}) exceeds the block's backward ({b!r})",
+                        "the weight gradient is a part of the backward")  # fmt: skip
 
 
 def _check_vector(field: str, values, length: int) -> None:

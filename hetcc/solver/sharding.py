@@ -1,7 +1,7 @@
 """ZeRO-1 for replicated stages: the optimizer state of a stage split across its r replicas.
 
 Each replica of a sharding stage holds the weights and gradients whole but only 1/r of the optimizer
-state (``problem.optimizer_bytes``), so it holds ``state - optimizer * (1 - 1/r)`` bytes. After the
+state (``problem.optimizer_for`` its type), so it holds ``state - optimizer * (1 - 1/r)`` bytes. After the
 gradients' ring all-reduce each replica updates its shard of the parameters, and the updated shards
 are gathered back (torch's ``ZeroRedundancyOptimizer`` broadcasts each shard from its owner), priced as
 a ring all-gather of the stage's parameter bytes over the group's slowest link:
@@ -34,7 +34,14 @@ def allgather_s(problem: PartitionProblem, group: Sequence[int], start: int, sto
     over the replica ``group`` (0 for one device or inference)."""
     if not problem.training:
         return 0.0
-    return ALLGATHER_SHARE * device_ring_s(problem, group, math.fsum(problem.block_param_bytes()[start:stop]))
+    return ALLGATHER_SHARE * device_ring_s(problem, group, group_param_bytes(problem, group, start, stop))
+
+
+def group_param_bytes(problem: PartitionProblem, group: Sequence[int], start: int, stop: int) -> float:
+    """The parameter bytes of blocks ``[start, stop)`` that the fullest member of the replica ``group``
+    holds: what its all-reduce and all-gather move (members of one device type hold the same)."""
+    kinds = dict.fromkeys(problem.devices[d].type for d in group)
+    return max(math.fsum(problem.params_for(kind)[start:stop]) for kind in kinds)
 
 
 def step_end_rates(problem: PartitionProblem, group: Sequence[int], shard: bool) -> tuple[float, float]:
@@ -54,17 +61,12 @@ def unheld_fraction(replicas: int) -> float:
     return 1.0 - 1.0 / replicas
 
 
-def block_optimizer_bytes(problem: PartitionProblem) -> list[float]:
-    """Each block's optimizer-state bytes (zeros where the problem has none)."""
-    return [0.0] * len(problem.blocks) if problem.optimizer_bytes is None else list(problem.optimizer_bytes)
-
-
-def sharded_bytes(problem: PartitionProblem, start: int, stop: int, replicas: int) -> float:
-    """Bytes of blocks ``[start, stop)``'s optimizer state one of ``replicas`` sharding replicas does
-    not hold (0 for one replica or inference)."""
-    if not problem.training or replicas < 2 or problem.optimizer_bytes is None:
+def sharded_bytes(problem: PartitionProblem, kind: str, start: int, stop: int, replicas: int) -> float:
+    """Bytes of blocks ``[start, stop)``'s optimizer state one of ``replicas`` sharding replicas of
+    device type ``kind`` does not hold (0 for one replica or inference)."""
+    if not problem.training or replicas < 2:
         return 0.0
-    return math.fsum(problem.optimizer_bytes[start:stop]) * unheld_fraction(replicas)
+    return math.fsum(problem.optimizer_for(kind)[start:stop]) * unheld_fraction(replicas)
 
 
 def shard_choices(problem: PartitionProblem, replicas: int) -> tuple[bool, ...]:
@@ -85,15 +87,16 @@ def chosen_shard(problem: PartitionProblem, replicas: int, saved_bytes: float, f
     return saved_bytes > 0 and not fits_whole
 
 
-def least_held_state(problem: PartitionProblem) -> list[float]:
-    """Per block, the fewest state bytes a device running it holds: all of it, or with sharding
-    allowed ``o * (1 - 1/n)`` less (n = devices in the problem, the most replicas a group can have)."""
-    state = list(problem.state_bytes)
+def least_held_state(problem: PartitionProblem, kind: str) -> list[float]:
+    """Per block, the fewest state bytes a device of type ``kind`` running it holds: all of it, or with
+    sharding allowed ``o * (1 - 1/n)`` less (n = devices in the problem, the most replicas a group can
+    have)."""
+    state = list(problem.state_for(kind))
     n = len(problem.devices)
     if not (problem.shard or problem.shard_all) or not problem.training or n < 2:
         return state
     kept = unheld_fraction(n)
-    return [s - o * kept for s, o in zip(state, block_optimizer_bytes(problem))]
+    return [s - o * kept for s, o in zip(state, problem.optimizer_for(kind))]
 
 
 def sharded_whole_chain(problem: PartitionProblem) -> tuple[int, int, float] | None:
@@ -108,5 +111,5 @@ def sharded_whole_chain(problem: PartitionProblem) -> tuple[int, int, float] | N
         return None
     first = next(i for i, d in enumerate(problem.devices) if (d.type, d.memory_bytes) == (kind, memory))
     held = replica_inflight(inflight_microbatches(problem, 0, 1, [r]), r)
-    used = math.fsum(problem.state_bytes) - sharded_bytes(problem, 0, len(problem.blocks), r)
-    return first, r, used + held * math.fsum(problem.act_bytes)
+    used = math.fsum(problem.state_for(kind)) - sharded_bytes(problem, kind, 0, len(problem.blocks), r)
+    return first, r, used + held * math.fsum(problem.act_for(kind))

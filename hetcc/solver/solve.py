@@ -149,7 +149,8 @@ def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:
     if problem.training and not problem.recompute:
         hints.insert(0, "recompute=True (keeps each stage's inputs, rebuilds activations in backward)")
     sharding = problem.shard or problem.shard_all
-    if problem.training and problem.replicate and any(problem.optimizer_bytes or ()) and not sharding:
+    optimizer = any(any(problem.optimizer_for(d.type)) for d in problem.devices)
+    if problem.training and problem.replicate and optimizer and not sharding:
         hints.insert(0, "shard=True (replicas split their optimizer state, ZeRO-1)")
     if problem.training and problem.schedule == "gpipe":
         hints.insert(0, "schedule='1f1b' (holds fewer microbatches' activations)")
@@ -173,9 +174,8 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
     order = sorted(range(len(problem.devices)), key=lambda d: -problem.devices[d].memory_bytes)
     best = None
     for k in range(1, min(len(order), len(problem.blocks)) + 1):
-        caps = [problem.devices[d].memory_bytes for d in order[:k]]
         inflight = [inflight_microbatches(problem, j, k) for j in range(k)]
-        overflow, stages = _min_max_overflow(problem, caps, inflight)
+        overflow, stages = _min_max_overflow(problem, [problem.devices[d] for d in order[:k]], inflight)
         if best is None or overflow < best[0]:
             best = (overflow, stages, order[:k])
     overflow, stages, devices = best
@@ -198,12 +198,14 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
     )
 
 
-def _min_max_overflow(problem: PartitionProblem, caps: list[float], inflight: list[int]):
+def _min_max_overflow(problem: PartitionProblem, devices: list, inflight: list[int]):
     """The cut of a fixed device sequence minimising max_j (memory_j - cap_j): (overflow, stages)
-    with each stage's block range and the bytes it uses."""
-    w = np.concatenate([[0.0], np.cumsum(problem.state_bytes)])
-    a = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
-    used = [(w[None, :] - w[:, None]) + q * (a[None, :] - a[:, None]) for q in inflight]  # [start, stop)
-    overflow, bounds = min_max_split([u - cap for u, cap in zip(used, caps)])
+    with each stage's block range and the bytes it uses (those of its device's type)."""
+    used = []
+    for device, q in zip(devices, inflight):
+        w = np.concatenate([[0.0], np.cumsum(problem.state_for(device.type))])
+        a = np.concatenate([[0.0], np.cumsum(problem.act_for(device.type))])
+        used.append((w[None, :] - w[:, None]) + q * (a[None, :] - a[:, None]))  # [start, stop)
+    overflow, bounds = min_max_split([u - device.memory_bytes for u, device in zip(used, devices)])
     stages = [((b0, b1), float(u[b0, b1])) for u, b0, b1 in zip(used, bounds, bounds[1:])]
     return overflow, stages

@@ -72,6 +72,8 @@ class RunResult:
       captured (warm-up included), not when it replays.
     - ``optimizer_state_bytes``: the optimizer state the rank holds at the end (on a stage whose replicas
       shard it, ZeRO-1, its share).
+    - ``parameter_bytes``: the weights the rank holds (on a tensor-parallel stage, its parts of the split
+      ones and the others whole).
     """
 
     losses: list[float] = field(default_factory=list)

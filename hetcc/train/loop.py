@@ -94,7 +94,8 @@ def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any
         "notes": notes, "outputs": _outputs_on_cpu(last),
         "grads": rank.executor.named_grads(),
         "stats": {**transfer_stats(), **launch_stats(), "cuda_graphs": rank.executor.cuda_graphs,
-                  "optimizer_state_bytes": optimizer_state_bytes(optimizer)},
+                  "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+                  "parameter_bytes": sum(p.numel() * p.element_size() for p in rank.executor.module.parameters())},
         "summary": _summary(rank, figures, step_times, busy), "metrics": str(log.path) if log is not None else None,
     }  # fmt: skip
 

@@ -82,7 +82,9 @@ class PipelineRank:
         self.training = self.outline.meta.training  # False: compiled for inference
         self.owns_group = False
         self.substitute: dict | None = None  # under join: the device found in place of the planned one
-        torch.manual_seed(seed + rank)  # the rank's own draws (dropout): runs repeat exactly
+        # the rank's own draws (dropout): runs repeat exactly; the parts of a tensor-parallel replica
+        # draw alike, as they compute the replicated tensors alike
+        torch.manual_seed(seed + rank - self.placement.tensor)
         self.links = self._links(timeout_s)
         self.executor = StageExecutor(
             self.stage, self.links, self.microbatches, loss_fn, self.device, self.layout
@@ -135,9 +137,15 @@ class PipelineRank:
         return self.outline.seq_len
 
     @property
+    def part(self) -> int:
+        """This rank's part of its replica (0 unless the stage is tensor parallel)."""
+        return self.placement.tensor
+
+    @property
     def reports(self) -> bool:
-        """The one rank that reports a run's figures: the last stage's first replica (it has the loss)."""
-        return self.is_last and self.replica == 0
+        """The one rank that reports a run's figures: the last stage's first replica's first part (it
+        has the loss)."""
+        return self.is_last and self.replica == 0 and self.part == 0
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """This stage's trainable parameters by the model's names (a tied weight once)."""
@@ -227,16 +235,24 @@ class PipelineRank:
              train: Mapping[str, Any] | None = None) -> None:  # fmt: skip
         """Checkpoint this rank at ``steps_done`` (``hetcc.train.checkpoint``): replica 0 writes the
         stage (weights, optimizer state, loss scale, RNG, ``train``: the loop's JSON-able record),
-        another replica only its RNG."""
+        another replica only its RNG; the parts of a tensor-parallel replica 0 first gather its weights
+        and optimizer state whole to part 0, which writes them."""
         directory, stage, step = os.fspath(directory), self.stage_index, self.steps_done
         rng = ckpt.rng_state(self.device)
         if isinstance(optimizer, ZeroRedundancyOptimizer):  # every replica sends replica 0 its shard
             optimizer.consolidate_state_dict(to=0)
         if self.replica:
-            ckpt.save_replica_rng(directory, stage, self.replica, step, rng)
+            if not self.part:
+                ckpt.save_replica_rng(directory, stage, self.replica, step, rng)
             return
         state = {**self.executor.state_dict(), "rng": rng, "train": dict(train or {})}
-        state["optimizer"] = optimizer.state_dict() if optimizer is not None else None
+        state["optimizer"] = (
+            self._optimizer_state(optimizer.state_dict(), optimizer, self.executor.whole)
+            if optimizer
+            else None
+        )
+        if self.part:
+            return
         ckpt.save_checkpoint(directory, stage, step, state)
         ckpt.prune(directory, stage)
 
@@ -256,7 +272,9 @@ class PipelineRank:
         state = ckpt.load_checkpoint(directory, self.stage_index, step)
         self.executor.load_state_dict(state)
         if optimizer is not None and state.get("optimizer") is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            optimizer.load_state_dict(
+                self._optimizer_state(state["optimizer"], optimizer, self.executor.part_of)
+            )
         rng = ckpt.load_replica_rng(directory, self.stage_index, self.replica, step) if self.replica else None
         ckpt.set_rng_state(rng or state["rng"], self.device)
         self.steps_done = step
@@ -280,7 +298,10 @@ class PipelineRank:
             vendors = ["cpu"] * self.layout.num_ranks
         tied_ranks = [self.layout.holders(group.stages) for group in self.stage.tied]
         timeout_s = config.comm_timeout_s if timeout_s is None else timeout_s
-        return Links(vendors, tied_ranks, timeout_s, self.device, replica_ranks=self.layout.replica_groups())
+        return Links(
+            vendors, tied_ranks, timeout_s, self.device,
+            replica_ranks=self.layout.replica_groups(), tensor_ranks=self.layout.tensor_groups(),
+        )  # fmt: skip
 
     def _share(self, batch: RankBatch | Mapping[str, Any]) -> RankBatch:
         if isinstance(batch, RankBatch):
@@ -289,12 +310,42 @@ class PipelineRank:
             return RankBatch(self.steps_done, {m: {} for m in self.needs.mine})
         return share_of(batch, replace(self.needs, model_inputs=()), self.steps_done)
 
+    def _optimizer_state(
+        self,
+        state: dict,
+        optimizer: torch.optim.Optimizer,
+        convert: Callable[[str, torch.Tensor], torch.Tensor],
+    ) -> dict:
+        """``optimizer``'s state dict ``state`` with every tensor shaped like its parameter passed through
+        ``convert(local name, tensor)``: whole from this rank's parts (``StageExecutor.whole``) or back
+        (``part_of``); unchanged unless the stage is tensor parallel."""
+        if self.executor.stage.tensor is None:
+            return state
+        local = {id(p): name for name, p in self.executor.module.named_parameters(remove_duplicate=False)}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        converted = {}
+        for index, values in state["state"].items():
+            name = local[id(params[index])]
+            converted[index] = {
+                key: convert(name, value) if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+                for key, value in values.items()
+            }
+        return {**state, "state": converted}
+
     def _counted_grads(self) -> list[torch.Tensor]:
         """The gradients this rank counts in the global norm: none on a replica other than the first; a
-        tied weight only on the first stage that holds it."""
+        tied weight only on the first stage that holds it; on a tensor-parallel replica's other parts
+        only their parts of split weights (the others are the same on every part)."""
         if self.replica:
             return []
         module = self.executor.module
+        if self.part:
+            split = self.executor.stage.tensor.sharded_params
+            return [
+                module.get_parameter(name).grad
+                for name in split
+                if module.get_parameter(name).grad is not None
+            ]
         not_mine = {
             id(module.get_parameter(local))
             for group in self.stage.tied

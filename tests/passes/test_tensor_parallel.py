@@ -62,6 +62,7 @@ def test_llama_gets_megatrons_layout_with_grouped_query_heads_split(graphs):
         "mlp.down_proj.weight": (ROW, 1),
     }
     assert "model.layers.0.input_layernorm.weight" not in layout.sharded_params  # norms stay whole
+    assert layout.params["model.embed_tokens.weight"] == ParamShard(1)  # features split, rows gathered
     assert layout.gathered_ops == []
     # per layer: the input enters the sharded region once before attention and once before the MLP, and
     # each row-parallel matmul all-reduces; the head is column-parallel, gathered for the loss

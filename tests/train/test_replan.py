@@ -51,18 +51,22 @@ def test_replan_keeps_the_old_builds_precision_and_plan_space_unless_told(tmp_pa
     from hetcc.hardware.schema import Where
     from hetcc.runtime.contract import PipelineMeta, PlanSpace, read_meta
 
-    space = PlanSpace(replicate=False, recompute=True, shard=1)
+    space = PlanSpace(replicate=False, recompute=True, shard=1, tensor_parallel="auto")
     meta = PipelineMeta(1, precision="bf16-mixed", plan_space=space)
     assert plan_space_options(meta) == {
         "precision": "bf16-mixed",
         "replicate": False,
         "recompute": True,
         "shard": 1,
+        "tensor_parallel": "auto",
     }
     default = plan_space_options(PipelineMeta(1))
-    assert default == {"precision": "fp32", "replicate": True, "recompute": "auto", "shard": "auto"}
+    assert default == {
+        "precision": "fp32", "replicate": True, "recompute": "auto", "shard": "auto", "tensor_parallel": False
+    }  # fmt: skip
     where = Where(str(tmp_path / "pipeline.json"), error=PlanFormatError).at("meta")
     assert plan_space_options(read_meta({}, 1, where, version=1)) == default  # an older build
-    for bad in ({"precision": ["fp32"]}, {"plan_space": {"replicate": 1}}, {"plan_space": {"recompute": 1}}):
+    bad_spaces = ({"replicate": 1}, {"recompute": 1}, {"tensor_parallel": 1}, {"tensor_parallel": True})
+    for bad in ({"precision": ["fp32"]}, *({"plan_space": space} for space in bad_spaces)):
         with pytest.raises(PlanFormatError, match=r"pipeline.json: meta\.(precision|plan_space)"):
             read_meta(bad, 1, where, version=1)
