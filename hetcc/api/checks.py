@@ -37,7 +37,10 @@ def check_plan_space(
     if shard in (2, 3) and not isinstance(shard, bool):
         raise HetccError(
             f"shard={shard} (ZeRO-{shard}: gradients{' and parameters' if shard == 3 else ''} sharded too) is not "
-            "built yet", hint="use shard=1 (optimizer state sharded over a stage's replicas), 0 or 'auto'",
+            "built yet: a pipeline stage holds its whole gradient until the step's last microbatch, so it would "
+            "save little (DeepSpeed's pipeline engine allows ZeRO-1 only)",
+            hint="use shard=1 (optimizer state sharded over a stage's replicas), 0 or 'auto'; tensor_parallel= "
+            "splits a stage's weights, gradients and optimizer state over the devices of a node",
         )  # fmt: skip
     if shard not in ("auto", 0, 1) or isinstance(shard, bool):
         raise HetccError(
