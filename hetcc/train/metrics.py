@@ -66,7 +66,10 @@ class RunFigures:
             stage = plan.stages[placement.stage]
             runs = sum(1 for replica in layout.routing[placement.stage] if replica == placement.replica)
             forwards = 1 + (stage.recompute and training)
-            flops = runs * (forwards * stage.fwd_flops + (stage.bwd_flops if training else 0.0))
+            # a tensor-parallel replica's t ranks share its model FLOPs
+            flops = (
+                runs * (forwards * stage.fwd_flops + (stage.bwd_flops if training else 0.0)) / stage.tensor
+            )
             planned = types[rank] if rank < len(types) and types[rank] else stage.device_type
             ran_on = "cpu" if on_cpu else planned
             busy = plan.step_time_s * (1.0 - stage.bubble) if training else None
