@@ -28,14 +28,20 @@ from hetcc.solver.simulate import simulate
 def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
     """The plan of least objective (exact per sequence; see ``solver.search``), or with ``rerank`` > 0
     the fastest simulated plan among the best ``rerank`` sequences the search found (with replicas
-    allowed, and the best ``rerank`` pure pipelines), each search's fastest refined by simulation
-    (``_refine_by_simulation``). ``simulated_s`` is filled in either way; ``gap`` is simulated step /
+    allowed, and the best ``rerank`` pure pipelines; where the search is heuristic, the single-best
+    search's plan too), each search's fastest refined by simulation (``_refine_by_simulation``). ``simulated_s`` is filled in either way; ``gap`` is simulated step /
     lower bound - 1."""
     problem.validate()
     found = search(problem, keep=max(1, rerank))
     if found is None:
         raise _infeasible_error(problem)
-    searches = [(problem, list(found.candidates))]
+    candidates = list(found.candidates)
+    if rerank > 1 and not found.exact:
+        # Keeping runners-up, the heuristic search searches less far (``search.RERANKED_EVALUATIONS``):
+        # the sequence the single-best search finds joins the re-ranking, so re-ranking never loses it.
+        single = search(problem, keep=1)
+        candidates += single.candidates if single is not None else []
+    searches = [(problem, candidates)]
     if rerank and problem.replicate:
         # Pure pipelines are plans too: the search with replicas is heuristic on large clusters, and its
         # formula and the simulator can disagree, so the best pure pipelines join the re-ranking.
