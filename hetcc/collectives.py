@@ -150,10 +150,7 @@ tensor_enter.register_autograd(
 @torch.library.custom_op("hetcc::all_gather", mutates_args=())
 def all_gather(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
     """The ``degree`` devices' shards of a tensor, concatenated along ``dim``."""
-    group = _group()
-    if group.size != degree:
-        raise _degree_error("all_gather", degree, group.size)
-    return group.all_gather(tensor, dim)
+    return _group_of("all_gather", degree).all_gather(tensor, dim)
 
 
 @all_gather.register_fake
@@ -181,9 +178,7 @@ all_gather.register_autograd(_all_gather_backward, setup_context=_gather_setup)
 @torch.library.custom_op("hetcc::tensor_slice", mutates_args=())
 def tensor_slice(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
     """This device's part of a replicated ``tensor`` along ``dim`` (of ``degree`` equal parts)."""
-    group = _group()
-    if group.size != degree:
-        raise _degree_error("tensor_slice", degree, group.size)
+    group = _group_of("tensor_slice", degree)
     return own_slice(tensor, dim, group.rank, degree).contiguous()
 
 
@@ -201,8 +196,13 @@ def _tensor_slice_backward(ctx, grad):
 tensor_slice.register_autograd(_tensor_slice_backward, setup_context=_gather_setup)
 
 
-def _degree_error(op: str, degree: int, size: int) -> RuntimeFailure:
-    return RuntimeFailure(
-        f"hetcc.{op} was compiled for tensor degree {degree} but runs in a tensor group of {size} devices",
-        hint="run the stage on as many devices as its plan gives it (pipeline.json: tensor degree per stage)",
-    )
+def _group_of(op: str, degree: int) -> TensorGroup:
+    """The current tensor group, which ``op`` (compiled for ``degree`` devices) must run on."""
+    group = _group()
+    if group.size != degree:
+        raise RuntimeFailure(
+            f"hetcc.{op} was compiled for tensor degree {degree} but runs in a tensor group of {group.size} "
+            "devices",
+            hint="run the stage on as many devices as its plan gives it (pipeline.json: tensor degree per stage)",
+        )
+    return group

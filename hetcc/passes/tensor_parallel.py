@@ -75,12 +75,11 @@ class ParamShard:
 
 @dataclass
 class TensorLayout:
-    """The result for one graph at one degree: each parameter's split, each node's placement, and the
-    ops that gathered a sharded input for want of a rule."""
+    """The result for one graph at one degree: each parameter's split, and the ops that gathered a
+    sharded input for want of a rule."""
 
     degree: int
     params: dict[str, ParamShard] = field(default_factory=dict)
-    placements: dict[str, str] = field(default_factory=dict)  # node name -> "R", "S(d)"
     gathered_ops: list[str] = field(default_factory=list)
 
     @property
@@ -187,7 +186,6 @@ class _Rewrite:
                 pass
             else:
                 self._propagate(node)
-        self.layout.placements = {n.name: _name(p) for n, p in self.place.items()}
         return fx.GraphModule(self.gm, self.graph), self.layout
 
     def _copy(self, node: fx.Node, placement, args=None, kwargs=None) -> fx.Node:
@@ -269,20 +267,16 @@ class _Rewrite:
             self.place[bias] = Shard(0)
         args = list(node.args)
         args[args.index(x)] = self._entered(x) if _same(have, _R) else self._arg(x, _R)
-        new = self._copy(node, Shard(_val(node).dim() - 1), tuple(fx.map_arg(a, self._env_or) for a in args))
-        self.env[node] = new
+        self._copy(node, Shard(_val(node).dim() - 1), tuple(fx.map_arg(a, self._env_or) for a in args))
         self.origin[node] = (node.name, w.shape[out_dim])
 
     def _env_or(self, arg):
         return self.env[arg] if arg in self.env else arg
 
     def _bare_matmul(self, node: fx.Node, x: fx.Node, weight: fx.Node) -> fx.Node:
-        """``x @ weight`` of ``node`` without its bias."""
-        if node.target is aten.linear.default:
-            return self.graph.call_function(aten.linear.default, (x, weight))
-        if node.target is aten.matmul.default:
-            return self.graph.call_function(aten.matmul.default, (x, weight))
-        return self.graph.call_function(aten.mm.default, (x, weight))
+        """``x @ weight`` of ``node`` without its bias (``addmm``'s is ``mm``)."""
+        op = aten.mm.default if node.target is aten.addmm.default else node.target
+        return self.graph.call_function(op, (x, weight))
 
     def _embedding(self, node: fx.Node) -> bool:
         """An embedding table only this lookup uses is split along its features: each device looks up

@@ -293,8 +293,8 @@ def _check_per_stage(values: Sequence[object], num_stages: int, where: Where) ->
 
 def _check_placement(ranks: Sequence[RankPlacement], num_stages: int, where: Where) -> None:
     """Ranks in rank order, each on a stage of the pipeline, each stage's replicas numbered 0..R-1 and each
-    replica's parts 0..t-1 (one t per stage), and torchrun positions (node rank, local rank) on every rank or none, each taken once, each node rank
-    one named node."""
+    replica's parts 0..t-1 (one t per stage), and torchrun positions (node rank, local rank) on every rank
+    or none, each taken once, each node rank one named node."""
     for i, rank in enumerate(ranks):
         if rank.rank != i:
             where.at(i, "rank").fail(f"rank {short_repr(rank.rank)} at position {i}, but ranks are in order")

@@ -186,16 +186,21 @@ class StageExecutor:
     def whole(self, local: str, value: torch.Tensor) -> torch.Tensor:
         """``value`` (this rank's part of weight ``local``, or of its gradient or optimizer state) made
         whole from every part's; itself where the weight is not split (a collective on split ones)."""
-        shard = self.stage.tensor.params.get(local) if self.stage.tensor is not None else None
-        if shard is None or shard.dim is None:
+        shard = self._split(local)
+        if shard is None:
             return value
         gathered = self.links.tensor.all_gather(value.contiguous(), shard.dim)
         return shard.whole(list(gathered.chunk(self.stage.tensor.degree, dim=shard.dim)))
 
     def part_of(self, local: str, value: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``value``, a whole weight ``local`` (or its state): ``whole``'s inverse."""
-        shard = self.stage.tensor.params.get(local) if self.stage.tensor is not None else None
+        shard = self._split(local)
         return value if shard is None else shard.part(value, self.part, self.stage.tensor.degree)
+
+    def _split(self, local: str):
+        """How weight ``local`` is split over the replica's parts (``ParamShard``); None: held whole."""
+        shard = self.stage.tensor.params.get(local) if self.stage.tensor is not None else None
+        return shard if shard is not None and shard.dim is not None else None
 
     def state_dict(self) -> dict:
         """What a checkpoint keeps of this stage's execution: weights (whole) and buffers, and the fp16

@@ -304,25 +304,26 @@ def _check_split_times(problem, row, at: str, n: int) -> None:
             )
     if problem.wgrad_s is not None and row.wgrad_s is None:
         raise _fail(f"{at}.wgrad_s", "is needed where the problem's wgrad_s is given", "give those seconds")
-    if row.wgrad_s is not None and (not isinstance(row.wgrad_s, dict) or set(row.wgrad_s) != set(row.bwd_s)):
-        raise _fail(f"{at}.wgrad_s", "must name the device types bwd_s names", "one list per type, or null")
     for kind in row.fwd_s:
         for table in ("fwd_s", "bwd_s"):
             _check_vector(f"{at}.{table}[{kind!r}]", getattr(row, table)[kind], n)
-        if row.wgrad_s is not None:
-            _check_vector(f"{at}.wgrad_s[{kind!r}]", row.wgrad_s[kind], n)
-            _check_within(f"{at}.wgrad_s[{kind!r}]", row.wgrad_s[kind], row.bwd_s[kind])
+    _check_wgrad_table(f"{at}.wgrad_s", row.wgrad_s, row.bwd_s, n)
 
 
 def _check_weight_grads(problem, n: int) -> None:
-    """``wgrad_s``: per device type of ``bwd_s``, one share of each block's backward (never more)."""
-    if problem.wgrad_s is None:
+    _check_wgrad_table("wgrad_s", problem.wgrad_s, problem.bwd_s, n)
+
+
+def _check_wgrad_table(field: str, wgrad, bwd: dict, n: int) -> None:
+    """``field`` (the problem's ``wgrad_s`` or a ``TensorSplit`` row's): per device type of ``bwd``, one
+    share of each block's backward (never more); None: no weight gradients given."""
+    if wgrad is None:
         return
-    if not isinstance(problem.wgrad_s, dict) or set(problem.wgrad_s) != set(problem.bwd_s):
-        raise _fail("wgrad_s", "must name the device types bwd_s names", "one list per device type, or null")
-    for kind, values in problem.wgrad_s.items():
-        _check_vector(f"wgrad_s[{kind!r}]", values, n)
-        _check_within(f"wgrad_s[{kind!r}]", values, problem.bwd_s[kind])
+    if not isinstance(wgrad, dict) or set(wgrad) != set(bwd):
+        raise _fail(field, "must name the device types bwd_s names", "one list per device type, or null")
+    for kind, values in wgrad.items():
+        _check_vector(f"{field}[{kind!r}]", values, n)
+        _check_within(f"{field}[{kind!r}]", values, bwd[kind])
 
 
 def _check_within(field: str, weights, backward) -> None:

@@ -340,12 +340,8 @@ class PipelineRank:
             return []
         module = self.executor.module
         if self.part:
-            split = self.executor.stage.tensor.sharded_params
-            return [
-                module.get_parameter(name).grad
-                for name in split
-                if module.get_parameter(name).grad is not None
-            ]
+            grads = (module.get_parameter(name).grad for name in self.executor.stage.tensor.sharded_params)
+            return [grad for grad in grads if grad is not None]
         not_mine = {
             id(module.get_parameter(local))
             for group in self.stage.tied
