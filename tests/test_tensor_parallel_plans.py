@@ -14,6 +14,7 @@ import torch
 from runtime_models import slow_cards
 
 import hetcc
+from hetcc import config
 from hetcc.cli import build_parser
 from hetcc.errors import HetccError
 from hetcc.hardware.cluster import Cluster
@@ -109,8 +110,38 @@ def test_under_autocast_a_sum_of_half_precision_matmuls_moves_half_the_bytes(cos
     assert mixed[0]["Slow"][1] < fp32[0]["Slow"][1]
 
 
+class _Wide(torch.nn.Module):
+    """Two matmuls whose weights outweigh their two-row inputs: under autocast each casts its weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(2048, 16384), torch.nn.Linear(16384, 2048)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).sum()
+
+
+def test_under_autocast_each_device_casts_only_its_part_of_a_split_weight(tmp_path):
+    """Memory-bound at two rows, the column-parallel matmul's forward is its weight's fp32 -> bf16 cast
+    and read: at degree 2 each device does about half (the records of the split weights are the parts)."""
+    with torch.device("meta"):
+        model = _Wide()
+    analysis = hetcc.analyze(model, (torch.randn(2, 2048, device="meta"),))
+    cluster = Cluster.from_file(_cluster(tmp_path, [2], gflops=10**6))
+    settings = PlanSettings(1, "1f1b", True, "adam", precision="bf16-mixed", tensor_parallel=2)
+    cost(analysis.graph, device_types=cluster.types, fuse="off", dtype=torch.bfloat16, autocast=True)
+    whole = _problem(analysis, cluster, settings)
+    pricing = tensor_cost(
+        analysis.graph, analysis.blocks, analysis.tied_params, cluster, settings, torch.bfloat16
+    )
+    (row,) = pricing.rows
+    assert [b.name for b in analysis.blocks] == ["up", "down"]
+    assert row.fwd_s["Slow"][0] < 0.65 * whole.fwd_s["Slow"][0]  # the whole weight's cast: 0.86 x
+
+
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_at_degree_one_the_row_holds_exactly_the_problems_bytes(costed, name):
+def test_at_degree_one_the_row_holds_exactly_the_problems_bytes(costed, name, monkeypatch):
+    monkeypatch.setattr(config, "fuse", "off")  # as the fixture priced the whole graph
     _, analysis, cluster = costed(name)
     settings = PlanSettings(1, "1f1b", True, "adam", precision="bf16-mixed")
     whole = _problem(analysis, cluster, settings)
@@ -170,13 +201,15 @@ def test_two_cards_hold_what_one_cannot_as_one_tensor_parallel_stage(tmp_path):
         n.startswith("tensor parallel: degrees priced 2") for n in plan.notes
     )
     assert plan.lower_bound_s <= plan.step_time_s
-    # the stage runs sharded: explicit collectives, each weight's split recorded, no fused groups
+    # the stage runs sharded: explicit collectives, each weight's split recorded, and the groups that pay
+    # fused on its local shapes fused between them (their kernels dumped with the others)
     (graph,) = compiled.stages
     assert graph.tensor is not None and graph.tensor.degree == 2 and graph.tensor.sharded_params
     targets = {str(n.target) for n in graph.module.graph.nodes}
     assert {"hetcc.all_reduce.default", "hetcc.tensor_enter.default"} <= targets
-    assert not any(FUSION_META_KEY in n.meta for n in graph.module.graph.nodes)
-    assert any(n.startswith("fusion:") and "tensor-parallel stages [0]" in n for n in plan.notes)
+    groups = [n.meta[FUSION_META_KEY] for n in graph.module.graph.nodes if FUSION_META_KEY in n.meta]
+    assert groups and all((tmp_path / "ir" / "kernels" / f"{g.name}.py").exists() for g in groups)
+    assert not any("tensor-parallel stages" in n for n in plan.notes)
     # plan.json keeps the degree; the table shows it; the report replays the plan
     compiled.save_plan(tmp_path / "build")
     assert read_plan(tmp_path / "build") == plan == Plan.from_json(plan.to_json())

@@ -44,7 +44,7 @@ from hetcc.passes.memory import memory
 from hetcc.passes.partition import PlanSettings, partition
 from hetcc.passes.partition import optimizer as optimizer_entry
 from hetcc.passes.shapes import shapes
-from hetcc.passes.tensor_cost import tensor_cost, tried_degrees
+from hetcc.passes.tensor_cost import fuse_split, tensor_cost, tried_degrees
 from hetcc.passes.tensor_parallel import tensor_parallel
 from hetcc.passes.trace import drop_dtype_asserts, trace
 from hetcc.plan import PRECISIONS, Plan
@@ -243,7 +243,10 @@ def _compile_at(
         stages = split_stages(gm, stage_of, len(plan.stages), [s.codecs for s in plan.stages])
     if any(s.tensor > 1 for s in plan.stages):
         with _step(dumper, "shard", lambda: format_stages(stages), lambda: verify.check_pipeline(stages)):
-            _shard_stages(stages, plan)
+            _shard_stages(stages, plan, cluster, settings, dtype)
+        for stage in stages:
+            if stage.tensor and stage.tensor.degree > 1:
+                _dump_kernels(stage.module, dumper)
     sources = functools.cache(lambda: [stage_source(s) for s in stages])  # only made when dumped
     with _step(dumper, "codegen", lambda: "\n".join(sources()), None):
         codegen(stages)
@@ -275,8 +278,8 @@ def _with_graphs_note(plan: Plan, stages: Sequence, cluster: Cluster) -> Plan:
 
 def _fuse_for_stages(gm: torch.fx.GraphModule, plan: Plan, choice: FusionChoice, analysis: Analysis) -> Plan:
     """Fuse each group chosen for the device type of the stage that runs it, except on tensor-parallel
-    stages (a fused group has no sharding rule: its inputs would be gathered around it); the blocks and
-    the plan's node lists then name the graph that runs."""
+    stages (their groups are found and fused in the graph each device runs, after the shard step); the
+    blocks and the plan's node lists then name the graph that runs."""
     stage_of = [ir.info(c.members[-1]).stage for c in choice.candidates]
     type_of = {s.index: s.device_type for s in plan.stages}
     split = {s.index for s in plan.stages if s.tensor > 1}
@@ -285,17 +288,17 @@ def _fuse_for_stages(gm: torch.fx.GraphModule, plan: Plan, choice: FusionChoice,
     analysis.blocks, analysis.tied_params = collect_blocks(gm)
     nodes = {b.name: b.nodes for b in analysis.blocks}
     stages = tuple(replace(s, nodes=tuple(n for b in s.blocks for n in nodes[b])) for s in plan.stages)
-    kept = sum(1 for k in fused if stage_of[k] in split)
-    note = (
-        f"fusion: {kept} group(s) the cost chose left as ops on the tensor-parallel stages "
-        f"{sorted(split)} (a fused group has no sharding rule: its inputs would be gathered around it)"
-    )
-    return replace(plan, stages=stages, notes=(*plan.notes, note) if kept else plan.notes)
+    return replace(plan, stages=stages)
 
 
-def _shard_stages(stages: Sequence[StageGraph], plan: Plan) -> None:
+def _shard_stages(
+    stages: Sequence[StageGraph], plan: Plan, cluster: Cluster, settings: PlanSettings, dtype: object | None
+) -> None:
     """Each stage of tensor degree t > 1 becomes the graph each of its t devices runs, with explicit
-    collectives (``passes.tensor_parallel``); weights it shares with other stages stay whole."""
+    collectives (``passes.tensor_parallel``), and the fusion groups that pay on its device type fused
+    there (``passes.tensor_cost.fuse_split``, as its row was priced); weights it shares with other
+    stages stay whole."""
+    types = {t.name: t for t in cluster.types}
     for stage, planned in zip(stages, plan.stages):
         if planned.tensor > 1:
             weights = next(stage.module.parameters(), None)
@@ -303,6 +306,10 @@ def _shard_stages(stages: Sequence[StageGraph], plan: Plan) -> None:
                 attach_anchor(stage.module, "meta")  # a recv's value is on its anchor's device: the weights'
             tied = frozenset(name for g in stage.tied for k, name in g.members if k == stage.index)
             stage.module, stage.tensor = tensor_parallel(stage.module, planned.tensor, keep_whole=tied)
+            if config.fuse != "off":
+                fuse_split(
+                    stage.module, stage.index, planned.blocks, types[planned.device_type], settings, dtype
+                )
 
 
 def _cost_dump(gm: torch.fx.GraphModule, choice: FusionChoice) -> str:

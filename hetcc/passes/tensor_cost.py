@@ -13,7 +13,8 @@ Collectives are not compute: each is a ring over the slowest intra-node link joi
 on a node holding t of them, of the bytes of the whole tensor (half precision where autocast computed it):
 an all-reduce 2(t-1)/t * bytes / bandwidth + 2(t-1) * latency, an all-gather half of that. Forward:
 ``all_reduce`` and ``all_gather``; backward: ``tensor_enter``'s all-reduce and ``tensor_slice``'s
-all-gather. Tensor-parallel stages are not fused, so the local graph is priced without fusion.
+all-gather. The local graph is priced with the fusion groups that pay fused on each type, the groups
+``fuse_split`` fuses in the stage each device runs (no group crosses a collective).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx
 
+from hetcc import config
 from hetcc.errors import AnalysisError, HetccError
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.presets import DeviceType
@@ -33,6 +35,7 @@ from hetcc.ir import annotate, info, nbytes
 from hetcc.passes.blocks import Block, TiedParam, collect_blocks
 from hetcc.passes.cost import autocast_half, block_times, cost
 from hetcc.passes.flops import flops
+from hetcc.passes.fuse import FusionChoice, fuse, fusion_candidates
 from hetcc.passes.memory import memory
 from hetcc.passes.partition import PlanSettings, build_problem
 from hetcc.passes.remat import trainable_values
@@ -162,7 +165,7 @@ def tensor_row(
     if not layout.sharded_params:
         return None
     names = [b.name for b in chain]
-    _analyse(local, names, settings, kinds, dtype)
+    choice = _analyse(local, names, settings, kinds, dtype)
     local_chain, _ = collect_blocks(local)
     if [b.name for b in local_chain] != names:
         raise AnalysisError(
@@ -172,7 +175,10 @@ def tensor_row(
         )
     type_names = [k.name for k in kinds]
     times = block_times(local, [b.nodes for b in local_chain], type_names)
-    arrays = build_problem(local, local_chain, tied, cluster, replace(settings, compress="off"), times)
+    change = choice.act_bytes_change(names) if settings.training else None
+    arrays = build_problem(
+        local, local_chain, tied, cluster, replace(settings, compress="off"), times, change
+    )
     autocast = settings.precision != "fp32"
     fwd, bwd = _collectives_s(local, names, cluster, type_names, layout.degree, autocast, settings.training)
     row = TensorSplit(
@@ -191,18 +197,37 @@ def tensor_row(
 def _analyse(
     local: torch.fx.GraphModule, names: Sequence[str], settings: PlanSettings, kinds: Sequence[DeviceType],
     dtype: object | None,
-) -> None:  # fmt: skip
+) -> FusionChoice:  # fmt: skip
     """The analysis and pricing of the whole graph, run on the graph one device runs: its added ops placed
     in blocks, FLOPs and bytes, parameter bytes (its parts of split weights) and saved activations, then
-    seconds on ``kinds`` (without fusion: tensor-parallel stages are not fused)."""
+    seconds on ``kinds`` with the fusion groups that pay fused (``fuse_split`` fuses the same)."""
     _place_added_ops(local, {name: i for i, name in enumerate(names)})
     flops(local)
     memory(local, training=settings.training)
-    for node in local.graph.find_nodes(op="get_attr"):  # memory counted the whole weights
-        if info(node).param_bytes:
-            annotate(node, param_bytes=int(nbytes(node.meta["val"])))
-    autocast = settings.precision != "fp32"
-    cost(local, device_types=kinds, dtype=dtype, training=settings.training, autocast=autocast, fuse="off")
+    for node in local.graph.find_nodes(op="get_attr"):  # the records hold the whole weights: take the parts
+        part = node.meta.get("val")
+        if isinstance(part, torch.Tensor):
+            held = int(nbytes(part)) if info(node).param_bytes else 0
+            annotate(node, shape=tuple(part.shape), param_bytes=held)
+    candidates = fusion_candidates(local) if config.fuse != "off" else []
+    return cost(
+        local, device_types=kinds, dtype=dtype, training=settings.training,
+        autocast=settings.precision != "fp32", candidates=candidates, fuse=config.fuse,
+    )  # fmt: skip
+
+
+def fuse_split(
+    local: torch.fx.GraphModule, stage: int, names: Sequence[str], kind: DeviceType, settings: PlanSettings,
+    dtype: object | None,
+) -> None:  # fmt: skip
+    """Fuse, in the graph each device of tensor-parallel stage ``stage`` (blocks ``names``, on ``kind``)
+    runs, the groups that pay fused there: as ``tensor_row`` priced them. Collectives have no lowering, so
+    no group crosses one; a group's kernel is built for the local shapes."""
+    for node in local.graph.nodes:
+        if info(node).stage is None:
+            annotate(node, stage=stage)
+    choice = _analyse(local, names, settings, [kind], dtype)
+    fuse(local, [choice.candidates[k] for k in sorted(choice.fused.get(kind.name, ()))])
 
 
 def _place_added_ops(gm: torch.fx.GraphModule, index: dict[str, int]) -> None:

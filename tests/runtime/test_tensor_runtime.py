@@ -16,6 +16,7 @@ from runtime_models import slow_cards
 
 import hetcc
 from hetcc import config
+from hetcc.kernels import FUSION_META_KEY
 from hetcc.passes.tensor_parallel import tensor_parallel
 from hetcc.runtime.placement import ranks_for
 from hetcc.runtime.store import Pipeline
@@ -133,10 +134,13 @@ def test_opt_on_one_stage_of_four_parts_trains_like_eager(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_a_planned_tensor_parallel_stage_trains_like_eager_holding_what_the_plan_predicts(tmp_path):
+def test_a_planned_tensor_parallel_stage_trains_like_eager_holding_what_the_plan_predicts(
+    tmp_path, monkeypatch
+):
     """compile(tensor_parallel=2) on two cards that together hold what one cannot: one stage of two
-    parts. It trains like eager, and each rank's measured weights and Adam state are within 15% of the
-    plan's per-device figures."""
+    parts, every fusion group fused in the graph each part runs. It trains like eager, and each rank's
+    measured weights and Adam state are within 15% of the plan's per-device figures."""
+    monkeypatch.setattr(config, "fuse", "all")
     model = gpt2(n_layer=2, n_embd=64, vocab=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     ids = token_ids(8, 16)
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
@@ -146,6 +150,7 @@ def test_a_planned_tensor_parallel_stage_trains_like_eager_holding_what_the_plan
     compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=2, tensor_parallel=2)
     (stage,) = compiled.plan.stages
     assert stage.tensor == 2, compiled.plan.explain()
+    assert sum(FUSION_META_KEY in n.meta for n in compiled.stages[0].module.graph.nodes) >= 4
     result = hetcc.run_local(compiled, inputs, steps=2, optimizer=ADAM)
     _assert_like_eager(result, model, inputs, 2)
     for rank in result.stats:
