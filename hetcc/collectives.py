@@ -1,5 +1,6 @@
 """The collectives of a tensor-parallel stage as graph ops: ``hetcc::all_reduce``, ``hetcc::all_gather``,
-``hetcc::tensor_enter`` and ``hetcc::tensor_slice``.
+``hetcc::tensor_enter``, ``hetcc::tensor_slice`` and, for sequence parallelism, ``hetcc::reduce_scatter``
+and ``hetcc::gather_enter``.
 
 A stage with tensor degree t runs on t devices, each holding a shard of its weights
 (``hetcc.passes.tensor_parallel``). Every tensor in its graph is either *replicated* (the same on every
@@ -17,7 +18,16 @@ op                 forward                                         backward
 ``all_gather``     the shards concatenated along ``dim``           this device's slice of the (replicated)
                                                                    gradient
 ``tensor_slice``   this device's slice along ``dim``               the gradients' shards gathered
+``reduce_scatter`` this device's slice of the sum of the devices'  the gradients' shards gathered (every
+                   partial sums (row-parallel matmul, sequence     device's partial sum feeds every slice)
+                   parallel): sharded along ``dim``
+``gather_enter``   the shards gathered along ``dim``, where they   reduce-scatter: each device's gradient is
+                   feed an op whose result is sharded              its shard's part of the whole, summed
 =================  ==============================================  ============================================
+
+``reduce_scatter`` then ``gather_enter`` move what one ``all_reduce`` does (Megatron-LM's sequence
+parallelism), and what runs between them on the sharded sequence (norms, residual adds, dropout)
+computes and keeps 1/t of the tokens.
 
 The ops run over the *current tensor group* (``use_tensor_group``), which the runtime sets to the
 stage's tensor-parallel process group; ``LocalTensorGroup`` is a group of one (degree 1) for tests and
@@ -46,6 +56,8 @@ class TensorGroup(Protocol):
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
 
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor: ...
+
 
 class LocalTensorGroup:
     """A tensor group of one device: every collective is the identity."""
@@ -56,6 +68,9 @@ class LocalTensorGroup:
         return tensor.clone()
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        return tensor.clone()
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         return tensor.clone()
 
 
@@ -78,6 +93,16 @@ class ProcessTensorGroup:
         self._dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This device's slice of the sum: one reduce-scatter where the backend has it (gloo has none:
+        an all-reduce, then the slice)."""
+        if self._dist.get_backend(self.group) == "gloo":
+            return own_slice(self.all_reduce(tensor), dim, self.rank, self.size).contiguous()
+        whole = tensor.movedim(dim, 0).contiguous()
+        out = whole.new_empty((whole.shape[0] // self.size, *whole.shape[1:]))
+        self._dist.reduce_scatter_tensor(out, whole, group=self.group)
+        return out.movedim(0, dim).contiguous()
+
 
 _current: list[TensorGroup] = []
 
@@ -95,7 +120,8 @@ def use_tensor_group(group: TensorGroup) -> Iterator[TensorGroup]:
 def _group() -> TensorGroup:
     if not _current:
         raise RuntimeFailure(
-            "a tensor-parallel collective (hetcc.all_reduce / all_gather / tensor_enter / tensor_slice) ran "
+            "a tensor-parallel collective (hetcc.all_reduce / all_gather / tensor_enter / tensor_slice / "
+            "reduce_scatter / gather_enter) ran "
             "outside a tensor group",
             hint="run stage modules through hetcc.runtime (run_local / launch), or inside "
             "hetcc.collectives.use_tensor_group(...)",
@@ -179,7 +205,7 @@ all_gather.register_autograd(_all_gather_backward, setup_context=_gather_setup)
 def tensor_slice(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
     """This device's part of a replicated ``tensor`` along ``dim`` (of ``degree`` equal parts)."""
     group = _group_of("tensor_slice", degree)
-    return own_slice(tensor, dim, group.rank, degree).contiguous()
+    return own_slice(tensor, dim, group.rank, degree).clone(memory_format=torch.contiguous_format)
 
 
 @tensor_slice.register_fake
@@ -194,6 +220,51 @@ def _tensor_slice_backward(ctx, grad):
 
 
 tensor_slice.register_autograd(_tensor_slice_backward, setup_context=_gather_setup)
+
+
+# -------------------------------------------------------------------------------------- reduce_scatter
+
+
+@torch.library.custom_op("hetcc::reduce_scatter", mutates_args=())
+def reduce_scatter(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
+    """This device's part along ``dim`` of the sum of the ``degree`` devices' partial sums ``tensor``."""
+    return _group_of("reduce_scatter", degree).reduce_scatter(tensor, dim)
+
+
+@reduce_scatter.register_fake
+def _reduce_scatter_fake(tensor, dim, degree):
+    shape = list(tensor.shape)
+    shape[dim] //= degree
+    return tensor.new_empty(shape)
+
+
+def _reduce_scatter_backward(ctx, grad):
+    return _group().all_gather(grad.contiguous(), ctx.dim), None, None
+
+
+reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_gather_setup)
+
+
+# ---------------------------------------------------------------------------------------- gather_enter
+
+
+@torch.library.custom_op("hetcc::gather_enter", mutates_args=())
+def gather_enter(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
+    """The ``degree`` devices' shards concatenated along ``dim``, as the input of sharded ops (a
+    column-parallel matmul): its gradient, a partial sum on each device, is reduce-scattered."""
+    return _group_of("gather_enter", degree).all_gather(tensor, dim)
+
+
+@gather_enter.register_fake
+def _gather_enter_fake(tensor, dim, degree):
+    return _all_gather_fake(tensor, dim, degree)
+
+
+def _gather_enter_backward(ctx, grad):
+    return _group().reduce_scatter(grad.contiguous(), ctx.dim), None, None
+
+
+gather_enter.register_autograd(_gather_enter_backward, setup_context=_gather_setup)
 
 
 def _group_of(op: str, degree: int) -> TensorGroup:

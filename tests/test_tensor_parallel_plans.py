@@ -83,19 +83,27 @@ def test_at_degree_two_a_layer_holds_half_and_computes_less_plus_its_collectives
     assert "degree 2, priced in" in pricing.summary([b.name for b in analysis.blocks])
 
 
-def test_a_llama_layer_all_reduces_its_residual_twice_each_way_on_the_nodes_link(costed):
+def test_a_llama_layer_moves_its_residual_twice_each_way_on_the_nodes_link(costed):
+    """Sequence parallel: per layer two reduce-scatters and two gathers forward (what two all-reduces
+    move), the same backward, and the two norms' weight gradients (partial sums over each device's tokens)
+    all-reduced; the first layer's attention takes the embedding's replicated output, entered."""
     case, analysis, cluster = costed("llama")
     settings = PlanSettings(1, "1f1b", True, "adam", tensor_parallel=2)
     pricing = tensor_cost(analysis.graph, analysis.blocks, analysis.tied_params, cluster, settings)
     fwd_c, bwd_c = pricing.collective_s[2]
     batch, seq = case.inputs["input_ids"].shape
-    residual = batch * seq * case.model.config.hidden_size * 4  # fp32
-    # forward: the attention's and the MLP's row-parallel sums; backward: the gradients of their inputs
-    once = 2 * (2 - 1) / 2 * residual / NVLINK_BPS + 2 * (2 - 1) * NVLINK_S
-    for i in LAYERS:
-        assert fwd_c["Slow"][i] == pytest.approx(2 * once)
-        assert bwd_c["Slow"][i] == pytest.approx(2 * once)
-    assert once == pytest.approx(ring_allreduce_s(residual, 2, NVLINK_BPS, NVLINK_S))
+    hidden = case.model.config.hidden_size
+    once = ring_allreduce_s(batch * seq * hidden * 4, 2, NVLINK_BPS, NVLINK_S)  # fp32 residual
+    norm = ring_allreduce_s(hidden * 4, 2, NVLINK_BPS, NVLINK_S)
+    first, second = LAYERS
+    assert fwd_c["Slow"][second] == pytest.approx(2 * once)
+    assert bwd_c["Slow"][second] == pytest.approx(2 * once + 2 * norm)
+    # the first: its attention's input enters (no gather forward; an all-reduce backward), and the
+    # embedding's output, sliced to the tokens for the residual add, gathers its gradient back (half);
+    # only its MLP's norm runs on a part of the tokens
+    assert fwd_c["Slow"][first] == pytest.approx(1.5 * once)
+    assert bwd_c["Slow"][first] == pytest.approx(once + once / 2 + 3 * once / 2 + norm)
+    assert once == pytest.approx(2 * (batch * seq * hidden * 4 / 2 / NVLINK_BPS + NVLINK_S))
 
 
 def test_under_autocast_a_sum_of_half_precision_matmuls_moves_half_the_bytes(costed):
@@ -105,9 +113,11 @@ def test_under_autocast_a_sum_of_half_precision_matmuls_moves_half_the_bytes(cos
                     PlanSettings(1, "1f1b", True, "adam", precision=p, tensor_parallel=2)).collective_s[2]
         for p in ("fp32", "bf16-mixed")
     )  # fmt: skip
-    # forward: the row-parallel matmuls' outputs are bf16; backward: the norms' outputs stay fp32
-    assert fp32[1]["Slow"][1] == pytest.approx(mixed[1]["Slow"][1])
-    assert mixed[0]["Slow"][1] < fp32[0]["Slow"][1]
+    # forward: the row-parallel matmuls' outputs are bf16 (reduce-scattered at half the bytes), the norms'
+    # outputs fp32 (gathered whole); backward: the bf16 outputs' gradients are gathered at half too
+    layer = LAYERS[1]
+    assert fp32[0]["Slow"][layer] / 2 < mixed[0]["Slow"][layer] < fp32[0]["Slow"][layer]
+    assert mixed[1]["Slow"][layer] < fp32[1]["Slow"][layer]
 
 
 class _Wide(torch.nn.Module):

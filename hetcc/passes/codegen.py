@@ -113,7 +113,7 @@ def stage_source(stage: StageGraph, *, recompute: bool = False, precision: str =
     if stage.tensor is not None:
         lines.append(
             f"# tensor parallel: each replica is {stage.tensor.degree} ranks running this code, each with its "
-            "part of the split weights; hetcc.all_reduce / all_gather / tensor_enter / tensor_slice run over them"
+            "part of the split weights; hetcc.all_reduce / all_gather / tensor_enter / tensor_slice / reduce_scatter / gather_enter run over them"
         )
     lines.append("# parameters:")
     for local, name in stage.param_names.items():

@@ -182,7 +182,17 @@ BYTE_RULES: dict[str, Callable[[torch.fx.Node], object]] = {
     "_operator.getitem": _zero,
     # a tensor-parallel stage's collectives (``hetcc.collectives``) move bytes over links, not through
     # memory: ``passes.tensor_cost`` prices each as a ring on the node's link
-    **{f"hetcc.{name}": _zero for name in ("all_reduce", "all_gather", "tensor_enter", "tensor_slice")},
+    **{
+        f"hetcc.{name}": _zero
+        for name in (
+            "all_reduce",
+            "all_gather",
+            "tensor_enter",
+            "tensor_slice",
+            "reduce_scatter",
+            "gather_enter",
+        )
+    },
     # symbolic_trace graphs keep leaf modules as call_module nodes
     **{
         f"nn.{name}": _io

@@ -7,13 +7,14 @@ is analysed and priced by the passes that priced the whole one (``flops``, ``mem
 summed per block by ``partition.build_problem`` itself: a row holds what the problem's arrays would be at
 degree t, per device (a weight split t ways holds 1/t of its bytes). Ops the rewrite adds take the block
 of the op they complete (an all-reduce, the bias added after it) or, for what enters a sharded region
-(``tensor_enter``, ``tensor_slice``), of the op they feed.
+(``tensor_enter``, ``tensor_slice``, ``gather_enter``), of the op they feed.
 
 Collectives are not compute: each is a ring over the slowest intra-node link joining devices of that type
 on a node holding t of them, of the bytes of the whole tensor (half precision where autocast computed it):
-an all-reduce 2(t-1)/t * bytes / bandwidth + 2(t-1) * latency, an all-gather half of that. Forward:
-``all_reduce`` and ``all_gather``; backward: ``tensor_enter``'s all-reduce and ``tensor_slice``'s
-all-gather. The local graph is priced with the fusion groups that pay fused on each type, the groups
+an all-reduce 2(t-1)/t * bytes / bandwidth + 2(t-1) * latency, an all-gather or a reduce-scatter half
+of that. Forward: ``all_reduce``, ``all_gather``, ``reduce_scatter`` and ``gather_enter``'s gather;
+backward: ``tensor_enter``'s all-reduce, ``tensor_slice``'s and ``reduce_scatter``'s all-gather and
+``gather_enter``'s reduce-scatter. The local graph is priced with the fusion groups that pay fused on each type, the groups
 ``fuse_split`` fuses in the stage each device runs (no group crosses a collective).
 """
 
@@ -51,8 +52,11 @@ RINGS = {
     _hetcc.all_gather.default: ("all_gather", None),
     _hetcc.tensor_enter.default: (None, "all_reduce"),
     _hetcc.tensor_slice.default: (None, "all_gather"),
+    _hetcc.reduce_scatter.default: ("reduce_scatter", "all_gather"),
+    _hetcc.gather_enter.default: ("all_gather", "reduce_scatter"),
 }
-_ENTERING = (_hetcc.tensor_enter.default, _hetcc.tensor_slice.default)  # placed with the op they feed
+# placed with the op they feed
+_ENTERING = (_hetcc.tensor_enter.default, _hetcc.tensor_slice.default, _hetcc.gather_enter.default)
 
 
 @dataclass

@@ -11,6 +11,11 @@ dim d). The graph's inputs are replicated. Two rules are hetcc's own:
   contracts makes it *row-parallel* (the weight split along the input features; the partial sums are
   all-reduced, then the bias is added). Megatron-LM's attention and MLP fall out: q/k/v and the first MLP
   matmul are column-parallel, heads split, the output projections row-parallel.
+- **Sequence parallelism** (Megatron-LM's, on by default): a row-parallel matmul whose output is
+  [..., sequence, features] reduce-scatters its partial sums along the sequence instead of all-reducing
+  them, so what follows up to the next column-parallel matmul (the residual add, the norm, dropout) runs
+  on 1/t of the tokens, by torch's rules; that matmul gathers the tokens back (``gather_enter``). The same
+  bytes cross as with one all-reduce, and those ops compute and keep a t-th.
 - **An embedding table** used once is split along its features: each device looks up its part of
   every row, and the rows are gathered whole.
 - **A fused projection split afterwards** (GPT-2's ``c_attn``: one matmul for q, k and v, then
@@ -95,16 +100,17 @@ class _Relayout(Exception):
 
 
 def tensor_parallel(
-    gm: fx.GraphModule, degree: int, keep_whole: frozenset[str] = frozenset()
+    gm: fx.GraphModule, degree: int, keep_whole: frozenset[str] = frozenset(), sequence: bool = True
 ) -> tuple[fx.GraphModule, TensorLayout]:
     """``gm`` rewritten for tensor degree ``degree``: the graph every device of the stage runs, and the
     layout. The returned module holds the whole weights (what is saved); each device runs it with its
-    own parts (``take_part``). Weights in ``keep_whole`` (tied to another stage's) stay whole. Every
-    node's ``meta["val"]`` and shape record are the local ones."""
+    own parts (``take_part``). Weights in ``keep_whole`` (tied to another stage's) stay whole.
+    ``sequence``: sequence parallelism where a row-parallel output has a sequence dim dividing by t.
+    Every node's ``meta["val"]`` and shape record are the local ones."""
     blocks: dict[str, int] = {}
     for _ in range(len(gm.graph.nodes)):
         try:
-            out, layout = _Rewrite(gm, degree, blocks, keep_whole).run()
+            out, layout = _Rewrite(gm, degree, blocks, keep_whole, sequence and degree > 1).run()
             break
         except _Relayout as relayout:
             blocks[relayout.origin] = relayout.blocks
@@ -151,8 +157,21 @@ def _mesh(degree: int):
 
 
 class _Rewrite:
-    def __init__(self, gm: fx.GraphModule, degree: int, blocks: dict[str, int], keep_whole: frozenset[str]):
-        self.gm, self.t, self.blocks, self.keep_whole = gm, degree, blocks, keep_whole
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        degree: int,
+        blocks: dict[str, int],
+        keep_whole: frozenset[str],
+        sequence: bool,
+    ):
+        self.gm, self.t, self.blocks, self.keep_whole, self.sequence = (
+            gm,
+            degree,
+            blocks,
+            keep_whole,
+            sequence,
+        )
         self.layout = TensorLayout(degree)
         self.place: dict[fx.Node, object] = {}  # old node -> placement of its value
         # nodes sharded along a column-parallel matmul's own output features: (that matmul, their number)
@@ -210,18 +229,24 @@ class _Rewrite:
         if key not in self.memo:
             if isinstance(want, Replicate):  # S(d) -> R
                 self.memo[key] = self._call("all_gather", self.env[node], have.dim, self.t)
-            else:  # R -> S(d)
-                self.memo[key] = self._call("tensor_slice", self.env[node], want.dim, self.t)
+            else:  # R (or another dim's S, gathered first) -> S(d)
+                whole = self.env[node] if isinstance(have, Replicate) else self._arg(node, _R)
+                self.memo[key] = self._call("tensor_slice", whole, want.dim, self.t)
         return self.memo[key]
 
     def _entered(self, node: fx.Node) -> fx.Node:
-        """A replicated ``node`` as the input of an op whose result is sharded: through ``tensor_enter``
-        where a gradient flows back through it."""
+        """``node`` whole as the input of an op whose result is sharded, where a gradient flows back
+        through it: a replicated one through ``tensor_enter``, a sharded one gathered by ``gather_enter``
+        (each device's gradient is a partial sum: reduced, not sliced)."""
+        have = self.place[node]
         if node not in self.grad:
-            return self.env[node]
+            return self.env[node] if isinstance(have, Replicate) else self._arg(node, _R)
         key = (node, "enter")
         if key not in self.memo:
-            self.memo[key] = self._call("tensor_enter", self.env[node])
+            if isinstance(have, Replicate):
+                self.memo[key] = self._call("tensor_enter", self.env[node])
+            else:
+                self.memo[key] = self._call("gather_enter", self.env[node], have.dim, self.t)
         return self.memo[key]
 
     def _call(self, op: str, *args) -> fx.Node:
@@ -252,10 +277,15 @@ class _Rewrite:
                 in_dim, self.blocks.get(source[0], 1) if source else 1
             )
             partial = self._bare_matmul(node, self.env[x], self.env[weight])
-            out = self._call("all_reduce", partial)
-            if bias is not None:
-                out = self.graph.call_function(aten.add.Tensor, (out, self._arg(bias, _R)))
-            self.env[node], self.place[node] = out, _R
+            tokens = _val(node).dim() - 2
+            if self.sequence and tokens >= 1 and _val(node).shape[tokens] % self.t == 0:
+                out, placed = self._call("reduce_scatter", partial, tokens, self.t), Shard(tokens)
+            else:
+                out, placed = self._call("all_reduce", partial), _R
+            if bias is not None:  # added to a part of the tokens, its gradient is a partial sum: entered
+                whole = self._entered(bias) if isinstance(placed, Shard) else self._arg(bias, _R)
+                out = self.graph.call_function(aten.add.Tensor, (out, whole))
+            self.env[node], self.place[node] = out, placed
             return
         if w.shape[out_dim] % (self.t * blocks) or (bias is not None and not self._owns(bias)):
             self._propagate(node)
@@ -266,7 +296,7 @@ class _Rewrite:
             self.layout.params[bias.target] = ParamShard(0, blocks)
             self.place[bias] = Shard(0)
         args = list(node.args)
-        args[args.index(x)] = self._entered(x) if _same(have, _R) else self._arg(x, _R)
+        args[args.index(x)] = self._entered(x)
         self._copy(node, Shard(_val(node).dim() - 1), tuple(fx.map_arg(a, self._env_or) for a in args))
         self.origin[node] = (node.name, w.shape[out_dim])
 
@@ -374,7 +404,7 @@ class _Rewrite:
                 return a
             if a not in wants:
                 return self.env[a]
-            if enter and _same(wants[a], _R) and _same(self.place[a], _R):
+            if enter and _same(wants[a], _R):
                 return self._entered(a)
             return self._arg(a, wants[a])
 

@@ -64,11 +64,29 @@ def test_llama_gets_megatrons_layout_with_grouped_query_heads_split(graphs):
     assert "model.layers.0.input_layernorm.weight" not in layout.sharded_params  # norms stay whole
     assert layout.params["model.embed_tokens.weight"] == ParamShard(1)  # features split, rows gathered
     assert layout.gathered_ops == []
-    # per layer: the input enters the sharded region once before attention and once before the MLP, and
-    # each row-parallel matmul all-reduces; the head is column-parallel, gathered for the loss
+    # sequence parallel: each row-parallel matmul reduce-scatters along the tokens, and the tokens are
+    # gathered where they enter the next column-parallel matmuls (after attention, the MLP and the head);
+    # only the first layer's attention takes the (embedding's) replicated input. Each norm runs on its
+    # tokens, so its weight's gradient is a partial sum: entered (all-reduced backward)
     layers = 2
-    assert _ops(out, "all_reduce") == 2 * layers
-    assert _ops(out, "tensor_enter") == 2 * layers + 1
+    assert _ops(out, "all_reduce") == 0 and _ops(out, "reduce_scatter") == 2 * layers
+    assert _ops(out, "gather_enter") == 2 * layers and _ops(out, "tensor_slice") == 1  # the residual
+    entered = [n.args[0] for n in out.graph.nodes if n.name.startswith("tensor_enter")]
+    assert [a.name for a in entered if a.op != "get_attr"] == ["mul_4"]  # the first layer's input
+    norms = {
+        f"model.layers.{k}.{norm}.weight"
+        for k in range(layers)
+        for norm in ("input_layernorm", "post_attention_layernorm")
+    }
+    assert {a.target for a in entered if a.op == "get_attr"} == norms - {
+        "model.layers.0.input_layernorm.weight"
+    } | {"model.norm.weight"}
+    norm = next(n for n in out.graph.nodes if n.name == "mul_10")  # the MLP's norm: half the 16 tokens
+    assert tuple(norm.meta["val"].shape) == (4, 8, 64)
+    # without it, Megatron's all-reduces: the input enters twice per layer, and the head
+    plain, _ = tensor_parallel(gm, 2, sequence=False)
+    assert _ops(plain, "all_reduce") == 2 * layers and _ops(plain, "reduce_scatter") == 0
+    assert _ops(plain, "tensor_enter") == 2 * layers + 1
     attention = next(n for n in out.graph.nodes if n.name == "scaled_dot_product_attention")
     assert tuple(attention.meta["val"].shape) == (4, 2, 16, 16)  # 4 heads: 2 on each device
 
