@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.passes.remat import rematerialisable, trainable_values
 from hetcc.passes.stage_assign import assign_stages, is_tensor
-from hetcc.passes.tensor_parallel import TensorLayout
+from hetcc.passes.tensor_layout import TensorLayout
 from hetcc.sendrecv import ANCHOR_NAME, attach_anchor, gradient_wire, new_anchor
 from hetcc.wire import NO_CODEC, get_codec
 

@@ -38,58 +38,21 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass, field
 
 import torch
 from torch import fx
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from hetcc import collectives
+from hetcc import collectives  # noqa: F401  (registers the hetcc:: collectives this pass inserts)
 from hetcc.passes.fake_run import FakeInterpreter
 from hetcc.passes.shapes import shapes
+from hetcc.passes.tensor_layout import ParamShard, TensorLayout
 from hetcc.passes.tensor_rules import propagate
 
 aten = torch.ops.aten
 _MATMULS = {aten.linear.default, aten.addmm.default, aten.mm.default, aten.matmul.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _R = Replicate()
-
-
-@dataclass(frozen=True)
-class ParamShard:
-    """How a weight is split over the t devices: along ``dim`` (None: whole on each), whose size is
-    ``blocks`` equal pieces each split t ways (1: one contiguous part per device)."""
-
-    dim: int | None
-    blocks: int = 1
-
-    def part(self, tensor: torch.Tensor, rank: int, degree: int) -> torch.Tensor:
-        """Device ``rank``'s part of the whole ``tensor``."""
-        if self.dim is None:
-            return tensor
-        pieces = tensor.chunk(self.blocks, dim=self.dim)
-        return torch.cat([collectives.own_slice(p, self.dim, rank, degree) for p in pieces], dim=self.dim)
-
-    def whole(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """The whole tensor from every device's part (rank order)."""
-        if self.dim is None:
-            return parts[0]
-        split = [p.chunk(self.blocks, dim=self.dim) for p in parts]
-        return torch.cat([split[r][b] for b in range(self.blocks) for r in range(len(parts))], dim=self.dim)
-
-
-@dataclass
-class TensorLayout:
-    """The result for one graph at one degree: each parameter's split, and the ops that gathered a
-    sharded input for want of a rule."""
-
-    degree: int
-    params: dict[str, ParamShard] = field(default_factory=dict)
-    gathered_ops: list[str] = field(default_factory=list)
-
-    @property
-    def sharded_params(self) -> dict[str, ParamShard]:
-        return {name: shard for name, shard in self.params.items() if shard.dim is not None}
 
 
 class _Relayout(Exception):
@@ -104,7 +67,7 @@ def tensor_parallel(
 ) -> tuple[fx.GraphModule, TensorLayout]:
     """``gm`` rewritten for tensor degree ``degree``: the graph every device of the stage runs, and the
     layout. The returned module holds the whole weights (what is saved); each device runs it with its
-    own parts (``take_part``). Weights in ``keep_whole`` (tied to another stage's) stay whole.
+    own parts (``tensor_layout.take_part``). Weights in ``keep_whole`` (tied to another stage's) stay whole.
     ``sequence``: sequence parallelism where a row-parallel output has a sequence dim dividing by t.
     Every node's ``meta["val"]`` and shape record are the local ones."""
     blocks: dict[str, int] = {}
@@ -117,12 +80,6 @@ def tensor_parallel(
     _LocalValues(out, layout).run_fake()
     shapes(out)
     return out, layout
-
-
-def take_part(module: torch.nn.Module, layout: TensorLayout, rank: int) -> None:
-    """Replace each sharded weight of ``module`` (a stage holding them whole) by device ``rank``'s part."""
-    for target, shard in layout.sharded_params.items():
-        _set_attr(module, target, shard.part(operator.attrgetter(target)(module), rank, layout.degree))
 
 
 class _LocalValues(FakeInterpreter):
@@ -450,19 +407,3 @@ def _tuple_like(node: fx.Node, placement):
 
 def _op_name(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target))
-
-
-def _set_attr(module: torch.nn.Module, target: str, value: torch.Tensor) -> None:
-    *path, name = target.split(".")
-    owner = functools.reduce(getattr, path, module)
-    old = getattr(owner, name)
-    new = (
-        torch.nn.Parameter(value.detach().clone(), requires_grad=old.requires_grad)
-        if isinstance(old, torch.nn.Parameter)
-        else value.detach().clone()
-    )
-    delattr(owner, name)
-    if isinstance(new, torch.nn.Parameter):
-        owner.register_parameter(name, new)
-    else:
-        owner.register_buffer(name, new)

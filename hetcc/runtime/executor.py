@@ -46,7 +46,7 @@ from hetcc.collectives import use_tensor_group
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import StageGraph
-from hetcc.passes.tensor_parallel import take_part
+from hetcc.passes.tensor_layout import take_part
 from hetcc.runtime.cudagraphs import graphs_for_stage
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout

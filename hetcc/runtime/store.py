@@ -29,7 +29,7 @@ from hetcc.kernels import FUSION_META_KEY, fused, load_groups, write_kernel
 from hetcc.kernels.op import registered_group
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.comm import CommEdge, StageGraph, TiedGroup
-from hetcc.passes.tensor_parallel import ParamShard, TensorLayout
+from hetcc.passes.tensor_layout import ParamShard, TensorLayout
 from hetcc.runtime.contract import VERSION, PipelineMeta
 from hetcc.runtime.files import (
     FORMAT,

@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 
 import hetcc
 from hetcc.collectives import ProcessTensorGroup, use_tensor_group
-from hetcc.passes.tensor_parallel import ParamShard, take_part, tensor_parallel
+from hetcc.passes.tensor_layout import ParamShard, take_part
+from hetcc.passes.tensor_parallel import tensor_parallel
 
 COLUMN, ROW = "column", "row"
 
