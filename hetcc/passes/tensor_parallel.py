@@ -22,7 +22,8 @@ dim d). The graph's inputs are replicated. Two rules are hetcc's own:
   ``split``): the weight is laid out so each device's part of every piece is contiguous (``blocks``: the
   output features are k pieces, each split t ways), so the split stays local.
 
-Every other op takes torch's own sharding rules (``torch.distributed.tensor``'s propagator, run on specs
+What a stage sends (``hetcc::send``, ``hetcc::encode``) is gathered whole first. Every other op takes
+torch's own sharding rules (``torch.distributed.tensor``'s propagator, run on specs
 alone: no devices, no process group): views and reshapes are rewritten to the local shapes, elementwise
 ops and attention keep the heads sharded, and what needs a whole tensor (a layer norm over a sharded
 dim, a loss) gets it gathered first. A partial sum is reduced at once. An op with no rule takes its
@@ -152,6 +153,11 @@ class _Rewrite:
                 self.graph.output(fx.map_arg(node.args[0], lambda a: self._arg(a, _R)))
             elif node.target is operator.getitem:
                 self._getitem(node)
+            elif (
+                getattr(node.target, "namespace", None) == "hetcc"
+            ):  # send, encode: stages trade whole tensors
+                tensors = [a for a in node.all_input_nodes if _val(a) is not None]
+                self._copy(node, _tuple_like(node, _R), *self._mapped(node, dict.fromkeys(tensors, _R)))
             elif _val(node) is None and not isinstance(node.meta.get("val"), (tuple, list)):
                 self._copy(node, _R)  # asserts, sizes: no tensor out
             elif node.target in _MATMULS and self._weight(node) is not None:

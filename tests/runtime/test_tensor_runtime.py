@@ -156,3 +156,31 @@ def test_a_planned_tensor_parallel_stage_trains_like_eager_holding_what_the_plan
     for rank in result.stats:
         assert rank["parameter_bytes"] == pytest.approx(stage.memory.params_bytes, rel=0.15)
         assert rank["optimizer_state_bytes"] == pytest.approx(stage.memory.optimizer_bytes, rel=0.15)
+
+
+@pytest.mark.slow
+def test_planned_stages_of_two_parts_trade_whole_tensors_across_a_sequence_parallel_boundary(
+    tmp_path, monkeypatch
+):
+    """compile(tensor_parallel=2) of Llama on two nodes of two cards: two stages of two parts, each part
+    holding half the tokens of the residual stream between its matmuls (sequence parallel) and its
+    fusion groups fused. What stage 0 sends is gathered whole first; it trains like eager."""
+    monkeypatch.setattr(config, "fuse", "all")
+    model = llama()
+    ids = token_ids(8, 16)
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    state = sum(p.numel() * 4 for p in model.parameters()) * 4
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text(
+        slow_cards([2, 2], int(state * 0.45), inter_node="1 Gb/s").replace("20 GFLOP/s", "1 GFLOP/s")
+    )
+    compiled = hetcc.compile(
+        model, cluster, example_kwargs=inputs, microbatches=2, tensor_parallel=2, replicate=False
+    )
+    assert [s.tensor for s in compiled.plan.stages] == [2, 2], compiled.plan.explain()
+    graph = compiled.stages[0].module.graph
+    (send,) = [n for n in graph.nodes if n.target is torch.ops.hetcc.send.default]
+    assert send.args[0].target is torch.ops.hetcc.all_gather.default  # the tokens gathered
+    assert any(n.target is torch.ops.hetcc.reduce_scatter.default for n in graph.nodes)
+    assert all(any(FUSION_META_KEY in n.meta for n in s.module.graph.nodes) for s in compiled.stages)
+    _assert_like_eager(hetcc.run_local(compiled, inputs, steps=2, optimizer=ADAM), model, inputs, 2)
