@@ -14,8 +14,8 @@ on a node holding t of them, of the bytes of the whole tensor (half precision wh
 an all-reduce 2(t-1)/t * bytes / bandwidth + 2(t-1) * latency, an all-gather or a reduce-scatter half
 of that. Forward: ``all_reduce``, ``all_gather``, ``reduce_scatter`` and ``gather_enter``'s gather;
 backward: ``tensor_enter``'s all-reduce, ``tensor_slice``'s and ``reduce_scatter``'s all-gather and
-``gather_enter``'s reduce-scatter. The local graph is priced with the fusion groups that pay fused on each type, the groups
-``fuse_split`` fuses in the stage each device runs (no group crosses a collective).
+``gather_enter``'s reduce-scatter. The local graph is priced with the fusion groups that pay fused on
+each type: the groups ``fuse_split`` fuses in the stage each device runs (no group crosses a collective).
 """
 
 from __future__ import annotations
