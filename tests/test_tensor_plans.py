@@ -341,7 +341,7 @@ def test_a_pinned_degree_is_used_where_it_can_be():
 # A realistic case --------------------------------------------------------------------------------------
 
 
-def _two_h100_nodes() -> PartitionProblem:
+def _two_h100_nodes(act_gb_at_4: float = 1.6) -> PartitionProblem:
     """Eight 2.5 B-parameter transformer layers (fp16 + Adam: 40 GB of state each, 4 GB of activations per
     microbatch, 50 / 100 ms forward / backward on one H100) on 2 nodes x 4 H100 (75 GB usable; NVLink
     300 GB/s, 50 GB/s per GPU between nodes). One card holds one layer, not two; a tensor group of t
@@ -367,7 +367,7 @@ def _two_h100_nodes() -> PartitionProblem:
                        for a in range(d)],
         latency_s=[[0.0 if a == b else (5e-6 if same[a][b] else 1e-5) for b in range(d)] for a in range(d)],
         microbatches=8, replicate=True, param_bytes=[5 * GB] * n, optimizer_bytes=[30 * GB] * n,
-        tensor_splits=[split(2, 0.95, 2.6), split(4, 0.90, 1.6)],
+        tensor_splits=[split(2, 0.95, 2.6), split(4, 0.90, act_gb_at_4)],
     )  # fmt: skip
 
 
@@ -390,3 +390,15 @@ def test_the_megatron_baseline_is_none_where_no_layout_fits():
     problem = _two_h100_nodes()
     tiny = [dataclasses.replace(d, memory_bytes=5 * GB) for d in problem.devices]
     assert megatron_baseline(dataclasses.replace(problem, devices=tiny)) is None
+
+
+def test_the_megatron_baseline_recomputes_where_only_that_fits():
+    """At tensor degree 4, 8 GB of activations per layer and microbatch: a card of two stages of four
+    layers holds 40 GB of state and, without recomputation, 64 GB for the first stage's two microbatches in
+    flight. Megatron's full recomputation keeps each stage's inputs and one microbatch's 32 GB at a time,
+    so it fits in 75 GB; without it nothing does."""
+    problem = _two_h100_nodes(act_gb_at_4=8.0)
+    assert megatron_baseline(problem) is None  # recomputation not allowed
+    megatron, _, _ = megatron_baseline(dataclasses.replace(problem, recompute=True))
+    assert megatron.boundaries == [0, 4, 8] and megatron.recompute == [True, True]
+    assert math.isfinite(megatron.simulated_s)

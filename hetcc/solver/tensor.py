@@ -247,7 +247,9 @@ def megatron_baseline(
     largest degree it may run at that divides its device count on every node holding it), a pipeline
     of K stages over the composites with equal numbers of blocks per stage (``uniform_boundaries``),
     data parallel over the rest (stage j on composites j*r .. j*r + r - 1, r = composites // K, the
-    leftover idle), for the fewest K whose stages fit their memory. (Plan with its simulated step,
+    leftover idle), for the fewest K whose stages fit their memory; where the problem allows
+    recomputation, also for the fewest K that fit with every stage recomputing (Megatron's full
+    activation recomputation), and the faster simulated of the two is kept. (Plan with its simulated step,
     assignment, device map) as ``solve_tensor``; None where no K fits."""
     problem.validate()
     per_node = Counter((d.type, d.memory_bytes, d.node) for d in problem.devices)
@@ -257,11 +259,19 @@ def megatron_baseline(
     }
     composite, device_map = composite_problem(problem, assignment)
     units = len(composite.devices)
-    for k in range(1, min(units, len(composite.blocks)) + 1):
-        r = units // k
-        groups = [tuple(range(j * r, j * r + r)) for j in range(k)]
-        plan = evaluate(composite, uniform_boundaries(len(composite.blocks), k), groups)
-        if math.isfinite(plan.step_time_s):
-            simulated = simulate(composite, plan.boundaries, groups, stages=plan.stages, events=False)
-            return replace(plan, simulated_s=simulated.step_time_s), assignment, device_map
+    modes = (True,) if problem.recompute_all else (False, True) if problem.recompute else (False,)
+    fitting = []
+    for recompute in modes:
+        for k in range(1, min(units, len(composite.blocks)) + 1):
+            r = units // k
+            groups = [tuple(range(j * r, j * r + r)) for j in range(k)]
+            plan = evaluate(composite, uniform_boundaries(len(composite.blocks), k), groups, [recompute] * k)
+            if math.isfinite(plan.step_time_s):
+                simulated = simulate(
+                    composite, plan.boundaries, groups, plan.recompute, stages=plan.stages, events=False
+                )
+                fitting.append(replace(plan, simulated_s=simulated.step_time_s))
+                break
+    if fitting:
+        return min(fitting, key=lambda plan: plan.simulated_s), assignment, device_map
     return None
