@@ -209,17 +209,19 @@ def tensor_slice(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
 
 
 @tensor_slice.register_fake
-def _tensor_slice_fake(tensor, dim, degree):
+def _part_fake(tensor, dim, degree):
+    """A part along ``dim`` (``tensor_slice``'s and ``reduce_scatter``'s result)."""
     shape = list(tensor.shape)
     shape[dim] //= degree
     return tensor.new_empty(shape)
 
 
-def _tensor_slice_backward(ctx, grad):
+def _gathered_backward(ctx, grad):
+    """The gradient of a part is the whole one gathered (``tensor_slice``, ``reduce_scatter``)."""
     return _group().all_gather(grad.contiguous(), ctx.dim), None, None
 
 
-tensor_slice.register_autograd(_tensor_slice_backward, setup_context=_gather_setup)
+tensor_slice.register_autograd(_gathered_backward, setup_context=_gather_setup)
 
 
 # -------------------------------------------------------------------------------------- reduce_scatter
@@ -231,18 +233,8 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
     return _group_of("reduce_scatter", degree).reduce_scatter(tensor, dim)
 
 
-@reduce_scatter.register_fake
-def _reduce_scatter_fake(tensor, dim, degree):
-    shape = list(tensor.shape)
-    shape[dim] //= degree
-    return tensor.new_empty(shape)
-
-
-def _reduce_scatter_backward(ctx, grad):
-    return _group().all_gather(grad.contiguous(), ctx.dim), None, None
-
-
-reduce_scatter.register_autograd(_reduce_scatter_backward, setup_context=_gather_setup)
+reduce_scatter.register_fake(_part_fake)
+reduce_scatter.register_autograd(_gathered_backward, setup_context=_gather_setup)
 
 
 # ---------------------------------------------------------------------------------------- gather_enter
@@ -255,9 +247,7 @@ def gather_enter(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
     return _group_of("gather_enter", degree).all_gather(tensor, dim)
 
 
-@gather_enter.register_fake
-def _gather_enter_fake(tensor, dim, degree):
-    return _all_gather_fake(tensor, dim, degree)
+gather_enter.register_fake(_all_gather_fake)
 
 
 def _gather_enter_backward(ctx, grad):

@@ -202,12 +202,20 @@ def _analyse(
     local: torch.fx.GraphModule, names: Sequence[str], settings: PlanSettings, kinds: Sequence[DeviceType],
     dtype: object | None,
 ) -> FusionChoice:  # fmt: skip
-    """The analysis and pricing of the whole graph, run on the graph one device runs: its added ops placed
-    in blocks, FLOPs and bytes, parameter bytes (its parts of split weights) and saved activations, then
-    seconds on ``kinds`` with the fusion groups that pay fused (``fuse_split`` fuses the same)."""
+    """The analysis and pricing of the whole graph, run on the graph one device runs: its saved
+    activations, then ``_priced``'s parts, FLOPs and seconds."""
+    memory(local, training=settings.training)
+    return _priced(local, names, settings, kinds, dtype)
+
+
+def _priced(
+    local: torch.fx.GraphModule, names: Sequence[str], settings: PlanSettings, kinds: Sequence[DeviceType],
+    dtype: object | None,
+) -> FusionChoice:  # fmt: skip
+    """The ops the rewrite added placed in blocks, the weights' records made their parts (shape, bytes
+    held), FLOPs and bytes, then seconds on ``kinds`` with the fusion groups that pay fused."""
     _place_added_ops(local, {name: i for i, name in enumerate(names)})
     flops(local)
-    memory(local, training=settings.training)
     for node in local.graph.find_nodes(op="get_attr"):  # the records hold the whole weights: take the parts
         part = node.meta.get("val")
         if isinstance(part, torch.Tensor):
@@ -225,12 +233,13 @@ def fuse_split(
     dtype: object | None,
 ) -> None:  # fmt: skip
     """Fuse, in the graph each device of tensor-parallel stage ``stage`` (blocks ``names``, on ``kind``)
-    runs, the groups that pay fused there: as ``tensor_row`` priced them. Collectives have no lowering, so
-    no group crosses one; a group's kernel is built for the local shapes."""
+    runs, the groups that pay fused there, chosen as ``tensor_row`` chose them (no activations measured:
+    the choice is by seconds). Collectives have no lowering, so no group crosses one; a group's kernel
+    is built for the local shapes."""
     for node in local.graph.nodes:
         if info(node).stage is None:
             annotate(node, stage=stage)
-    choice = _analyse(local, names, settings, [kind], dtype)
+    choice = _priced(local, names, settings, [kind], dtype)
     fuse(local, [choice.candidates[k] for k in sorted(choice.fused.get(kind.name, ()))])
 
 

@@ -116,20 +116,10 @@ def _mesh(degree: int):
 
 class _Rewrite:
     def __init__(
-        self,
-        gm: fx.GraphModule,
-        degree: int,
-        blocks: dict[str, int],
-        keep_whole: frozenset[str],
-        sequence: bool,
-    ):
-        self.gm, self.t, self.blocks, self.keep_whole, self.sequence = (
-            gm,
-            degree,
-            blocks,
-            keep_whole,
-            sequence,
-        )
+        self, gm: fx.GraphModule, degree: int, blocks: dict[str, int], keep_whole: frozenset[str], sequence: bool
+    ):  # fmt: skip
+        self.gm, self.t, self.blocks = gm, degree, blocks
+        self.keep_whole, self.sequence = keep_whole, sequence
         self.layout = TensorLayout(degree)
         self.place: dict[fx.Node, object] = {}  # old node -> placement of its value
         # nodes sharded along a column-parallel matmul's own output features: (that matmul, their number)
@@ -153,9 +143,7 @@ class _Rewrite:
                 self.graph.output(fx.map_arg(node.args[0], lambda a: self._arg(a, _R)))
             elif node.target is operator.getitem:
                 self._getitem(node)
-            elif (
-                getattr(node.target, "namespace", None) == "hetcc"
-            ):  # send, encode: stages trade whole tensors
+            elif getattr(node.target, "namespace", None) == "hetcc":  # send, encode: whole tensors cross
                 tensors = [a for a in node.all_input_nodes if _val(a) is not None]
                 self._copy(node, _tuple_like(node, _R), *self._mapped(node, dict.fromkeys(tensors, _R)))
             elif _val(node) is None and not isinstance(node.meta.get("val"), (tuple, list)):

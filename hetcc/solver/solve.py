@@ -29,8 +29,8 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
     """The plan of least objective (exact per sequence; see ``solver.search``), or with ``rerank`` > 0
     the fastest simulated plan among the best ``rerank`` sequences the search found (with replicas
     allowed, and the best ``rerank`` pure pipelines; where the search is heuristic, the single-best
-    search's plan too), each search's fastest refined by simulation (``_refine_by_simulation``). ``simulated_s`` is filled in either way; ``gap`` is simulated step /
-    lower bound - 1."""
+    search's plan too), each search's fastest refined by simulation (``_refine_by_simulation``).
+    ``simulated_s`` is filled in either way; ``gap`` is simulated step / lower bound - 1."""
     problem.validate()
     found = search(problem, keep=max(1, rerank))
     if found is None:
