@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.hardware.schema import finite, read_text
-from hetcc.solver.schedules import SCHEDULES
+from hetcc.solver.schedules import SCHEDULES, SPLIT_SCHEDULES
 
 PLAN_FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -69,6 +69,7 @@ class PlanStage:
     # then on the wire with its codecs: (activations, gradients, activations on the wire, gradients on it).
     wire_bytes: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     tensor: int = 1  # tensor degree: each replica is this many devices, each with its part of the weights
+    deferred: int = 0  # weight gradients it defers under a split schedule (each holds its microbatch)
 
     def __post_init__(self):
         if not self.devices:
@@ -299,8 +300,11 @@ def explain(plan: Plan) -> str:
     coded = any(s.codecs != ("none", "none") for s in plan.stages)
     sharded = any(s.shard for s in plan.stages)
     split = any(s.tensor > 1 for s in plan.stages)
+    deferring = plan.schedule in SPLIT_SCHEDULES and plan.training
     if split:
         header += f" {'tp':>3}"
+    if deferring:
+        header += f" {'W deferred':>10}"
     if sharded:
         header += f" {'zero-1':>6}"
     if coded:
@@ -317,6 +321,7 @@ def explain(plan: Plan) -> str:
             f"{_memory(s.peak_memory_bytes, s.device_memory_bytes):>24} "
             f"{s.compute_s * 1e3:>13.2f} {s.comm_s * 1e3:>10.2f} {'yes' if s.recompute else 'no':>9} {s.bubble:>6.0%}"
             + (f" {s.tensor:>3}" if split else "")
+            + (f" {s.deferred:>10}" if deferring else "")
             + (f" {'yes' if s.shard else 'no':>6}" if sharded else "")
             + (f" {'/'.join(s.codecs):>13} {_wire(s):>34}" if coded else "")
         )
@@ -324,6 +329,11 @@ def explain(plan: Plan) -> str:
     if split:
         lines.append(
             "tp: tensor degree: each replica is tp devices of one node, each with 1/tp of the weights"
+        )
+    if deferring:
+        lines.append(
+            "W deferred: weight gradients the stage runs later (each holds its microbatch's activations; "
+            "fewer where memory is short)"
         )
     if sharded:
         lines.append(

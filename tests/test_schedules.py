@@ -129,3 +129,32 @@ def test_zb_h1_grid_golden():
         "rank 1 | .   F0  F1  .   B0  F2  B1  W0  F3  B2  W1  B3  W2  W3",
         "rank 2 | .   .   F0  B0  F1  B1  F2  B2  W0  F3  B3  W1  W2  W3",
     ])  # fmt: skip
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(3, 4), (4, 8), (5, 3), (4, 2)])
+def test_a_stage_deferring_fewer_weight_gradients_holds_fewer_microbatches(stages, microbatches):
+    """zb-h1 with each stage's deferral d_s given: W(m) after B(m + d_s), so the stage holds 1F1B's
+    min(M, p - s) microbatches plus d_s; d_s = 0 is 1F1B's order with each W right after its B. Every
+    mix stays deadlock-free."""
+    for cap in (0, 1, stages):
+        deferred = [min(s, cap) for s in range(stages)]
+        orders = stage_actions("zb-h1", stages, microbatches, deferred=deferred)
+        assert len(unit_step_timeline(orders)[0]) >= 3 * microbatches  # completes: no deadlock
+        for s, actions in enumerate(orders[1:], start=1):
+            position = {str(a): i for i, a in enumerate(actions)}
+            for m in range(microbatches):
+                after = min(m + deferred[s], microbatches - 1)
+                assert position[f"B{after}"] < position[f"W{m}"]
+                if m + deferred[s] + 1 < microbatches:  # and before the next B
+                    assert position[f"W{m}"] < position[f"B{m + deferred[s] + 1}"]
+            assert max_inflight(actions) == min(microbatches, stages - s + deferred[s])
+    assert stage_actions("zb-h1", stages, microbatches, deferred=list(range(stages))) == stage_actions(
+        "zb-h1", stages, microbatches
+    )  # ZB-H1's own deferral
+
+
+def test_bad_deferrals_name_the_culprit():
+    with pytest.raises(PlanFormatError, match=r"deferred \[0, -1\] must give a count >= 0"):
+        stage_actions("zb-h1", 2, 4, deferred=[0, -1])
+    with pytest.raises(PlanFormatError, match="for each of 3 stages"):
+        stage_actions("zb-h1", 3, 4, deferred=[0, 1])

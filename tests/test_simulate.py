@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -210,3 +211,33 @@ def test_a_recomputing_stage_runs_its_backward_whole_under_zb_h1():
         e.end_s - e.start_s == pytest.approx(3.0) for e in sim.events if e.stage == 2 and e.kind == "B"
     )
     assert sum(e.kind == "W" for e in sim.events) == 2 * 8
+
+
+def test_zb_h1_defers_only_the_weight_gradients_each_stages_memory_holds():
+    """Stage s of 4 holds 1F1B's 4 - s microbatches and one more: ZB-H1 would defer s weight gradients
+    (stage 3 holding 4), so the plan defers min(s, 1) (the most that fits, found by bisection), each
+    stage fits, and the step lies between 1F1B's and unlimited ZB-H1's."""
+    stages, m = 4, 8
+    problem = homogeneous(stages, m, "zb-h1")
+    problem.wgrad_s = {"t": [1.0] * stages}
+    problem.act_bytes = [1.0] * stages
+    roomy = dataclasses.replace(problem)
+    problem.devices = [
+        dataclasses.replace(d, memory_bytes=stages - s + 1.0) for s, d in enumerate(problem.devices)
+    ]
+    bounds, devices = list(range(stages + 1)), list(range(stages))
+    plan = evaluate(problem, bounds, devices)
+    assert [s.deferred for s in plan.stages] == [0, 1, 1, 1]
+    assert [s.inflight for s in plan.stages] == [4, 4, 3, 2] and all(s.fits for s in plan.stages)
+    assert [s.deferred for s in evaluate(roomy, bounds, devices).stages] == [0, 1, 2, 3]
+    capped = simulate(problem, bounds, devices)
+    held = {}
+    for e in sorted(capped.events, key=lambda e: (e.start_s, e.kind != "F")):  # the simulator runs them
+        if e.kind in "FW" and e.stage > 0:
+            held[e.stage] = held.get(e.stage, 0) + (1 if e.kind == "F" else -1)
+            assert held[e.stage] <= stages - e.stage + 1
+    one_f_one_b = simulate(dataclasses.replace(problem, schedule="1f1b"), bounds, devices).step_time_s
+    unlimited = simulate(roomy, bounds, devices).step_time_s
+    assert unlimited < capped.step_time_s < one_f_one_b
+    # the search checks memory at 1F1B's depth: zb-h1 plans whatever 1F1B plans
+    assert solve(problem).stages[-1].fits

@@ -381,6 +381,7 @@ def _stage(k, stage_plan, whole, device_map, chain, settings: PlanSettings, bubb
         allgather_s=stage_plan.allgather_s,
         codecs=stage_plan.codecs,
         shard=stage_plan.shard,
+        deferred=stage_plan.deferred,
         wire_bytes=wire,
         tensor=len(groups[0]),
     )

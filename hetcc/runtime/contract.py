@@ -42,7 +42,7 @@ from hetcc.hardware.schema import (
 from hetcc.plan import PRECISIONS, RECOMPILE, Plan
 from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
-from hetcc.solver.schedules import SCHEDULES
+from hetcc.solver.schedules import SCHEDULES, zb_deferrals
 
 VERSION = 2  # of pipeline.json, whose ``meta`` this record is
 READABLE_VERSIONS = (1, 2)
@@ -75,6 +75,9 @@ class PipelineMeta:
     routing: tuple[tuple[int, ...], ...] = ()  # [stage][microbatch] -> replica
     recompute: tuple[bool, ...] = ()  # per stage: its forward runs again in backward
     shard: tuple[bool, ...] = ()  # per stage: its replicas shard the optimizer state (ZeRO-1)
+    # per stage: the weight gradients it defers under a split schedule (``schedules.stage_actions``);
+    # empty: ZB-H1's (``schedules.zb_deferrals``)
+    deferred: tuple[int, ...] = ()
     precision: str = "fp32"
     loss_scale: Mapping[str, float] = field(default_factory=dict)  # LossScaler options (fp16-mixed)
     plan_space: PlanSpace = PlanSpace()
@@ -92,6 +95,9 @@ class PipelineMeta:
             "shard": tuple(self.shard) or (False,) * len(stages),
             "inputs": tuple(self.inputs),
         }
+        if not self.deferred:
+            replicas = [len({p.replica for p in filled["placement"] if p.stage == k}) for k in stages]
+            filled["deferred"] = tuple(zb_deferrals(replicas))
         for name, value in filled.items():
             object.__setattr__(self, name, value)
         _check(self, where or Where("PipelineMeta", error=PlanFormatError))
@@ -117,13 +123,13 @@ def pipeline_meta_for(
     plan_space: PlanSpace,
 ) -> PipelineMeta:
     """The record of a compiled plan: its ranks on the cluster's devices, the solution's routing, the
-    plan's schedule, microbatches, recompute and precision."""
+    plan's schedule, microbatches, recompute, sharding, deferred weight gradients and precision."""
     stage_devices = [[cluster.device(name) for name in stage.devices] for stage in plan.stages]
     return PipelineMeta(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),
         placement(stage_devices, [s.tensor for s in plan.stages]), tuple(tuple(s.route) for s in solution.stages),
-        tuple(s.recompute for s in plan.stages), tuple(s.shard for s in plan.stages), plan.precision, {},
-        plan_space, dict(state_dict), plan.training,
+        tuple(s.recompute for s in plan.stages), tuple(s.shard for s in plan.stages),
+        tuple(s.deferred for s in plan.stages), plan.precision, {}, plan_space, dict(state_dict), plan.training,
     )  # fmt: skip
 
 
@@ -166,6 +172,7 @@ def _fields(nonempty: bool) -> dict[str, Callable[[object, Where], Any]]:
         "routing": _tuple(ListOf(_tuple(ListOf(Count(minimum=0))), nonempty)),
         "recompute": _tuple(ListOf(Flag(), nonempty)),
         "shard": _tuple(ListOf(Flag(), nonempty)),
+        "deferred": _tuple(ListOf(Count(minimum=0), nonempty)),
         "precision": Choice(tuple(PRECISIONS), "precision"),
         "loss_scale": Record(
             {
@@ -191,7 +198,7 @@ _PLAN_SPACE = Record(
     {"replicate": Flag(), "recompute": _recompute_policy, "shard": Choice(("auto", 0, 1), "shard level"),
      "tensor_parallel": _tensor_policy}
 )  # fmt: skip
-_OPTIONAL = ("shard",)  # written since version 2 was: absent means its default
+_OPTIONAL = ("shard", "deferred")  # written since version 2 was: absent means its default
 _META = {
     2: Record(
         _fields(nonempty=True),
@@ -281,6 +288,7 @@ def _check(meta: PipelineMeta, where: Where) -> None:
             )
     _check_per_stage(meta.recompute, meta.num_stages, where.at("recompute"))
     _check_per_stage(meta.shard, meta.num_stages, where.at("shard"))
+    _check_per_stage(meta.deferred, meta.num_stages, where.at("deferred"))
     unknown = sorted(set(meta.loss_scale) - set(LOSS_SCALE_OPTIONS))
     if unknown:
         where.at("loss_scale").fail(f"unknown options {unknown}", f"use {', '.join(LOSS_SCALE_OPTIONS)}")

@@ -27,11 +27,14 @@ class RankLayout:
     recompute: tuple[bool, ...]  # per stage
     precision: str = "fp32"
     loss_scale: dict[str, float] = field(default_factory=dict)  # LossScaler options (fp16-mixed)
+    deferred: tuple[int, ...] | None = None  # per stage: W deferred under a split schedule (None: ZB-H1's)
 
     @classmethod
     def from_meta(cls, meta: PipelineMeta) -> RankLayout:
         """The layout a pipeline's record describes (checked when the record was made)."""
-        return cls(meta.placement, meta.routing, meta.recompute, meta.precision, dict(meta.loss_scale))
+        return cls(
+            meta.placement, meta.routing, meta.recompute, meta.precision, dict(meta.loss_scale), meta.deferred
+        )
 
     @property
     def num_ranks(self) -> int:
@@ -61,7 +64,7 @@ class RankLayout:
         replicas = [len(self.stage_ranks(k)) for k in range(len(self.routing))]
         every = stage_actions(
             schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas,
-            recompute=self.recompute,
+            recompute=self.recompute, deferred=self.deferred,
         )[placement.stage]  # fmt: skip
         return [a for a in every if self.routing[placement.stage][a.microbatch] == placement.replica]
 

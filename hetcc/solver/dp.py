@@ -45,7 +45,6 @@ from hetcc.solver.problem import (
     round_trip_slots,
     steady_share,
 )
-from hetcc.solver.schedules import SPLIT_SCHEDULES
 from hetcc.solver.sharding import shard_choices, step_end_rates, unheld_fraction
 
 PROBES_PER_ROUND = 32
@@ -148,8 +147,6 @@ class Chain:
             d, r = group[0], len(group)
             device = problem.devices[d]
             held, slots = self._by_depth(depths[j])
-            if problem.schedule in SPLIT_SCHEDULES and j > 0:  # held until the deferred W: the first stage's
-                held = self._by_depth(depths[0])[0]
             held = replica_inflight(held, r) if problem.training else 1
             link, link_share, pair = None, 1.0, None
             if j + 1 < k:

@@ -50,7 +50,15 @@ from hetcc.solver.problem import (
     route_microbatches,
     steady_share,
 )
-from hetcc.solver.schedules import max_inflight, replica_actions, stage_actions
+from hetcc.solver.schedules import (
+    SPLIT_SCHEDULES,
+    defer_weights,
+    max_inflight,
+    replica_actions,
+    splits_backward,
+    stage_actions,
+    zb_deferrals,
+)
 from hetcc.solver.sharding import allgather_s, chosen_shard, group_param_bytes, sharded_bytes
 
 Device = int | Sequence[int]  # a device index, or a replica group of them
@@ -100,16 +108,49 @@ def stage_costs(
         for j, g in enumerate(groups)
     ]
     routes = [route_microbatches(problem.microbatches, s) for s in seconds]
-    actions = stage_actions(
-        problem.schedule, k, problem.microbatches, training=problem.training, replicas=replicas,
-        recompute=recompute,
+    # A split schedule is 1F1B's order with weight gradients deferred: each stage defers as many as
+    # ZB-H1 does where its memory holds them, fewer where it does not (``_most_deferred``).
+    split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
+    plain = stage_actions(
+        "1f1b" if problem.schedule in SPLIT_SCHEDULES else problem.schedule, k, problem.microbatches,
+        training=problem.training, replicas=replicas, recompute=recompute,
     )  # fmt: skip
-    return tuple(
-        _stage_plan(
-            problem, boundaries, groups, routes, seconds[j], actions[j], recompute[j], j, codecs[j], shard[j]
+
+    def stage(j: int, deferred: int) -> StageCost:
+        actions = defer_weights(plain[j], deferred) if split[j] else plain[j]
+        return _stage_plan(
+            problem,
+            boundaries,
+            groups,
+            routes,
+            seconds[j],
+            actions,
+            recompute[j],
+            j,
+            codecs[j],
+            shard[j],
+            deferred,
         )
-        for j in range(k)
-    )
+
+    most = zb_deferrals(replicas)
+    return tuple(_most_deferred(lambda d, j=j: stage(j, d), most[j] if split[j] else 0) for j in range(k))
+
+
+def _most_deferred(stage, most: int) -> StageCost:
+    """``stage(d)`` (the stage deferring d weight gradients) for the largest d <= ``most`` that fits its
+    memory, or d = 0 where none does: each deferred W holds one more microbatch's activations, so
+    whether it fits falls as d grows (a bisection)."""
+    found = stage(most)
+    if found.fits or most == 0:
+        return found
+    low, high, found = 0, most - 1, stage(0)
+    while found.fits and low < high:
+        middle = (low + high + 1) // 2
+        if stage(middle).fits:
+            low = middle
+        else:
+            high = middle - 1
+    return stage(low) if low else found
 
 
 def replica_seconds(problem: PartitionProblem, start: int, stop: int, device: int, recompute: bool):
@@ -175,7 +216,17 @@ def _gap(step_s: float, bound_s: float) -> float:
 
 
 def _stage_plan(
-    problem, boundaries, groups, routes, seconds, actions, recompute: bool, j: int, pinned, shard: bool | None
+    problem,
+    boundaries,
+    groups,
+    routes,
+    seconds,
+    actions,
+    recompute: bool,
+    j: int,
+    pinned,
+    shard: bool | None,
+    deferred: int,
 ) -> StageCost:
     start, stop = boundaries[j], boundaries[j + 1]
     group, route, m = groups[j], routes[j], problem.microbatches
@@ -232,6 +283,7 @@ def _stage_plan(
         shard=shard,
         allgather_s=allgather_s(problem, group, start, stop) if shard else 0.0,
         sharded_bytes=saved[worst] if shard else 0.0,
+        deferred=deferred,
     )
 
 

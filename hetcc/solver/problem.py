@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, fields
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.problem_checks import validate_problem
-from hetcc.solver.schedules import SPLIT_SCHEDULES
 
 # Relative slack on memory capacity, so that a plan filling a device exactly is not lost to rounding.
 MEMORY_RTOL = 1e-9
@@ -247,6 +246,7 @@ class StageCost:
     shard: bool = False  # its replicas shard their optimizer state (ZeRO-1)
     allgather_s: float = 0.0  # the sharded step's parameter all-gather, after the all-reduce
     sharded_bytes: float = 0.0  # optimizer state a replica does not hold: memory = state - this + acts
+    deferred: int = 0  # weight gradients it defers under a split schedule (``schedules.stage_actions``)
 
     @property
     def fits(self) -> bool:
@@ -324,14 +324,13 @@ def inflight_microbatches(
 ) -> int:
     """Microbatches whose saved activations stage ``stage`` (all its replicas together) holds at its peak:
     W_j = min(M, sum of the replica counts of stages j..K-1) for 1F1B (min(M, K - j) without
-    replicas), for zb-h1 that of the first stage on every later one (each holds its microbatches until
-    their deferred weight gradient), M for GPipe, 1 for inference."""
+    replicas) for 1F1B and for zb-h1 deferring no weight gradient (each deferred one holds one more:
+    ``objective.stage_costs`` defers as many as fit, so the search checks memory at this least), M for
+    GPipe, 1 for inference."""
     if not problem.training:
         return 1
     if problem.schedule == "gpipe":
         return problem.microbatches
-    if problem.schedule in SPLIT_SCHEDULES and stage > 0:  # held until their deferred W
-        return min(problem.microbatches, warmup_depth(0, num_stages, replicas))
     return min(problem.microbatches, warmup_depth(stage, num_stages, replicas))
 
 

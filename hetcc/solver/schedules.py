@@ -13,12 +13,17 @@ each action; the simulator replays it with costs; ``format_grid`` prints it as a
   microbatches' activations.
 - ``zb-h1`` (Qi et al., "Zero Bubble Pipeline Parallelism", the H1 schedule; torch's
   ``ScheduleInterleavedZeroBubble`` with one stage per rank): 1F1B's order of forwards and input
-  gradients, with each weight gradient ``W`` deferred: stage ``s`` runs ``W(m)`` once ``s`` further input
-  gradients have run (the first stage at once), and the last ones after its final ``B``. The bubble is
-  a third of 1F1B's at equal F, B and W (3M + p - 1 unit steps against 3M + 3(p - 1)); every stage holds
-  min(M, p) microbatches' activations until their ``W`` (1F1B: p - s until ``B``). A stage whose
-  backward cannot be split (``splits_backward``: the first stage, whose inputs take no gradient, and a
-  recomputing one) runs its whole backward as ``B`` and no ``W``: 1F1B's order.
+  gradients, with each weight gradient ``W`` deferred: stage ``s`` runs ``W(m)`` once ``d_s`` further
+  input gradients have run, and the last ones after its final ``B``. ZB-H1 defers ``d_s = s`` (the
+  replicas before it, with replicas: ``zb_deferrals``); its bubble is a third of 1F1B's at equal F, B
+  and W (3M + p - 1 unit steps against 3M + 3(p - 1)), and every stage holds min(M, p) microbatches'
+  activations until their ``W`` (1F1B: p - s until ``B``). Each deferred ``W`` keeps its microbatch's
+  activations, so a plan may defer fewer (``deferred``: the planner caps each stage's ``d_s`` to what
+  its memory holds, as the paper's memory-limited schedules do; unequal devices have unequal room).
+  With ``d_s = 0`` the stage is 1F1B's in order and memory, but still sends its input gradient back
+  before computing its weight gradients. A stage whose backward cannot be split (``splits_backward``:
+  the first stage, whose inputs take no gradient, and a recomputing one) runs its whole backward as
+  ``B`` and no ``W``: 1F1B's order.
 
 With ``training=False`` every schedule reduces to forwards only, in microbatch order.
 """
@@ -75,6 +80,7 @@ def stage_actions(
     training: bool = True,
     replicas: Sequence[int] | None = None,
     recompute: Sequence[bool] | None = None,
+    deferred: Sequence[int] | None = None,
 ) -> list[list[Action]]:
     """Per stage (index = stage), its compute actions in execution order.
 
@@ -82,8 +88,9 @@ def stage_actions(
     s..K-1) forwards, enough to keep every downstream replica busy; each replica then runs the
     subsequence of its stage's actions whose microbatches it owns (``replica_actions``). Dropping
     actions only removes waits, so the replicated schedule is as deadlock-free as this one. A zb-h1
-    stage defers as many weight gradients as the replicas before it (s without replicas), so every
-    stage holds min(M, all replicas) microbatches; ``recompute`` (per stage) says which cannot split.
+    stage defers ``deferred[s]`` weight gradients (None: ZB-H1's, ``zb_deferrals``: as many as the
+    replicas before it, so every stage holds min(M, all replicas) microbatches); ``recompute`` (per
+    stage) says which cannot split.
     """
     check_schedule_args(schedule, num_stages, microbatches)
     if replicas is not None and (len(replicas) != num_stages or any(r < 1 for r in replicas)):
@@ -104,9 +111,22 @@ def stage_actions(
     if schedule not in SPLIT_SCHEDULES:
         return orders
     split = splits_backward(schedule, recompute or [False] * num_stages)
-    return [
-        _deferred_weights(order, sum(counts[:s])) if split[s] else order for s, order in enumerate(orders)
-    ]
+    if deferred is None:
+        deferred = zb_deferrals(counts)
+    elif len(deferred) != num_stages or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in deferred
+    ):
+        raise PlanFormatError(
+            f"deferred {list(deferred)} must give a count >= 0 of weight gradients for each of {num_stages} stages",
+            hint="one entry per stage (0: each W right after its B)",
+        )
+    return [defer_weights(order, deferred[s]) if split[s] else order for s, order in enumerate(orders)]
+
+
+def zb_deferrals(replicas: Sequence[int]) -> list[int]:
+    """ZB-H1's weight gradients deferred per stage: the replicas of the stages before it (s without
+    replicas), so that every stage holds as many microbatches as the first."""
+    return [sum(replicas[:s]) for s in range(len(replicas))]
 
 
 def replica_actions(actions: Sequence[Action], route: Sequence[int], replica: int) -> list[Action]:
@@ -124,7 +144,7 @@ def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -
     return order
 
 
-def _deferred_weights(order: list[Action], lag: int) -> list[Action]:
+def defer_weights(order: Sequence[Action], lag: int) -> list[Action]:
     """``order`` (F and B) with a ``W`` for every ``B``: ``W(k)`` once ``lag`` more ``B`` have run after
     ``B(k)``, before the forward that follows; the rest after the last ``B`` (ZB-H1's rule)."""
     out: list[Action] = []

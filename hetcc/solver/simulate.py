@@ -11,7 +11,8 @@ encode and decode of the codecs the sending stage's cut uses (``StageCost.codecs
 ``codecs.message_s``): they hold the link, not the stage. A recomputing stage's
 backward includes the forward it recomputes. Under a split schedule (zb-h1) a stage's B(m) is its
 backward less the weight gradients (``problem.wgrad_s``) and sends the gradients back; W(m) is those
-weight gradients, which wait for nothing but the stage and send nothing. A replicated stage ends
+weight gradients, which wait for nothing but the stage and send nothing; each stage defers as many as
+its ``StageCost.deferred`` says (what its memory holds). A replicated stage ends
 with the all-reduce of its gradients, once all its replicas are done (``ALLREDUCE``), and where it
 shards its optimizer state (ZeRO-1) with the all-gather of its updated parameters right after
 (``ALLGATHER``); then a parameter tied across stages (``tied_blocks``) is summed over every device
@@ -82,6 +83,7 @@ def simulate(
         training=problem.training,
         replicas=[len(g) for g in groups],
         recompute=[s.recompute for s in stages],
+        deferred=[s.deferred for s in stages],
     )
     split = splits_backward(problem.schedule, [s.recompute for s in stages])
     routes = [s.route for s in stages]

@@ -11,6 +11,8 @@ own microbatches and that recomputed forwards moved nothing.
 from __future__ import annotations
 
 import copy
+import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,15 +31,17 @@ from runtime_models import (
 )
 
 from hetcc.errors import PlanFormatError
+from hetcc.hardware.schema import Where
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.comm import split_stages
-from hetcc.runtime.contract import PipelineMeta
+from hetcc.runtime.contract import PipelineMeta, read_meta
 from hetcc.runtime.executor import StageExecutor
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.placement import ranks_for
 from hetcc.runtime.precision import LossScaler
 from hetcc.runtime.store import Pipeline
+from hetcc.solver.schedules import stage_actions
 from hetcc.train.local import run_local
 
 ADAM = {"name": "adam", "lr": 0.01}
@@ -303,3 +307,26 @@ def test_layout_defaults_routing_and_checks():
         PipelineMeta(2, microbatches=2, placement=ranks_for([1, 2]), routing=[[0, 0], [0, 2]])
     with pytest.raises(PlanFormatError, match="unknown precision 'fp8'"):
         PipelineMeta(2, precision="fp8")
+
+
+def test_layout_runs_the_weight_gradients_each_stage_defers():
+    """zb-h1 ranks run the deferral the plan gives each stage; a record without one runs ZB-H1's (the
+    replicas before the stage), and a record read from a file names a bad entry."""
+    zb = PipelineMeta(3, schedule="zb-h1", microbatches=4, placement=ranks_for([1, 2, 1]),
+                      routing=[[0] * 4, [0, 1, 0, 1], [0] * 4])  # fmt: skip
+    assert zb.deferred == (0, 1, 3)  # ZB-H1's: the replicas before each stage
+    assert (
+        RankLayout.from_meta(zb).actions("zb-h1", 3)
+        == stage_actions("zb-h1", 3, 4, replicas=[1, 2, 1], deferred=[0, 1, 3])[2]
+    )
+    capped = RankLayout.from_meta(replace(zb, deferred=(0, 0, 1)))
+    assert [str(a) for a in capped.actions("zb-h1", 3)] == ["F0", "B0", "F1", "B1", "W0", "F2", "B2", "W1", "F3",
+                                                            "B3", "W2", "W3"]  # fmt: skip
+    assert [str(a) for a in capped.actions("zb-h1", 1)] == ["F0", "F2", "B0", "W0", "B2", "W2"]
+    where = Where("pipeline.json", error=PlanFormatError)
+    record = json.loads(json.dumps(zb.to_json()))  # as pipeline.json holds it
+    assert read_meta({k: v for k, v in record.items() if k != "deferred"}, 3, where).deferred == (0, 1, 3)
+    with pytest.raises(PlanFormatError, match=r"pipeline.json: deferred\[1\]"):
+        read_meta({**record, "deferred": [0, -1, 2]}, 3, where)
+    with pytest.raises(PlanFormatError, match="deferred: 2 entries for 3 stages"):
+        PipelineMeta(3, deferred=(0, 1))

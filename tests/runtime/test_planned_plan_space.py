@@ -58,8 +58,9 @@ def test_replicated_recomputing_plan_trains_like_eager(tmp_path):
 @pytest.mark.parametrize(("share", "precision"), [(0.75, "fp32"), (0.44, "bf16-mixed")])
 def test_zb_h1_plans_train_like_eager(tmp_path, share, precision):
     """Zero-bubble H1 as hetcc plans it: at 75% memory two replicated stages (the second splits its
-    backward in B and W), at 44% four stages, the first and last recomputing (their backward runs
-    whole), under bf16 autocast; GPT-2's tied embedding; fused groups (the suite fuses them all)."""
+    backward in B and W), at 44% four stages, the first recomputing (its backward runs whole), under
+    bf16 autocast, the last deferring one weight gradient where ZB-H1 defers three (its memory holds
+    no more); GPT-2's tied embedding; fused groups (the suite fuses them all)."""
     model, inputs, cluster = _gpt2_on(tmp_path, FOUR_SLOW_CARDS, share)
     compiled = hetcc.compile(
         model, cluster, example_kwargs=inputs, microbatches=4, schedule="zb-h1", precision=precision
@@ -67,10 +68,14 @@ def test_zb_h1_plans_train_like_eager(tmp_path, share, precision):
     layout = [(len(s.devices), s.recompute) for s in compiled.plan.stages]
     split = splits_backward("zb-h1", [s.recompute for s in compiled.plan.stages])
     assert compiled.plan.schedule == "zb-h1" and any(split), layout
+    deferred = [s.deferred for s in compiled.plan.stages]
     if share == 0.75:
-        assert layout == [(2, False), (2, False)]
+        assert layout == [(2, False), (2, False)] and deferred == [0, 2]
     else:
-        assert layout == [(1, True), (1, False), (1, False), (1, True)]
+        assert layout == [(1, True), (1, False), (1, False), (1, False)]
+        assert deferred == [0, 1, 2, 1], deferred  # ZB-H1: [0, 1, 2, 3]
+    assert compiled.pipeline.meta.deferred == tuple(deferred)  # what the ranks run
+    assert all(s.peak_memory_bytes <= s.device_memory_bytes for s in compiled.plan.stages)
     _trains_like_eager(compiled, model, inputs, torch.bfloat16 if precision == "bf16-mixed" else None)
 
 
