@@ -1,12 +1,13 @@
-"""Plans with tensor parallelism: GPT-2 medium (batch 32 x 1024, fp32, Adam, 1F1B) on the 4x A100 + 4x T4
-cluster, and a Llama-2-70B shape (batch 64 x 4096, bf16-mixed, Adam, 1F1B) on 64 GPUs (32 H100, 16
-MI250X, 16 A100-40GB in nodes of eight), each planned with ``tensor_parallel=False`` and ``"auto"``, beside
-the Megatron-style baseline (tensor degree = GPUs per node, equal pipeline stages over nodes, data parallel
-over the rest), all simulated by the same model; microbatches chosen by the search.
+"""Plans with tensor parallelism: GPT-2 medium (batch 32 x 1024, fp32, Adam) on the 4x A100 + 4x T4
+cluster, and a Llama-2-70B shape (batch 64 x 4096, bf16-mixed, Adam) on 64 GPUs (32 H100, 16 MI250X,
+16 A100-40GB in nodes of eight), each planned with ``tensor_parallel=False`` and ``"auto"``, beside the
+Megatron-style baseline (tensor degree = GPUs per node, equal pipeline stages over nodes, data parallel
+over the rest, 1F1B), all simulated by the same model; microbatches chosen by the search, the schedule
+by simulation (``schedule="auto"``: 1f1b or zb-h1; ``--schedule`` pins one).
 
-    python benchmarks/tensor_plans.py [--skip-llama | --only-llama]
+    python benchmarks/tensor_plans.py [--skip-llama | --only-llama] [--schedule 1f1b]
 
-Prints per case: the simulated step and lower bound of each plan, its layout (each stage as replicas x
+Prints per case: the simulated step, schedule and lower bound of each plan, its layout (each stage as replicas x
 tensor degree, device type and [blocks]; "n * (...)" for n like stages in a row), the compile time with
 its tensor_cost (pricing the degrees), partition and shard steps, and the plan's tensor notes.
 """
@@ -66,7 +67,7 @@ def run(title: str, model, batch: dict, cluster: Path, **options) -> None:
         plans[tp] = compiled
         steps = ("tensor_cost", "partition", "shard") if tp else ("partition",)
         priced = "".join(f", {name} {steps_ms[name] / 1e3:.1f} s" for name in steps if name in steps_ms)
-        print(f"  tensor_parallel={tp!s:<6} M={plan.microbatches:<3} simulated {plan.step_time_s * 1e3:9.1f} ms, "
+        print(f"  tensor_parallel={tp!s:<6} M={plan.microbatches:<3} {plan.schedule:<5} simulated {plan.step_time_s * 1e3:9.1f} ms, "
               f"bound {plan.lower_bound_s * 1e3:9.1f} ms   (compile {took:.0f} s{priced})")  # fmt: skip
         print(f"    {_layout(plan)}")
     auto = plans["auto"].plan
@@ -82,7 +83,7 @@ def run(title: str, model, batch: dict, cluster: Path, **options) -> None:
         print("  megatron: no layout fits (tensor degree = GPUs per node, equal stages over the nodes)")
         print(f"  auto vs off: {off / auto.step_time_s:.2f}x")
     for note in auto.notes:
-        if note.startswith("tensor parallel") or "tensor-parallel stages" in note:
+        if note.startswith(("tensor parallel", "schedule:")) or "tensor-parallel stages" in note:
             print(f"  note: {note}")
     print()
 
@@ -92,15 +93,18 @@ def main() -> None:
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--skip-llama", action="store_true", help="leave out the 80-layer Llama plans")
     which.add_argument("--only-llama", action="store_true", help="only the 80-layer Llama plans")
+    parser.add_argument(
+        "--schedule", default="auto", choices=["auto", "1f1b", "zb-h1"], help="pipeline schedule"
+    )
     args = parser.parse_args()
     if not args.only_llama:
         model, batch = gpt2_medium(batch=32, seq=1024)
-        run("GPT-2 medium, batch 32 x 1024, fp32, Adam, 1F1B on 4x A100-80GB + 4x T4", model, batch,
-            CLUSTERS / "mixed_a100_t4.yaml")  # fmt: skip
+        run("GPT-2 medium, batch 32 x 1024, fp32, Adam on 4x A100-80GB + 4x T4", model, batch,
+            CLUSTERS / "mixed_a100_t4.yaml", schedule=args.schedule)  # fmt: skip
     if not args.skip_llama:
         model, batch = llama_70b(batch=64, seq=4096)
-        run("Llama-2-70B shape, batch 64 x 4096, bf16-mixed, Adam, 1F1B on 32 H100 + 16 MI250X + 16 A100-40GB",
-            model, batch, CLUSTERS / "llama70b_64gpus.yaml", precision="bf16-mixed")  # fmt: skip
+        run("Llama-2-70B shape, batch 64 x 4096, bf16-mixed, Adam on 32 H100 + 16 MI250X + 16 A100-40GB",
+            model, batch, CLUSTERS / "llama70b_64gpus.yaml", precision="bf16-mixed", schedule=args.schedule)  # fmt: skip
 
 
 if __name__ == "__main__":

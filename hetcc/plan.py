@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.hardware.schema import finite, read_text
-from hetcc.solver.schedules import SCHEDULES, SPLIT_SCHEDULES
+from hetcc.solver.schedules import SCHEDULES, SPLIT_SCHEDULES, splits_backward, zb_deferrals
 
 PLAN_FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -126,6 +126,8 @@ class Plan:
                 if not isinstance(value, list):
                     raise TypeError(f"{key} must be a list, got {type(value).__name__}")
             stages = tuple(_stage_from_dict(s) for s in lists["stages"])
+            if data.get("schedule") in SPLIT_SCHEDULES and not any("deferred" in s for s in lists["stages"]):
+                stages = _zb_h1_deferred(stages, data.get("training", True))  # written before plans said it
             search = tuple((m, t) for m, t in lists["microbatch_search"])
             plan = cls(stages=stages, **data, notes=tuple(lists["notes"]), microbatch_search=search)
             _check_plan(plan)
@@ -176,6 +178,17 @@ def _stage_from_dict(data: dict) -> PlanStage:
         raise TypeError(f"stage {data.get('index')}'s memory must be a JSON object of byte counts")
     tuples = {k: tuple(data[k]) for k in lists}
     return PlanStage(**{**data, **tuples, "memory": MemoryBreakdown(**data["memory"])})
+
+
+def _zb_h1_deferred(stages: tuple[PlanStage, ...], training: object) -> tuple[PlanStage, ...]:
+    """``stages`` each deferring ZB-H1's weight gradients (what every zb-h1 plan ran before plans recorded
+    a stage's deferral: ``schedules.zb_deferrals``; none where the backward runs whole)."""
+    replicas = [len(s.devices) // s.tensor if _count(s.tensor, 1) else 1 for s in stages]
+    split = (
+        splits_backward("zb-h1", [bool(s.recompute) for s in stages]) if training else [False] * len(stages)
+    )
+    most = zb_deferrals(replicas)
+    return tuple(replace(s, deferred=most[k] if split[k] else 0) for k, s in enumerate(stages))
 
 
 def _number(value: object) -> bool:

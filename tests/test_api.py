@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from hetcc.ir import info
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.partition import RERANK
 from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.schedules import splits_backward
 from hetcc.solver.solve import solve
 
 
@@ -182,3 +184,19 @@ def test_the_planner_prices_exactly_the_state_the_runtime_optimizer_keeps():
         assert state_multiplier(True, name) == 2 + entry.states
     with pytest.raises(HetccError, match="unknown optimizer 'lion'"):
         build_optimizer({"name": "lion"}, [("p", torch.nn.Parameter(torch.ones(1)))])
+
+
+def test_a_zb_h1_plan_saved_before_plans_held_deferrals_reads_with_zb_h1s(compiled):
+    """Plans written before a stage recorded its deferred weight gradients ran ZB-H1's (the replicas before
+    the stage; none where its backward runs whole): that is what reading one gives, and the table says."""
+    plan = dataclasses.replace(compiled[0].plan, schedule="zb-h1")
+    document = json.loads(plan.to_json())
+    for stage in document["stages"]:
+        del stage["deferred"]
+    read = hetcc.Plan.from_json(json.dumps(document))
+    replicas = [len(s.devices) // s.tensor for s in plan.stages]
+    split = splits_backward("zb-h1", [s.recompute for s in plan.stages])
+    expected = [sum(replicas[:k]) if split[k] else 0 for k in range(len(replicas))]
+    assert [s.deferred for s in read.stages] == expected and any(expected)
+    assert "W deferred" in read.explain()
+    assert hetcc.Plan.from_json(plan.to_json()) == plan  # a plan that records them keeps its own

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from test_plan_space import brute_force, problems, solves_like_brute_force
 
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
+from hetcc.passes.partition import RERANK, solve_each_schedule
 from hetcc.solver import tensor
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import evaluate
@@ -402,3 +403,22 @@ def test_the_megatron_baseline_recomputes_where_only_that_fits():
     megatron, _, _ = megatron_baseline(dataclasses.replace(problem, recompute=True))
     assert megatron.boundaries == [0, 4, 8] and megatron.recompute == [True, True]
     assert math.isfinite(megatron.simulated_s)
+
+
+def test_schedule_auto_plans_each_schedule_on_the_degrees_searched_under_1f1b():
+    """``schedule="auto"`` with ``tensor_parallel="auto"``: one degree search (under 1F1B), zb-h1 planned on
+    the degrees it found, the faster kept, each with its own schedule's bound (valid for every assignment)."""
+    base = _two_h100_nodes()
+    replace = dataclasses.replace
+    rows = [
+        replace(r, wgrad_s={t: [0.4 * b for b in v] for t, v in r.bwd_s.items()}) for r in base.tensor_splits
+    ]
+    problem = replace(base, wgrad_s={"h100": [0.040] * 8}, tensor_splits=rows)
+    solved, solution, note, device_map = solve_each_schedule(problem, "auto", "auto")
+    one, assignment, one_map = solve_tensor(replace(problem, schedule="1f1b"), rerank=RERANK)
+    zb = solve(replace(composite_problem(problem, assignment)[0], schedule="zb-h1"), rerank=RERANK)
+    assert solved.schedule == "zb-h1" and device_map == one_map
+    assert solution.simulated_s == pytest.approx(zb.simulated_s) and zb.simulated_s < one.simulated_s
+    assert note == (f"schedule: zb-h1 kept by simulation (1f1b {one.simulated_s * 1e3:.2f} ms, zb-h1 "
+                    f"{zb.simulated_s * 1e3:.2f} ms); tensor degrees searched under 1f1b")  # fmt: skip
+    assert solution.lower_bound_s == tensor_bound(replace(problem, schedule="zb-h1")) <= solution.simulated_s

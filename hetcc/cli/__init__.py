@@ -118,6 +118,7 @@ def _simulate(args: argparse.Namespace) -> None:
             training=problem.training,
             comm=False,
             recompute=[s.recompute for s in saved.stages],
+            deferred=[s.deferred for s in saved.stages],
         )  # fmt: skip
     )
     if args.trace:

@@ -32,7 +32,7 @@ from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, TensorSplit
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
-from hetcc.solver.tensor import DeviceMap, composite_problem, megatron_baseline, solve_tensor
+from hetcc.solver.tensor import DeviceMap, composite_problem, megatron_baseline, solve_tensor, tensor_bound
 
 
 @dataclass(frozen=True)
@@ -228,21 +228,42 @@ def solve_each_schedule(
     problem: PartitionProblem, schedule: str, tensor: bool | int | str = False
 ) -> tuple[PartitionProblem, PartitionSolution, str, DeviceMap]:
     """``solve_schedules`` with each schedule solved by ``solve_one`` (``tensor``: its tensor degrees),
-    and the device map of the solution kept."""
+    and the device map of the solution kept. With ``tensor="auto"`` the degrees are searched once, under
+    the first schedule (every assignment tried costs a ``solve``: a search per schedule would double the
+    compile), and each other schedule is planned on the degrees it chose (``_on_searched_degrees``)."""
     if schedule != "auto":
         solved, solution, device_map = solve_one(problem, tensor)
         return solved, solution, "", device_map
     tried, first_error = [], None
     for name in AUTO_SCHEDULES:
         try:
-            tried.append(solve_one(replace(problem, schedule=name), tensor))
+            if tried and tensor == "auto" and problem.tensor_splits:
+                tried.append(_on_searched_degrees(problem, tried[0], name))
+            else:
+                tried.append(solve_one(replace(problem, schedule=name), tensor))
         except InfeasiblePlanError as error:
             first_error = first_error or error
     if not tried:
         raise first_error
     solved, solution, device_map = min(tried, key=lambda found: found[1].simulated_s)
     figures = ", ".join(f"{p.schedule} {s.simulated_s * 1e3:.2f} ms" for p, s, _ in tried)
-    return solved, solution, f"schedule: {solved.schedule} kept by simulation ({figures})", device_map
+    shared = (
+        f"; tensor degrees searched under {AUTO_SCHEDULES[0]}" if tensor == "auto" and len(tried) > 1 else ""
+    )
+    return solved, solution, f"schedule: {solved.schedule} kept by simulation ({figures}){shared}", device_map
+
+
+def _on_searched_degrees(
+    problem: PartitionProblem, searched: tuple[PartitionProblem, PartitionSolution, DeviceMap], schedule: str
+) -> tuple[PartitionProblem, PartitionSolution, DeviceMap]:
+    """``solve_one``'s answer under ``schedule`` on the degrees of ``searched`` (its composite problem),
+    its bound the tensor bound of ``problem`` under ``schedule``: valid for every assignment."""
+    composite, _, device_map = searched
+    composite = replace(composite, schedule=schedule)
+    solution = solve(composite, rerank=RERANK)
+    bound = tensor_bound(replace(problem, schedule=schedule))
+    gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf
+    return composite, replace(solution, lower_bound_s=bound, gap=gap), device_map
 
 
 def solve_one(

@@ -215,6 +215,7 @@ def format_grid(
     *,
     comm: bool = True,
     recompute: Sequence[bool] | None = None,
+    deferred: Sequence[int] | None = None,
 ) -> str:
     """The schedule as a rank x step grid (one row per rank, one column per unit compute step).
 
@@ -222,9 +223,12 @@ def format_grid(
     With ``comm`` a cell also names the transfers around its compute: ``RECV_F3 F3 SEND_F3`` on a
     middle rank (activations arrive from the previous rank and leave for the next), ``RECV_B3 B3
     SEND_B3`` for gradients going the other way. Idle cells print ``.``. ``recompute`` (per stage):
-    the stages whose backward a split schedule cannot split.
+    the stages whose backward a split schedule cannot split; ``deferred`` (per stage) the weight
+    gradients each defers (``stage_actions``).
     """
-    actions = stage_actions(schedule, num_stages, microbatches, training=training, recompute=recompute)
+    actions = stage_actions(
+        schedule, num_stages, microbatches, training=training, recompute=recompute, deferred=deferred
+    )
     timeline = unit_step_timeline(actions)
     rows = [[_cell(action, s, num_stages, comm) for action in row] for s, row in enumerate(timeline)]
     widths = [max(len(str(t)), *(len(row[t]) for row in rows)) for t in range(len(rows[0]))]
