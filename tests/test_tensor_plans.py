@@ -407,7 +407,8 @@ def test_the_megatron_baseline_recomputes_where_only_that_fits():
 
 def test_schedule_auto_plans_each_schedule_on_the_degrees_searched_under_1f1b():
     """``schedule="auto"`` with ``tensor_parallel="auto"``: one degree search (under 1F1B), zb-h1 planned on
-    the degrees it found, the faster kept, each with its own schedule's bound (valid for every assignment)."""
+    the degrees it found and on none, the fastest kept, each with its own schedule's bound (valid for every
+    assignment)."""
     base = _two_h100_nodes()
     replace = dataclasses.replace
     rows = [
@@ -417,8 +418,32 @@ def test_schedule_auto_plans_each_schedule_on_the_degrees_searched_under_1f1b():
     solved, solution, note, device_map = solve_each_schedule(problem, "auto", "auto")
     one, assignment, one_map = solve_tensor(replace(problem, schedule="1f1b"), rerank=RERANK)
     zb = solve(replace(composite_problem(problem, assignment)[0], schedule="zb-h1"), rerank=RERANK)
+    plain = solve(replace(problem, tensor_splits=None, schedule="zb-h1"), rerank=RERANK)
+    assert plain.simulated_s > zb.simulated_s  # here the degrees found under 1F1B win under zb-h1 too
     assert solved.schedule == "zb-h1" and device_map == one_map
     assert solution.simulated_s == pytest.approx(zb.simulated_s) and zb.simulated_s < one.simulated_s
     assert note == (f"schedule: zb-h1 kept by simulation (1f1b {one.simulated_s * 1e3:.2f} ms, zb-h1 "
                     f"{zb.simulated_s * 1e3:.2f} ms); tensor degrees searched under 1f1b")  # fmt: skip
     assert solution.lower_bound_s == tensor_bound(replace(problem, schedule="zb-h1")) <= solution.simulated_s
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tensor_problems(), st.floats(0.2, 0.6))
+def test_both_autos_are_never_slower_than_tensor_parallel_off(problem, share):
+    """``schedule="auto"`` with ``tensor_parallel="auto"`` against ``tensor_parallel=False`` (every schedule
+    on degree 1): the shared degree search must not lose what degree 1 gives a later schedule."""
+    replace = dataclasses.replace
+    rows = [
+        replace(r, wgrad_s={t: [share * b for b in v] for t, v in r.bwd_s.items()})
+        for r in problem.tensor_splits
+    ]
+    problem = replace(
+        problem, wgrad_s={t: [share * b for b in v] for t, v in problem.bwd_s.items()}, tensor_splits=rows
+    )
+    try:
+        off = solve_each_schedule(replace(problem, tensor_splits=None), "auto")[1]
+    except InfeasiblePlanError:
+        return
+    found = solve_each_schedule(problem, "auto", "auto")[1]
+    assert found.simulated_s <= off.simulated_s * (1 + 1e-12)
+    assert found.lower_bound_s <= found.simulated_s * (1 + 1e-9)

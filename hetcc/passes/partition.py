@@ -256,11 +256,20 @@ def solve_each_schedule(
 def _on_searched_degrees(
     problem: PartitionProblem, searched: tuple[PartitionProblem, PartitionSolution, DeviceMap], schedule: str
 ) -> tuple[PartitionProblem, PartitionSolution, DeviceMap]:
-    """``solve_one``'s answer under ``schedule`` on the degrees of ``searched`` (its composite problem),
-    its bound the tensor bound of ``problem`` under ``schedule``: valid for every assignment."""
-    composite, _, device_map = searched
-    composite = replace(composite, schedule=schedule)
-    solution = solve(composite, rerank=RERANK)
+    """``solve_one``'s answer under ``schedule`` on the degrees of ``searched`` (its composite problem) or
+    on none (every class at degree 1, so "auto" stays no slower than ``tensor_parallel=False``), the
+    faster simulated; its bound the tensor bound of ``problem`` under ``schedule``, valid for every
+    assignment. InfeasiblePlanError where neither fits."""
+    plans, error = [], None
+    for composite, device_map in (searched[0], searched[2]), composite_problem(problem, {}):
+        composite = replace(composite, schedule=schedule)
+        try:
+            plans.append((composite, solve(composite, rerank=RERANK), device_map))
+        except InfeasiblePlanError as failed:
+            error = error or failed
+    if not plans:
+        raise error
+    composite, solution, device_map = min(plans, key=lambda found: found[1].simulated_s)
     bound = tensor_bound(replace(problem, schedule=schedule))
     gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf
     return composite, replace(solution, lower_bound_s=bound, gap=gap), device_map
