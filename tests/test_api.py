@@ -10,7 +10,7 @@ import hetcc
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.ir import info
 from hetcc.passes.codegen import stage_source
-from hetcc.passes.partition import RERANK
+from hetcc.passes.schedule_search import RERANK
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import splits_backward
 from hetcc.solver.solve import solve

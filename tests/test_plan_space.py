@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hetcc.errors import InfeasiblePlanError
-from hetcc.passes.partition import RERANK
+from hetcc.passes.schedule_search import RERANK
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import evaluate, step_time
 from hetcc.solver.problem import PartitionProblem, ProblemDevice, route_microbatches
@@ -245,7 +245,7 @@ def test_zb_h1_plans_simulate_no_faster_than_the_bound(problem, share):
 
 
 def test_auto_schedule_keeps_the_faster_of_1f1b_and_zb_h1():
-    from hetcc.passes.partition import solve_schedules
+    from hetcc.passes.schedule_search import solve_schedules
 
     problem = PartitionProblem.from_json(
         (Path(__file__).parent / "data" / "gpt2_medium_three_nodes.problem.json").read_text()

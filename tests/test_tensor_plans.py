@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from test_plan_space import brute_force, problems, solves_like_brute_force
 
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
-from hetcc.passes.partition import RERANK, solve_each_schedule
+from hetcc.passes.schedule_search import RERANK, solve_each_schedule
 from hetcc.solver import tensor
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import evaluate

@@ -20,7 +20,8 @@ from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.cost import block_times_at
 from hetcc.passes.fuse import fusion_candidates
-from hetcc.passes.partition import PlanSettings, build_problem, solve_schedules
+from hetcc.passes.partition import PlanSettings, build_problem
+from hetcc.passes.schedule_search import solve_schedules
 from hetcc.train.data import split_microbatches
 
 

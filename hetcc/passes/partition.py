@@ -22,17 +22,18 @@ from typing import Any
 import torch.fx
 
 from hetcc import ir
-from hetcc.errors import HetccError, InfeasiblePlanError
+from hetcc.errors import HetccError
 from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, CutTensor, TiedParam, crossing_once
 from hetcc.passes.compress import PAYS_RTOL, codec_rows, compress_spec, keep_paying_codecs, stage_wire_bytes
 from hetcc.passes.cost import block_times, op_name
+from hetcc.passes.schedule_search import AUTO_SCHEDULES, RERANK, solve_each_schedule
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, TensorSplit
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
-from hetcc.solver.tensor import DeviceMap, composite_problem, megatron_baseline, solve_tensor, tensor_bound
+from hetcc.solver.tensor import megatron_baseline
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,6 @@ def state_multiplier(training: bool, name: str, precision: str = "fp32") -> floa
 # Mixed precision keeps fp32 master weights, gradients and optimizer state; autocast also caches a
 # half-precision copy of every weight it casts during the forward.
 MIXED_WEIGHT_COPY = 0.5
-RERANK = 6  # best sequences replayed in the simulator; the fastest simulated wins
 
 
 @dataclass(frozen=True)
@@ -208,84 +208,6 @@ def build_problem(
             subs,
         ),
     )
-
-
-# What ``schedule="auto"`` tries, each solved and simulated; the fastest is kept (ties: the earlier).
-# GPipe is left out: it has 1F1B's bubble and holds every microbatch.
-AUTO_SCHEDULES = ("1f1b", "zb-h1")
-
-
-def solve_schedules(
-    problem: PartitionProblem, schedule: str
-) -> tuple[PartitionProblem, PartitionSolution, str]:
-    """``problem`` solved under ``schedule``, or under ``"auto"`` once per schedule of ``AUTO_SCHEDULES``
-    (a schedule no plan fits under is skipped); the problem and solution kept, and a note saying what
-    each tried schedule simulated (empty unless ``"auto"``)."""
-    return solve_each_schedule(problem, schedule)[:3]
-
-
-def solve_each_schedule(
-    problem: PartitionProblem, schedule: str, tensor: bool | int | str = False
-) -> tuple[PartitionProblem, PartitionSolution, str, DeviceMap]:
-    """``solve_schedules`` with each schedule solved by ``solve_one`` (``tensor``: its tensor degrees),
-    and the device map of the solution kept. With ``tensor="auto"`` the degrees are searched once, under
-    the first schedule (every assignment tried costs a ``solve``: a search per schedule would double the
-    compile), and each other schedule is planned on the degrees it chose (``_on_searched_degrees``)."""
-    if schedule != "auto":
-        solved, solution, device_map = solve_one(problem, tensor)
-        return solved, solution, "", device_map
-    tried, first_error = [], None
-    for name in AUTO_SCHEDULES:
-        try:
-            if tried and tensor == "auto" and problem.tensor_splits:
-                tried.append(_on_searched_degrees(problem, tried[0], name))
-            else:
-                tried.append(solve_one(replace(problem, schedule=name), tensor))
-        except InfeasiblePlanError as error:
-            first_error = first_error or error
-    if not tried:
-        raise first_error
-    solved, solution, device_map = min(tried, key=lambda found: found[1].simulated_s)
-    figures = ", ".join(f"{p.schedule} {s.simulated_s * 1e3:.2f} ms" for p, s, _ in tried)
-    shared = (
-        f"; tensor degrees searched under {AUTO_SCHEDULES[0]}" if tensor == "auto" and len(tried) > 1 else ""
-    )
-    return solved, solution, f"schedule: {solved.schedule} kept by simulation ({figures}){shared}", device_map
-
-
-def _on_searched_degrees(
-    problem: PartitionProblem, searched: tuple[PartitionProblem, PartitionSolution, DeviceMap], schedule: str
-) -> tuple[PartitionProblem, PartitionSolution, DeviceMap]:
-    """``solve_one``'s answer under ``schedule`` on the degrees of ``searched`` (its composite problem) or
-    on none (every class at degree 1, so "auto" stays no slower than ``tensor_parallel=False``), the
-    faster simulated; its bound the tensor bound of ``problem`` under ``schedule``, valid for every
-    assignment. InfeasiblePlanError where neither fits."""
-    plans, error = [], None
-    for composite, device_map in (searched[0], searched[2]), composite_problem(problem, {}):
-        composite = replace(composite, schedule=schedule)
-        try:
-            plans.append((composite, solve(composite, rerank=RERANK), device_map))
-        except InfeasiblePlanError as failed:
-            error = error or failed
-    if not plans:
-        raise error
-    composite, solution, device_map = min(plans, key=lambda found: found[1].simulated_s)
-    bound = tensor_bound(replace(problem, schedule=schedule))
-    gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf
-    return composite, replace(solution, lower_bound_s=bound, gap=gap), device_map
-
-
-def solve_one(
-    problem: PartitionProblem, tensor: bool | int | str = False
-) -> tuple[PartitionProblem, PartitionSolution, DeviceMap]:
-    """``problem`` solved by ``solve``, or where ``tensor`` (a degree or "auto") is on and the problem has
-    ``tensor_splits``, by ``solver.tensor.solve_tensor``: (the problem the solution's device indices name,
-    for tensor parallelism the composite problem of the degrees chosen; the solution; per device of that
-    problem, the devices of ``problem`` it stands for)."""
-    if not tensor or not problem.tensor_splits:
-        return problem, solve(problem, rerank=RERANK), [(i,) for i in range(len(problem.devices))]
-    solution, assignment, device_map = solve_tensor(problem, tensor, rerank=RERANK)
-    return composite_problem(problem, assignment)[0], solution, device_map
 
 
 # Ops whose backward computes a parameter's gradient as one more GEMM of the forward's size (dW = dY^T X):
