@@ -38,7 +38,8 @@ def solve_each_schedule(
     """``solve_schedules`` with each schedule solved by ``solve_one`` (``tensor``: its tensor degrees),
     and the device map of the solution kept. With ``tensor="auto"`` the degrees are searched once, under
     the first schedule (every assignment tried costs a ``solve``: a search per schedule would double the
-    compile), and each other schedule is planned on the degrees it chose (``_on_searched_degrees``)."""
+    compile), and each other schedule is planned on the degrees it chose and on degree 1
+    (``_on_searched_degrees``)."""
     if schedule != "auto":
         solved, solution, device_map = solve_one(problem, tensor)
         return solved, solution, "", device_map
@@ -69,7 +70,10 @@ def _on_searched_degrees(
     faster simulated; its bound the tensor bound of ``problem`` under ``schedule``, valid for every
     assignment. InfeasiblePlanError where neither fits."""
     plans, error = [], None
-    for composite, device_map in (searched[0], searched[2]), composite_problem(problem, {}):
+    degrees = [(searched[0], searched[2])]
+    if any(len(members) > 1 for members in searched[2]):  # else the search kept degree 1 already
+        degrees.append(composite_problem(problem, {}))
+    for composite, device_map in degrees:
         composite = replace(composite, schedule=schedule)
         try:
             plans.append((composite, solve(composite, rerank=RERANK), device_map))
