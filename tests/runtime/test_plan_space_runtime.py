@@ -42,7 +42,7 @@ from hetcc.runtime.placement import ranks_for
 from hetcc.runtime.precision import LossScaler
 from hetcc.runtime.store import Pipeline
 from hetcc.solver.schedules import stage_actions
-from hetcc.train.local import run_local
+from hetcc.train.local import _run_meta, run_local
 
 ADAM = {"name": "adam", "lr": 0.01}
 MLP_TWO_STAGES = [("a", 0), ("b", 1), ("c", 1)]
@@ -330,3 +330,6 @@ def test_layout_runs_the_weight_gradients_each_stage_defers():
         read_meta({**record, "deferred": [0, -1, 2]}, 3, where)
     with pytest.raises(PlanFormatError, match="deferred: 2 entries for 3 stages"):
         PipelineMeta(3, deferred=(0, 1))
+    # run_local's schedule override: a 1F1B plan run as zb-h1 defers ZB-H1's; a zb-h1 plan keeps its own
+    assert _run_meta(PipelineMeta(3, microbatches=4, deferred=(0, 0, 0)), "zb-h1", None).deferred == (0, 1, 2)
+    assert _run_meta(replace(zb, deferred=(0, 0, 1)), "zb-h1", None).deferred == (0, 0, 1)
