@@ -139,18 +139,19 @@ def stage_costs(
 def _most_deferred(stage, most: int) -> StageCost:
     """``stage(d)`` (the stage deferring d weight gradients) for the largest d <= ``most`` that fits its
     memory, or d = 0 where none does: each deferred W holds one more microbatch's activations, so
-    whether it fits falls as d grows (a bisection)."""
+    whether it fits falls as d grows (a bisection, each stage costed once)."""
     found = stage(most)
     if found.fits or most == 0:
         return found
-    low, high, found = 0, most - 1, stage(0)
+    low, high, found = 0, most - 1, stage(0)  # found: the stage at ``low``, the most that fits so far
     while found.fits and low < high:
         middle = (low + high + 1) // 2
-        if stage(middle).fits:
-            low = middle
+        tried = stage(middle)
+        if tried.fits:
+            low, found = middle, tried
         else:
             high = middle - 1
-    return stage(low) if low else found
+    return found
 
 
 def replica_seconds(problem: PartitionProblem, start: int, stop: int, device: int, recompute: bool):
