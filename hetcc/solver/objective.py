@@ -32,9 +32,11 @@ simulator (``solver.simulate``) replays the same plan event by event and is the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.bound import lower_bound
@@ -111,47 +113,76 @@ def stage_costs(
     # A split schedule is 1F1B's order with weight gradients deferred: each stage defers as many as
     # ZB-H1 does where its memory holds them, fewer where it does not (``_most_deferred``).
     split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
-    plain = stage_actions(
-        "1f1b" if problem.schedule in SPLIT_SCHEDULES else problem.schedule, k, problem.microbatches,
-        training=problem.training, replicas=replicas, recompute=recompute,
-    )  # fmt: skip
 
-    def stage(j: int, deferred: int) -> StageCost:
-        actions = defer_weights(plain[j], deferred) if split[j] else plain[j]
-        return _stage_plan(
+    def held(j: int, deferred: int) -> tuple[int, ...]:
+        if not problem.training:
+            return (1,) * len(groups[j])
+        return _held(problem.schedule, tuple(replicas), tuple(recompute), problem.microbatches, j,
+                     deferred if split[j] else None, tuple(routes[j]))  # fmt: skip
+
+    def fits(j: int, deferred: int) -> bool:
+        return _memory(
+            problem, *boundaries[j : j + 2], groups[j], held(j, deferred), recompute[j], shard[j]
+        ).fits
+
+    most = zb_deferrals(replicas)
+    return tuple(
+        _stage_plan(
             problem,
             boundaries,
             groups,
             routes,
             seconds[j],
-            actions,
+            held(j, deferred),
             recompute[j],
             j,
             codecs[j],
             shard[j],
             deferred,
+        )  # fmt: skip
+        for j, deferred in (
+            (j, _most_deferred(lambda d, j=j: fits(j, d), most[j] if split[j] else 0)) for j in range(k)
         )
-
-    most = zb_deferrals(replicas)
-    return tuple(_most_deferred(lambda d, j=j: stage(j, d), most[j] if split[j] else 0) for j in range(k))
+    )
 
 
-def _most_deferred(stage, most: int) -> StageCost:
-    """``stage(d)`` (the stage deferring d weight gradients) for the largest d <= ``most`` that fits its
-    memory, or d = 0 where none does: each deferred W holds one more microbatch's activations, so
-    whether it fits falls as d grows (a bisection, each stage costed once)."""
-    found = stage(most)
-    if found.fits or most == 0:
-        return found
-    low, high, found = 0, most - 1, stage(0)  # found: the stage at ``low``, the most that fits so far
-    while found.fits and low < high:
+@functools.lru_cache(maxsize=1 << 14)
+def _held(
+    schedule: str, replicas: tuple[int, ...], recompute: tuple[bool, ...], microbatches: int, j: int,
+    deferred: int | None, route: tuple[int, ...],
+) -> tuple[int, ...]:  # fmt: skip
+    """Per replica of stage ``j`` (its ``route``), the most microbatches it holds at once under
+    ``schedule`` (training), its W deferred ``deferred`` B's (None: its backward does not split).
+    Cached: the search costs the same stage in many plans."""
+    plain = _plain_actions(schedule, replicas, recompute, microbatches)[j]
+    actions = plain if deferred is None else defer_weights(plain, deferred)
+    return tuple(max_inflight(replica_actions(actions, route, r)) for r in range(replicas[j]))
+
+
+@functools.lru_cache(maxsize=256)
+def _plain_actions(schedule: str, replicas: tuple[int, ...], recompute: tuple[bool, ...], microbatches: int):
+    """``stage_actions`` of a training step, a split schedule's as 1F1B's order (``defer_weights``
+    adds its W's)."""
+    return stage_actions(
+        "1f1b" if schedule in SPLIT_SCHEDULES else schedule, len(replicas), microbatches,
+        replicas=list(replicas), recompute=list(recompute),
+    )  # fmt: skip
+
+
+def _most_deferred(fits, most: int) -> int:
+    """The largest d <= ``most`` for which ``fits(d)`` (the stage deferring d weight gradients fits its
+    memory), or 0 where none does: each deferred W holds one more microbatch's activations, so whether
+    it fits falls as d grows (a bisection on memory alone; the stage is costed once, at the d found)."""
+    if most == 0 or fits(most):
+        return most
+    low, high = 0, most - 1  # fits(low) or low == 0
+    while low < high:
         middle = (low + high + 1) // 2
-        tried = stage(middle)
-        if tried.fits:
-            low, found = middle, tried
+        if fits(middle):
+            low = middle
         else:
             high = middle - 1
-    return found
+    return low
 
 
 def replica_seconds(problem: PartitionProblem, start: int, stop: int, device: int, recompute: bool):
@@ -222,7 +253,7 @@ def _stage_plan(
     groups,
     routes,
     seconds,
-    actions,
+    held,
     recompute: bool,
     j: int,
     pinned,
@@ -243,22 +274,8 @@ def _stage_plan(
         times = {pair: pair_s(problem, stop - 1, pair, rows) for pair in pairs}
         comm, codecs = max(times.values()), names(rows)
         link_busy = max(steady_share(count, m) * times[pair] for pair, count in pairs.items())
-    kinds = [problem.devices[d].type for d in group]
-    state = [math.fsum(problem.state_for(t)[start:stop]) for t in kinds]
-    act = [math.fsum(problem.act_for(t)[start:stop]) for t in kinds]
-    kept = problem.cut_bytes[start - 1] if start > 0 else 0.0  # what a recomputing stage keeps
-    held = [
-        max_inflight(replica_actions(actions, route, r)) if problem.training else 1 for r in range(len(group))
-    ]
-    used = [w + (h * kept + a if recompute else h * a) for w, a, h in zip(state, act, held)]
-    saved = [sharded_bytes(problem, t, start, stop, len(group)) for t in kinds]
-    if shard is None:
-        fits = all(u <= problem.devices[d].memory_bytes * (1 + MEMORY_RTOL) for u, d in zip(used, group))
-        shard = chosen_shard(problem, len(group), max(saved), fits)
-    shard = shard and problem.training
-    if shard:
-        used = [u - s for u, s in zip(used, saved)]
-    worst = max(range(len(group)), key=lambda r: used[r] - problem.devices[group[r]].memory_bytes)
+    memory = _memory(problem, start, stop, group, held, recompute, shard)
+    worst = memory.worst
     return StageCost(
         blocks=(start, stop),
         device=group[0],
@@ -267,10 +284,10 @@ def _stage_plan(
         bwd_s=bwd,
         compute_s=seconds[slowest],
         comm_s=comm,
-        state_bytes=state[worst],
-        act_bytes=act[worst],
-        inflight=held[worst],
-        memory_bytes=used[worst],
+        state_bytes=memory.state[worst],
+        act_bytes=memory.act[worst],
+        inflight=memory.held[worst],
+        memory_bytes=memory.used[worst],
         memory_capacity_bytes=problem.devices[group[worst]].memory_bytes,
         devices=group,
         device_names=tuple(problem.devices[d].name for d in group),
@@ -281,10 +298,48 @@ def _stage_plan(
         link_busy_s=link_busy,
         allreduce_s=_allreduce_s(problem, group, start, stop),
         codecs=codecs,
-        shard=shard,
-        allgather_s=allgather_s(problem, group, start, stop) if shard else 0.0,
-        sharded_bytes=saved[worst] if shard else 0.0,
+        shard=memory.shard,
+        allgather_s=allgather_s(problem, group, start, stop) if memory.shard else 0.0,
+        sharded_bytes=memory.saved[worst] if memory.shard else 0.0,
         deferred=deferred,
+    )
+
+
+class _Memory(NamedTuple):
+    """One replica group's memory: per replica its state, activation bytes (one microbatch), microbatches
+    held, bytes used and bytes its sharding saves; whether it shards; the replica nearest its limit (the
+    most over it) and whether that one fits (``StageCost.fits``)."""
+
+    state: list[float]
+    act: list[float]
+    held: list[int]
+    used: list[float]
+    saved: list[float]
+    shard: bool
+    fits: bool
+    worst: int
+
+
+def _memory(problem, start: int, stop: int, group, held, recompute: bool, shard: bool | None) -> _Memory:
+    """The memory of blocks ``[start, stop)`` on replica group ``group``, each replica holding ``held``
+    microbatches' activations at once, sharding where ``shard`` says (None: ``chosen_shard``)."""
+    kinds = [problem.devices[d].type for d in group]
+    caps = [problem.devices[d].memory_bytes for d in group]
+    state = [math.fsum(problem.state_for(t)[start:stop]) for t in kinds]
+    act = [math.fsum(problem.act_for(t)[start:stop]) for t in kinds]
+    kept = problem.cut_bytes[start - 1] if start > 0 else 0.0  # what a recomputing stage keeps
+    held = list(held)
+    used = [w + (h * kept + a if recompute else h * a) for w, a, h in zip(state, act, held)]
+    saved = [sharded_bytes(problem, t, start, stop, len(group)) for t in kinds]
+    if shard is None:
+        fits = all(u <= cap * (1 + MEMORY_RTOL) for u, cap in zip(used, caps))
+        shard = chosen_shard(problem, len(group), max(saved), fits)
+    shard = bool(shard and problem.training)
+    if shard:
+        used = [u - s for u, s in zip(used, saved)]
+    worst = max(range(len(group)), key=lambda r: used[r] - caps[r])
+    return _Memory(
+        state, act, held, used, saved, shard, used[worst] <= caps[worst] * (1 + MEMORY_RTOL), worst
     )
 
 

@@ -21,6 +21,7 @@ holding it, which the search's formula leaves out; the step ends when the last d
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from hetcc.errors import PlanFormatError
 from hetcc.solver.codecs import Message, message_s, stage_messages
 from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, stage_costs, weight_grad_s
 from hetcc.solver.problem import PartitionProblem, device_ring_s
-from hetcc.solver.schedules import replica_actions, splits_backward, stage_actions
+from hetcc.solver.schedules import Action, replica_actions, splits_backward, stage_actions
 
 
 @dataclass(frozen=True)
@@ -76,29 +77,24 @@ def simulate(
         stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard)  # validates the plan
     k = len(stages)
     groups = [s.group for s in stages]
-    actions = stage_actions(
-        problem.schedule,
-        k,
-        problem.microbatches,
-        training=problem.training,
-        replicas=[len(g) for g in groups],
-        recompute=[s.recompute for s in stages],
-        deferred=[s.deferred for s in stages],
-    )
     split = splits_backward(problem.schedule, [s.recompute for s in stages])
-    routes = [s.route for s in stages]
+    actions = _lane_actions(
+        problem.schedule, problem.microbatches, problem.training, tuple(len(g) for g in groups),
+        tuple(s.recompute for s in stages), tuple(s.deferred for s in stages), tuple(s.route for s in stages),
+    )  # fmt: skip
     lanes = [
         _Lane(
             j,
             r,
             d,
-            replica_actions(actions[j], routes[j], r),
+            actions[j][r],
             *replica_seconds(problem, *stages[j].blocks, d, stages[j].recompute),
             weight_grad_s(problem, *stages[j].blocks, d) if split[j] else 0.0,
         )  # fmt: skip
         for j in range(k)
         for r, d in enumerate(groups[j])
     ]
+    routes = [s.route for s in stages]
     timeline = _Timeline(problem, stages, routes, events)
     for lane in lanes:
         lane.steps = [timeline.step(lane, action) for action in lane.actions]
@@ -113,6 +109,23 @@ def simulate(
     timeline.all_reduce(lanes)
     timeline.tied_sums(lanes)
     return timeline.result(lanes, k)
+
+
+@functools.lru_cache(maxsize=1024)
+def _lane_actions(
+    schedule: str, microbatches: int, training: bool, replicas: tuple[int, ...], recompute: tuple[bool, ...],
+    deferred: tuple[int, ...], routes: tuple[tuple[int, ...], ...],
+) -> tuple[tuple[tuple[Action, ...], ...], ...]:  # fmt: skip
+    """Per stage, per replica (``routes``: each stage's microbatch -> replica), its actions in order
+    (``stage_actions``; cached: the search replays many plans of the same shape)."""
+    every = stage_actions(
+        schedule, len(routes), microbatches, training=training, replicas=list(replicas), recompute=list(recompute),
+        deferred=list(deferred),
+    )  # fmt: skip
+    return tuple(
+        tuple(tuple(replica_actions(every[j], route, r)) for r in range(replicas[j]))
+        for j, route in enumerate(routes)
+    )
 
 
 @dataclass
