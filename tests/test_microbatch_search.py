@@ -1,9 +1,11 @@
-"""``microbatches="auto"``: every divisor of the batch priced from one symbolic trace, the fastest
-simulated count kept; precision and the plan-space options reach the plan and the problem."""
+"""``microbatches="auto"``: every divisor of the batch priced from one symbolic trace, planned unless
+its lower bound shows it cannot win, the fastest simulated count kept; precision and the plan-space
+options reach the plan and the problem."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -11,7 +13,10 @@ from models import gpt2, token_ids
 
 import hetcc
 from hetcc import api
+from hetcc.api import microbatches
 from hetcc.errors import HetccError
+from hetcc.passes.schedule_search import solve_schedules
+from hetcc.solver.bound import lower_bound
 
 CLUSTER = "examples/clusters/mixed_a100_t4.yaml"
 # The same cards on hosts where one fused call costs what the torch.library custom op cost (190 / 690 us):
@@ -30,28 +35,38 @@ SLOW_CALL_CLUSTER = hetcc.Cluster.from_spec({
 
 @pytest.fixture(scope="module")
 def searched():
-    calls = []
-    real = api.analyze
+    calls, priced = [], []
+    real, plan_counts = api.analyze, microbatches._plan_counts
 
     def counting(*args, **kwargs):
         calls.append(kwargs.get("dynamic_shapes"))
         return real(*args, **kwargs)
 
-    api.analyze = counting
+    def keeping(problems, schedule):
+        priced.extend(problems)
+        return plan_counts(problems, schedule)
+
+    api.analyze, microbatches._plan_counts = counting, keeping
     try:
         ids = token_ids(12, 16)
         compiled = hetcc.compile(
             gpt2(n_layer=2), CLUSTER, example_kwargs={"input_ids": ids, "labels": ids, "use_cache": False}
         )
     finally:
-        api.analyze = real
-    return compiled, calls
+        api.analyze, microbatches._plan_counts = real, plan_counts
+    return compiled, calls, priced
+
+
+def _skipped(plan) -> list[int]:
+    """The counts the plan's note says were not planned (their bound above the fastest plan)."""
+    notes = [n for n in plan.notes if n.startswith("microbatches: not planned")]
+    return [int(m) for note in notes for m in re.findall(r"M=(\d+)", note)]
 
 
 def test_every_divisor_is_priced_from_one_symbolic_trace(searched):
-    compiled, calls = searched
+    compiled, calls, _ = searched
     tried = dict(compiled.plan.microbatch_search)
-    assert sorted(tried) == [1, 2, 3, 4, 6, 12]
+    assert sorted([*tried, *_skipped(compiled.plan)]) == [1, 2, 3, 4, 6, 12]
     assert len(calls) == 2 and calls[0] is not None and calls[1] is None  # one symbolic trace, one to compile
     assert compiled.plan.microbatches == min(tried, key=lambda m: (tried[m], m))
     assert compiled.plan.microbatch_rows == 12 // compiled.plan.microbatches
@@ -61,8 +76,23 @@ def test_every_divisor_is_priced_from_one_symbolic_trace(searched):
     )
 
 
+def test_a_count_is_left_unplanned_only_where_its_bound_shows_it_cannot_win(searched):
+    """Each count's problem planned anyway: the counts skipped all plan slower than the count kept,
+    and each count planned has the figure its own plan simulates."""
+    compiled, _, priced = searched
+    tried, skipped = dict(compiled.plan.microbatch_search), _skipped(compiled.plan)
+    assert skipped, "the search skipped nothing: this test checks nothing"  # M=12 on this cluster
+    best = min(tried.values())
+    for problem in priced:
+        step_s = solve_schedules(problem, "1f1b")[1].simulated_s
+        if problem.microbatches in skipped:
+            assert step_s > best and lower_bound(problem) > best, problem.microbatches
+        else:
+            assert step_s == pytest.approx(tried[problem.microbatches], rel=1e-12)
+
+
 def test_the_problem_describes_itself(searched):
-    compiled, _ = searched
+    compiled, _, _ = searched
     data = json.loads(compiled.problem.to_json())
     assert data["optimizer"] == "adam" and data["precision"] == "fp32" and data["batch_size"] == 12
     assert (
@@ -135,11 +165,14 @@ def test_auto_prices_each_count_with_the_fusion_its_compile_chooses():
         auto = hetcc.compile(WideMLP(), SLOW_CALL_CLUSTER, example_inputs=(x,))
         tried = dict(auto.plan.microbatch_search)
         pinned = {
-            m: hetcc.compile(WideMLP(), SLOW_CALL_CLUSTER, example_inputs=(x,), microbatches=m) for m in tried
+            m: hetcc.compile(WideMLP(), SLOW_CALL_CLUSTER, example_inputs=(x,), microbatches=m)
+            for m in (*tried, *_skipped(auto.plan))
         }
+    assert sorted(pinned) == [1, 2, 4, 8]
     assert tried[auto.plan.microbatches] == pytest.approx(auto.plan.step_time_s, rel=1e-9)
     for m, compiled in pinned.items():  # each count's search figure is the plan its own compile makes
-        assert tried[m] == pytest.approx(compiled.plan.step_time_s, rel=1e-9), m
+        if m in tried:
+            assert tried[m] == pytest.approx(compiled.plan.step_time_s, rel=1e-9), m
     assert auto.plan.step_time_s <= min(c.plan.step_time_s for c in pinned.values()) * (1 + 1e-9)
     # fusion is part of what was priced: the gelu chains fuse at some counts and not at others
     fused = {m: _fused_nodes(c) for m, c in pinned.items()}

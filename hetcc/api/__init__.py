@@ -134,7 +134,8 @@ def compile(  # noqa: A001 - the public API name
     """Plan ``model`` over ``cluster``. ``example_inputs`` are one step's batch; dim 0 is split into
     ``microbatches`` equal microbatches, and every cost is per microbatch. ``microbatches="auto"``
     tries every divisor of the batch, pricing each from one trace with a symbolic batch dimension
-    (``hetcc.api.microbatches.search_microbatches``), and keeps the count whose plan simulates fastest.
+    (``hetcc.api.microbatches.search_microbatches``; a count whose lower bound is above a plan already
+    found is not planned), and keeps the count whose plan simulates fastest.
     ``schedule``: "1f1b", "gpipe", "zb-h1" (zero-bubble H1: weight gradients deferred into the
     bubbles; ``hetcc.solver.schedules``) or "auto" (plans 1f1b and zb-h1 at every count tried and keeps
     the fastest simulated; the plan's notes give both figures).

@@ -1,6 +1,7 @@
 """One step's batch in microbatches: its rows, the first microbatch (what ``hetcc.compile`` traces),
 and for ``microbatches="auto"`` the search: every divisor of the batch priced from a single trace with
-a symbolic batch dimension, and the count whose plan simulates fastest kept."""
+a symbolic batch dimension, and the count whose plan simulates fastest kept (a count whose lower bound
+is above a plan already found is not planned)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ from hetcc.hardware.cluster import Cluster
 from hetcc.passes.cost import block_times_at
 from hetcc.passes.fuse import fusion_candidates
 from hetcc.passes.partition import PlanSettings, build_problem
-from hetcc.passes.schedule_search import solve_schedules
+from hetcc.passes.schedule_search import AUTO_SCHEDULES, solve_schedules
+from hetcc.solver.bound import lower_bound
+from hetcc.solver.problem import PartitionProblem
 from hetcc.train.data import split_microbatches
 
 
@@ -34,9 +37,10 @@ def search_microbatches(
     dtype: object | None,
     analyze: Callable[..., Any],
 ) -> tuple[int, list[tuple[int, float]], list[str]]:
-    """(best M, (M, simulated step) for every M tried, notes): one trace of the whole batch with its
+    """(best M, (M, simulated step) for every M planned, notes): one trace of the whole batch with its
     dim 0 symbolic (``torch.export.Dim``), then for every divisor M of the batch the analysis is
-    evaluated at batch / M rows (sympy), priced, planned and simulated; no retrace per M.
+    evaluated at batch / M rows (sympy) and priced; no retrace per M. Each count is planned and
+    simulated unless its lower bound shows it cannot beat a count already planned (``_plan_counts``).
 
     Each M prices the fusion groups as the compile at that M does (``passes.cost``: a group fuses on a
     device type where its kernel beats its ops there, at that microbatch's sizes), so the figure kept
@@ -63,7 +67,7 @@ def search_microbatches(
         reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         return fallback, [], [f"microbatches: kept {fallback} (no trace with a symbolic batch: {reason})"]
     candidates = fusion_candidates(symbolic.graph) if config.fuse != "off" else []
-    tried = []
+    priced = []
     for m in (m for m in range(1, rows + 1) if rows % m == 0):
         at, subs = symbolic.evaluate(batch=rows // m), {symbol: rows // m}
         fwd, bwd, choice = block_times_at(
@@ -72,18 +76,43 @@ def search_microbatches(
             fuse=config.fuse,
         )  # fmt: skip
         change = choice.act_bytes_change([b.name for b in at.blocks], subs) if settings.training else None
-        problem = build_problem(
+        priced.append(build_problem(
             symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m),
             (fwd, bwd), act_change=change, subs=subs,
-        )  # fmt: skip
-        try:
-            tried.append((m, solve_schedules(problem, settings.schedule)[1].simulated_s))
-        except InfeasiblePlanError:
-            tried.append((m, math.inf))
+        ))  # fmt: skip
+    tried, notes = _plan_counts(priced, settings.schedule)
     best_s, best_m = min((s, m) for m, s in tried)
     if math.isinf(best_s):
-        return fallback, tried, [f"microbatches: no count fits in memory; kept {fallback}"]
-    return best_m, tried, []
+        return fallback, tried, [*notes, f"microbatches: no count fits in memory; kept {fallback}"]
+    return best_m, tried, notes
+
+
+def _plan_counts(
+    problems: list[PartitionProblem], schedule: str
+) -> tuple[list[tuple[int, float]], list[str]]:
+    """((M, simulated step) of each count planned, in order of M; notes): ``problems`` (one per count)
+    planned in order of their lower bounds (``solver.bound.lower_bound``, the least over the schedules
+    tried), skipping each whose bound exceeds the fastest plan found so far: no plan of it can be faster,
+    so the count kept is the one planning every count would keep; a note names those skipped."""
+    schedules = AUTO_SCHEDULES if schedule == "auto" else (schedule,)
+    bounds = [min(lower_bound(replace(p, schedule=s)) for s in schedules) for p in problems]
+    tried, skipped, best_s = [], [], math.inf
+    for bound, problem in sorted(zip(bounds, problems), key=lambda item: (item[0], item[1].microbatches)):
+        m = problem.microbatches
+        if bound > best_s:
+            skipped.append(f"M={m} ({bound * 1e3:.2f} ms)")
+            continue
+        try:
+            step_s = solve_schedules(problem, schedule)[1].simulated_s
+        except InfeasiblePlanError:
+            step_s = math.inf
+        tried.append((m, step_s))
+        best_s = min(best_s, step_s)
+    notes = [
+        f"microbatches: not planned, as its lower bound exceeds the fastest plan ({best_s * 1e3:.2f} ms): "
+        + ", ".join(skipped)
+    ] if skipped else []  # fmt: skip
+    return sorted(tried), notes
 
 
 @contextmanager
