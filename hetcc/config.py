@@ -63,6 +63,9 @@ cuda_graphs: str = cuda_graphs_mode(os.environ.get("HETCC_CUDA_GRAPHS", "auto"))
 comm_timeout_s: float = float(os.environ.get("HETCC_COMM_TIMEOUT_S", "120"))
 # Device orders searched exactly up to this many distinct orders; beyond it, heuristic + local search.
 exact_order_limit: int = _env_int("HETCC_EXACT_ORDER_LIMIT", 5000)
+# Processes that solve independent partition problems at once (tensor degrees, schedules) where they are
+# large enough to pay (``hetcc.solver.parallel``): 0 one per CPU core, 1 none (one after another).
+solver_workers: int = _env_int("HETCC_SOLVER_WORKERS", 0)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,8 @@
 ``solve_one`` solves a problem (``solver.solve``), or with tensor parallelism on, searches its degree
 assignments (``solver.tensor.solve_tensor``). ``schedule="auto"`` tries every schedule of
 ``AUTO_SCHEDULES`` (``solve_each_schedule``); with ``tensor_parallel="auto"`` too, the degrees are searched
-once, under the first, and the others planned on the degrees found and on degree 1.
+once, under the first, and the others planned on the degrees found and on degree 1. Solves that do not
+depend on each other run side by side (``solver.parallel.solve_each``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from dataclasses import replace
 
 from hetcc.errors import InfeasiblePlanError
+from hetcc.solver.parallel import solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.solver.solve import solve
 from hetcc.solver.tensor import DeviceMap, composite_problem, solve_tensor, tensor_bound
@@ -44,14 +46,22 @@ def solve_each_schedule(
         solved, solution, device_map = solve_one(problem, tensor)
         return solved, solution, "", device_map
     tried, first_error = [], None
-    for name in AUTO_SCHEDULES:
-        try:
-            if tried and tensor == "auto" and problem.tensor_splits:
-                tried.append(_on_searched_degrees(problem, tried[0], name))
+    if not (tensor and problem.tensor_splits):  # each schedule one solve: all at once
+        answers = solve_each([replace(problem, schedule=name) for name in AUTO_SCHEDULES], RERANK)
+        for name, answer in zip(AUTO_SCHEDULES, answers):
+            if isinstance(answer, InfeasiblePlanError):
+                first_error = first_error or answer
             else:
-                tried.append(solve_one(replace(problem, schedule=name), tensor))
-        except InfeasiblePlanError as error:
-            first_error = first_error or error
+                tried.append((replace(problem, schedule=name), answer, _identity(problem)))
+    else:
+        for name in AUTO_SCHEDULES:
+            try:
+                if tried and tensor == "auto":
+                    tried.append(_on_searched_degrees(problem, tried[0], name))
+                else:
+                    tried.append(solve_one(replace(problem, schedule=name), tensor))
+            except InfeasiblePlanError as error:
+                first_error = first_error or error
     if not tried:
         raise first_error
     solved, solution, device_map = min(tried, key=lambda found: found[1].simulated_s)
@@ -69,22 +79,24 @@ def _on_searched_degrees(
     on none (every class at degree 1, so "auto" stays no slower than ``tensor_parallel=False``), the
     faster simulated; its bound the tensor bound of ``problem`` under ``schedule``, valid for every
     assignment. InfeasiblePlanError where neither fits."""
-    plans, error = [], None
     degrees = [(searched[0], searched[2])]
     if any(len(members) > 1 for members in searched[2]):  # else the search kept degree 1 already
         degrees.append(composite_problem(problem, {}))
-    for composite, device_map in degrees:
-        composite = replace(composite, schedule=schedule)
-        try:
-            plans.append((composite, solve(composite, rerank=RERANK), device_map))
-        except InfeasiblePlanError as failed:
-            error = error or failed
+    composites = [replace(composite, schedule=schedule) for composite, _ in degrees]
+    answers = solve_each(composites, RERANK)
+    plans = [(c, answer, device_map) for c, answer, (_, device_map) in zip(composites, answers, degrees)
+             if not isinstance(answer, InfeasiblePlanError)]  # fmt: skip
     if not plans:
-        raise error
+        raise answers[0]
     composite, solution, device_map = min(plans, key=lambda found: found[1].simulated_s)
     bound = tensor_bound(replace(problem, schedule=schedule))
     gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf
     return composite, replace(solution, lower_bound_s=bound, gap=gap), device_map
+
+
+def _identity(problem: PartitionProblem) -> DeviceMap:
+    """The device map of a problem solved as it is: each device stands for itself."""
+    return [(i,) for i in range(len(problem.devices))]
 
 
 def solve_one(
@@ -95,6 +107,6 @@ def solve_one(
     for tensor parallelism the composite problem of the degrees chosen; the solution; per device of that
     problem, the devices of ``problem`` it stands for)."""
     if not tensor or not problem.tensor_splits:
-        return problem, solve(problem, rerank=RERANK), [(i,) for i in range(len(problem.devices))]
+        return problem, solve(problem, rerank=RERANK), _identity(problem)
     solution, assignment, device_map = solve_tensor(problem, tensor, rerank=RERANK)
     return composite_problem(problem, assignment)[0], solution, device_map

@@ -10,7 +10,8 @@ parallel links, so a composite's links are its first member's: one message's tim
 ordinary problem: ``solve``, ``simulate`` and ``evaluate`` run on it unchanged.
 
 ``solve_tensor`` searches the assignments, each judged by the simulated step of ``solve`` on its
-composite problem, and reports a lower bound valid for every assignment (``tensor_bound``).
+composite problem (those it compares at once solved in parallel: ``solver.parallel``), and reports a
+lower bound valid for every assignment (``tensor_bound``).
 ``megatron_baseline`` is the layout Megatron-LM users start from, scored by the same model.
 """
 
@@ -26,9 +27,9 @@ from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.baselines import uniform_boundaries
 from hetcc.solver.bound import Way, lower_bound
 from hetcc.solver.objective import evaluate
+from hetcc.solver.parallel import solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, WireCodec
 from hetcc.solver.simulate import simulate
-from hetcc.solver.solve import solve
 
 DeviceClass = tuple[str, float]  # (device type, memory_bytes)
 Assignment = Mapping[DeviceClass, int]  # device class -> tensor degree (1: none)
@@ -179,23 +180,33 @@ def solve_tensor(
     tried: dict[tuple, tuple | None] = {}
     first_error: list[InfeasiblePlanError] = []
 
-    def step_s(assignment: dict) -> float:
-        key = tuple(sorted(assignment.items()))
-        if key not in tried:
-            composite, device_map = composite_problem(problem, assignment)
-            try:
-                tried[key] = (solve(composite, rerank=rerank), device_map)
-            except InfeasiblePlanError as error:
+    def solve_all(assignments: list[dict]) -> None:
+        """Solve the assignments not tried yet, at once (``parallel.solve_each``)."""
+        todo = {}
+        for assignment in assignments:
+            key = tuple(sorted(assignment.items()))
+            if key not in tried and key not in todo:
+                todo[key] = composite_problem(problem, assignment)
+        answers = solve_each([composite for composite, _ in todo.values()], rerank)
+        for (key, (_, device_map)), answer in zip(todo.items(), answers):
+            if isinstance(answer, InfeasiblePlanError):
                 tried[key] = None
-                first_error.append(error)
-        return math.inf if tried[key] is None else tried[key][0].simulated_s
+                first_error.append(answer)
+            else:
+                tried[key] = (answer, device_map)
+
+    def step_s(assignment: dict) -> float:
+        solve_all([assignment])
+        found = tried[tuple(sorted(assignment.items()))]
+        return math.inf if found is None else found[0].simulated_s
 
     if len(space) <= EXHAUSTIVE_ASSIGNMENTS:
+        solve_all(space)
         best = min(space, key=step_s)  # the first of equals: fewer, smaller groups first
     else:
-        best = _descend(allowed, step_s, dict.fromkeys(allowed, 1))
+        best = _descend(allowed, step_s, dict.fromkeys(allowed, 1), solve_all)
         if step_s(best) == math.inf:  # nothing near degree 1 fits: descend again from the largest groups
-            best = _descend(allowed, step_s, {c: ds[-1] for c, ds in allowed.items()})
+            best = _descend(allowed, step_s, {c: ds[-1] for c, ds in allowed.items()}, solve_all)
     found = tried[tuple(sorted(best.items()))]
     if found is None:
         raise first_error[0]
@@ -226,12 +237,16 @@ def _pinned(allowed, problem: PartitionProblem, degree) -> list[dict[DeviceClass
     return [{c: degree if degree in ds else 1 for c, ds in allowed.items()}]
 
 
-def _descend(allowed: dict[DeviceClass, tuple[int, ...]], step_s, start: dict) -> dict[DeviceClass, int]:
-    """Coordinate descent from ``start``: each class in turn takes its best degree, the others fixed."""
+def _descend(
+    allowed: dict[DeviceClass, tuple[int, ...]], step_s, start: dict, solve_all
+) -> dict[DeviceClass, int]:
+    """Coordinate descent from ``start``: each class in turn takes its best degree, the others fixed
+    (``solve_all`` solves a class's candidates at once before ``step_s`` compares them)."""
     current = dict(start)
     for _ in range(DESCENT_ROUNDS):
         changed = False
         for c, degrees in allowed.items():
+            solve_all([{**current, c: d} for d in degrees])
             best = min(degrees, key=lambda d: (step_s({**current, c: d}), d != current[c]))
             changed |= best != current[c]
             current[c] = best

@@ -1,0 +1,60 @@
+"""Several independent ``solve`` calls at once, in forked worker processes.
+
+The tensor-degree search solves one problem per degree assignment it tries, and ``schedule="auto"``
+one per schedule: independent and deterministic, each seconds long on a large cluster. ``solve_each``
+runs them in ``config.solver_workers`` processes (0: one per CPU core) where the jobs are large enough
+to pay for starting the processes (``PARALLEL_WORK``) and the platform can fork; else one after
+another. The answers are the same either way: each job is the same ``solve`` call, and a forked worker
+inherits the parent's knobs (``hetcc.config``). The solver is numpy and Python: a worker never calls
+torch, so forking a process that has loaded it is safe (torch's own DataLoader forks its workers too).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from hetcc import config
+from hetcc.errors import InfeasiblePlanError
+from hetcc.solver.problem import PartitionProblem, PartitionSolution
+from hetcc.solver.solve import solve
+
+# Blocks x devices x microbatches summed over the jobs: below it they solve faster one after another
+# than processes start (the 70B problem's tensor groups are ~73,000 each, GPT-2 medium's ~7,000).
+PARALLEL_WORK = 200_000
+
+
+def solve_each(
+    problems: Sequence[PartitionProblem], rerank: int = 0
+) -> list[PartitionSolution | InfeasiblePlanError]:
+    """``solve(problem, rerank)`` of each problem, in order; a problem no plan fits gives its
+    InfeasiblePlanError in its place rather than raising. Where a worker dies, every job is solved
+    again in this process."""
+    jobs = [(problem, rerank) for problem in problems]
+    workers = _workers(problems)
+    if workers <= 1:
+        return [_solve_or_error(job) for job in jobs]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_solve_or_error, jobs))
+    except BrokenProcessPool:  # a worker died (killed, out of memory): solve here instead
+        return [_solve_or_error(job) for job in jobs]
+
+
+def _workers(problems: Sequence[PartitionProblem]) -> int:
+    if len(problems) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+        return 1
+    if sum(len(p.blocks) * len(p.devices) * p.microbatches for p in problems) < PARALLEL_WORK:
+        return 1
+    return min(len(problems), config.solver_workers or os.cpu_count() or 1)
+
+
+def _solve_or_error(job: tuple[PartitionProblem, int]) -> PartitionSolution | InfeasiblePlanError:
+    problem, rerank = job
+    try:
+        return solve(problem, rerank=rerank)
+    except InfeasiblePlanError as error:
+        return error
