@@ -3,16 +3,18 @@
 The tensor-degree search solves one problem per degree assignment it tries, and ``schedule="auto"``
 one per schedule: independent and deterministic, each seconds long on a large cluster. ``solve_each``
 runs them in ``config.solver_workers`` processes (0: one per CPU core) where the jobs are large enough
-to pay for starting the processes (``PARALLEL_WORK``) and the platform can fork; else one after
-another. The answers are the same either way: each job is the same ``solve`` call, and a forked worker
-inherits the parent's knobs (``hetcc.config``). The solver is numpy and Python: a worker never calls
-torch, so forking a process that has loaded it is safe (torch's own DataLoader forks its workers too).
+to pay for starting the processes (``PARALLEL_WORK``), on Linux; else one after another. The answers
+are the same either way: each job is the same ``solve`` call, and a forked worker inherits the
+parent's knobs (``hetcc.config``). The solver is numpy and Python: a worker never calls torch, so
+forking a process that has loaded it is safe there (torch's own DataLoader forks its workers too);
+macOS's system libraries are not fork-safe, so it solves one after another.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -45,7 +47,9 @@ def solve_each(
 
 
 def _workers(problems: Sequence[PartitionProblem]) -> int:
-    if len(problems) < 2 or "fork" not in multiprocessing.get_all_start_methods():
+    if len(problems) < 2 or not sys.platform.startswith(
+        "linux"
+    ):  # macOS's system libraries do not fork safely
         return 1
     if sum(len(p.blocks) * len(p.devices) * p.microbatches for p in problems) < PARALLEL_WORK:
         return 1
