@@ -47,12 +47,12 @@ def solve_each_schedule(
         return solved, solution, "", device_map
     tried, first_error = [], None
     if not (tensor and problem.tensor_splits):  # each schedule one solve: all at once
-        answers = solve_each([replace(problem, schedule=name) for name in AUTO_SCHEDULES], RERANK)
-        for name, answer in zip(AUTO_SCHEDULES, answers):
+        scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
+        for each, answer in zip(scheduled, solve_each(scheduled, RERANK)):
             if isinstance(answer, InfeasiblePlanError):
                 first_error = first_error or answer
             else:
-                tried.append((replace(problem, schedule=name), answer, _identity(problem)))
+                tried.append((each, answer, _identity(problem)))
     else:
         for name in AUTO_SCHEDULES:
             try:

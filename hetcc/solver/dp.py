@@ -37,13 +37,13 @@ from hetcc.solver.bound_rows import BoundRows
 from hetcc.solver.codecs import chosen_cut_s
 from hetcc.solver.objective import step_terms
 from hetcc.solver.problem import (
-    MEMORY_RTOL,
     PartitionProblem,
     end_tied_s,
     inflight_microbatches,
     replica_inflight,
     round_trip_slots,
     steady_share,
+    within_memory,
 )
 from hetcc.solver.sharding import shard_choices, step_end_rates, unheld_fraction
 
@@ -260,7 +260,7 @@ class Chain:
             else:
                 used = (w[None, :] - w[:, None]) + held * span_act
             starts = np.arange(self.n + 1)
-            fits = (used <= capacity * (1 + MEMORY_RTOL)) & (starts[:, None] < starts[None, :])
+            fits = within_memory(used, capacity) & (starts[:, None] < starts[None, :])
             self._windows[key] = starts + fits.sum(axis=1)  # the fitting ends are a prefix of (a, N]
         return self._windows[key]
 

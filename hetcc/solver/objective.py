@@ -42,7 +42,6 @@ from hetcc.errors import PlanFormatError
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.codecs import cut_rows, names, pair_s
 from hetcc.solver.problem import (
-    MEMORY_RTOL,
     PartitionProblem,
     PartitionSolution,
     StageCost,
@@ -51,6 +50,7 @@ from hetcc.solver.problem import (
     round_trip_slots,
     route_microbatches,
     steady_share,
+    within_memory,
 )
 from hetcc.solver.schedules import (
     SPLIT_SCHEDULES,
@@ -126,6 +126,7 @@ def stage_costs(
         ).fits
 
     most = zb_deferrals(replicas)
+    deferrals = [_most_deferred(lambda d, j=j: fits(j, d), most[j] if split[j] else 0) for j in range(k)]
     return tuple(
         _stage_plan(
             problem,
@@ -133,16 +134,14 @@ def stage_costs(
             groups,
             routes,
             seconds[j],
-            held(j, deferred),
+            held(j, d),
             recompute[j],
             j,
             codecs[j],
             shard[j],
-            deferred,
+            d,
         )  # fmt: skip
-        for j, deferred in (
-            (j, _most_deferred(lambda d, j=j: fits(j, d), most[j] if split[j] else 0)) for j in range(k)
-        )
+        for j, d in enumerate(deferrals)
     )
 
 
@@ -312,7 +311,7 @@ class _Memory(NamedTuple):
 
     state: list[float]
     act: list[float]
-    held: list[int]
+    held: Sequence[int]
     used: list[float]
     saved: list[float]
     shard: bool
@@ -328,19 +327,15 @@ def _memory(problem, start: int, stop: int, group, held, recompute: bool, shard:
     state = [math.fsum(problem.state_for(t)[start:stop]) for t in kinds]
     act = [math.fsum(problem.act_for(t)[start:stop]) for t in kinds]
     kept = problem.cut_bytes[start - 1] if start > 0 else 0.0  # what a recomputing stage keeps
-    held = list(held)
     used = [w + (h * kept + a if recompute else h * a) for w, a, h in zip(state, act, held)]
     saved = [sharded_bytes(problem, t, start, stop, len(group)) for t in kinds]
     if shard is None:
-        fits = all(u <= cap * (1 + MEMORY_RTOL) for u, cap in zip(used, caps))
-        shard = chosen_shard(problem, len(group), max(saved), fits)
+        shard = chosen_shard(problem, len(group), max(saved), all(map(within_memory, used, caps)))
     shard = bool(shard and problem.training)
     if shard:
         used = [u - s for u, s in zip(used, saved)]
     worst = max(range(len(group)), key=lambda r: used[r] - caps[r])
-    return _Memory(
-        state, act, held, used, saved, shard, used[worst] <= caps[worst] * (1 + MEMORY_RTOL), worst
-    )
+    return _Memory(state, act, held, used, saved, shard, within_memory(used[worst], caps[worst]), worst)
 
 
 def _allreduce_s(problem: PartitionProblem, group: tuple[int, ...], start: int, stop: int) -> float:

@@ -47,9 +47,8 @@ def solve_each(
 
 
 def _workers(problems: Sequence[PartitionProblem]) -> int:
-    if len(problems) < 2 or not sys.platform.startswith(
-        "linux"
-    ):  # macOS's system libraries do not fork safely
+    # Forks only on Linux: macOS's system libraries are not fork-safe.
+    if len(problems) < 2 or not sys.platform.startswith("linux"):
         return 1
     if sum(len(p.blocks) * len(p.devices) * p.microbatches for p in problems) < PARALLEL_WORK:
         return 1

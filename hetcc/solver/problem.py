@@ -25,6 +25,11 @@ from hetcc.solver.problem_checks import validate_problem
 MEMORY_RTOL = 1e-9
 
 
+def within_memory(used_bytes, capacity_bytes):
+    """Whether ``used_bytes`` fit in ``capacity_bytes`` (up to ``MEMORY_RTOL``)."""
+    return used_bytes <= capacity_bytes * (1 + MEMORY_RTOL)
+
+
 @dataclass(frozen=True)
 class ProblemDevice:
     """One device as the solver sees it: usable ``memory_bytes`` after runtime reserves."""
@@ -250,7 +255,7 @@ class StageCost:
 
     @property
     def fits(self) -> bool:
-        return self.memory_bytes <= self.memory_capacity_bytes * (1 + MEMORY_RTOL)
+        return within_memory(self.memory_bytes, self.memory_capacity_bytes)
 
     @property
     def group(self) -> tuple[int, ...]:
