@@ -231,7 +231,7 @@ def test_a_plan_with_replicas_allowed_is_not_slower_than_the_pure_pipeline():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(), st.sampled_from([0.0, 0.3, 0.5]))
 def test_zb_h1_plans_simulate_no_faster_than_the_bound(problem, share):
-    """The bound holds for zero-bubble plans too: it charges no fill, so deferring W cannot beat it."""
+    """The bound holds for zero-bubble plans too: it charges only the forwards' fill, so deferring W cannot beat it."""
     problem = dataclasses.replace(
         problem,
         schedule="zb-h1",

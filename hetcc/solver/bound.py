@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.problem import MEMORY_RTOL, PartitionProblem
 from hetcc.solver.schedules import SPLIT_SCHEDULES
 from hetcc.solver.sharding import least_held_state
 
@@ -34,8 +34,20 @@ def lower_bound(
       The least such step is a linear program; any Lagrange weights lambda_t >= 0 with
       ``sum_t lambda_t n_t = 1`` and mu_t >= 0 give a value no larger than it,
       ``sum_i min_t (lambda_t M c_t[i] + mu_t s_t[i]) - sum_t mu_t n_t K_t``, improved here by
-      subgradient steps. Communication, recomputation and the fill only add, so they are left out
-      (codecs too: their encode and decode are priced on the messages, never on a compute lane).
+      subgradient steps. Communication and recomputation only add, so they are left out (codecs too:
+      their encode and decode are priced on the messages, never on a compute lane);
+    - with the fill, in that balance: a device runs one stage, blocks [f, l], and idles while no
+      microbatch can reach it: before the first one's forwards through blocks < f end, at least
+      ``F(f) = sum_(j<f) min_t fwd_t[j]``, and, training under 1f1b or gpipe, after its last
+      backward, while that microbatch's backwards of blocks < f run, ``B(f)`` likewise (under zb-h1
+      weight gradients may fill that tail); in inference, after its last forward, the forwards of
+      blocks > l. Block i on a device means blocks f..i on it, so f >= lo(i), the first block with
+      ``sum s[lo(i)..i] <= K`` (and l <= hi(i) likewise): the device idles at least
+      ``I[i] = F(lo(i)) + B(lo(i))`` (inference: ``F(lo(i))`` and the forwards after hi(i)) for each
+      of its blocks, and, as its blocks' ``s[i] / K`` sum to at most 1, at least
+      ``sum_(i on it) s[i] / K * I[i]``. So block i's share on class t adds
+      ``x[i, t] * s_t[i] / K_t * I_t[i]`` seconds of idle to ``M * x[i, t] * c_t[i]`` in the
+      ``n_t * step`` its devices have.
 
     ``ways`` widens the plan space the bound covers (``solver.tensor``): per class, every ``Way`` its
     devices may run blocks (default: one device of the class's own type). A way of w devices together
@@ -53,8 +65,9 @@ def lower_bound(
     state = np.array([least_held_state(problem, kind) for kind in kinds], dtype=float)
     owner = np.array([k for k, _ in rows])
     width = np.array([way.devices for _, way in rows], dtype=float)[:, None]
+    idle = _fill_idle_s(problem, kinds, state, capacity[owner])
     balance = _memory_balance_bound(
-        costs * width, state * width, owner, counts, capacity, problem.microbatches
+        problem.microbatches * costs * width + idle * width, state * width, owner, counts, capacity
     )
     return max(chain, balance)
 
@@ -76,10 +89,36 @@ def _chain_costs(problem: PartitionProblem, kinds: list[str], costs: np.ndarray)
     return costs - weights
 
 
-def _memory_balance_bound(costs, state, owner, counts, capacity, microbatches: int) -> float:
-    """The Lagrangian bound of ``lower_bound`` for rows (ways) ``costs`` and ``state`` (device-seconds
-    and bytes per block), row r belonging to class ``owner[r]`` of ``counts`` devices of ``capacity``."""
-    work = microbatches * costs  # (rows, blocks): device-seconds of all M microbatches of block i
+def _fill_idle_s(problem: PartitionProblem, kinds: list[str], state: np.ndarray, capacity: np.ndarray):
+    """Per row (a way, of per-device ``state`` and ``capacity``) and block i: the idle seconds a device
+    running block i is charged for it, ``s[i] / K * I[i]`` (``lower_bound``'s fill)."""
+
+    def fastest(table: dict[str, list[float]]) -> np.ndarray:  # per block, its least time on any row
+        return np.array([table[kind] for kind in kinds], dtype=float).min(axis=0)
+
+    forwards = fastest(problem.fwd_s)
+    before = np.concatenate([[0.0], np.cumsum(forwards)])  # before[f] = F(f), f = 0..N
+    if problem.training and problem.schedule not in SPLIT_SCHEDULES:
+        before += np.concatenate([[0.0], np.cumsum(fastest(problem.bwd_s))])  # + B(f)
+    after = np.concatenate([np.cumsum(forwards[::-1])[::-1], [0.0]])  # after[k]: forwards of blocks >= k
+    room = capacity * (1 + MEMORY_RTOL)
+    blocks = np.arange(state.shape[1])
+    idle = np.empty_like(state)
+    for r, held in enumerate(state):
+        prefix = np.concatenate([[0.0], np.cumsum(held)])
+        lo = np.minimum(np.searchsorted(prefix, prefix[1:] - room[r], side="left"), blocks)
+        idle[r] = before[lo]
+        if not problem.training:
+            hi = np.maximum(np.searchsorted(prefix, prefix[:-1] + room[r], side="right") - 2, blocks)
+            idle[r] += after[hi + 1]
+        idle[r] *= held / room[r]
+    return idle
+
+
+def _memory_balance_bound(work, state, owner, counts, capacity) -> float:
+    """The Lagrangian bound of ``lower_bound`` for rows (ways) ``work`` and ``state`` (device-seconds of
+    all M microbatches, fill included, and bytes per block), row r belonging to class ``owner[r]`` of
+    ``counts`` devices of ``capacity``."""
     first = np.unique(owner, return_index=True)[1]  # each class's first row
     speed = counts / np.maximum(work[first].sum(axis=1), 1e-300)
     share = speed / speed.sum()  # lambda_t * n_t

@@ -1,0 +1,84 @@
+"""The lower bound's fill term: its closed forms on a pipeline memory forces, and no feasible plan of
+any schedule, in training or inference, simulating below it (numbers only, no torch)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_plan_space import brute_force
+
+from hetcc.solver.bound import lower_bound
+from hetcc.solver.problem import PartitionProblem, ProblemDevice
+from hetcc.solver.simulate import simulate
+
+
+def _two_halves(microbatches: int, schedule: str = "1f1b", training: bool = True) -> PartitionProblem:
+    """Four blocks (forward 1 s, backward 2 s, a third of it weight gradient; 1 byte of state each) on
+    two equal devices of 2 bytes: memory forces a two-stage pipeline, the second stage from block 2 on."""
+    devices = [ProblemDevice(f"d{i}", "gpu", 2.0, "n0") for i in range(2)]
+    return PartitionProblem(
+        blocks=[f"b{i}" for i in range(4)], fwd_s={"gpu": [1.0] * 4}, bwd_s={"gpu": [2.0] * 4},
+        wgrad_s={"gpu": [2.0 / 3] * 4}, state_bytes=[1.0] * 4, act_bytes=[0.0] * 4, cut_bytes=[0.0] * 3,
+        devices=devices, bandwidth_bps=[[float("inf")] * 2] * 2, latency_s=[[0.0] * 2] * 2,
+        microbatches=microbatches, schedule=schedule, training=training,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("microbatches", [2, 4, 8])
+@pytest.mark.parametrize(
+    ("schedule", "training", "work_s", "fill_s", "step_s"),
+    [
+        # Balance: M microbatches of 4 blocks on 2 devices. Fill: a device holding block 2 starts at
+        # block 1 or later, so idles at least F(1) + B(1) = 3 s, one holding block 3 F(2) + B(2) = 6 s;
+        # each is charged for half its 2 bytes: (3 + 6) / 2 s of idle shared by the 2 devices.
+        ("1f1b", True, 6.0, 9 / 4, lambda m: 6.0 * (m + 1)),
+        ("gpipe", True, 6.0, 9 / 4, lambda m: 6.0 * (m + 1)),
+        # Weight gradients may fill a zb-h1 stage's tail: only the forwards F(1) = 1 s, F(2) = 2 s count.
+        ("zb-h1", True, 6.0, 3 / 4, None),
+        # Inference: F(lo(i)) plus the forwards after hi(i): 2, 1, 1 and 2 s for blocks 0..3.
+        ("1f1b", False, 2.0, 6 / 4, lambda m: 2.0 * (m + 1)),
+    ],
+)
+def test_fill_term_closed_form(microbatches, schedule, training, work_s, fill_s, step_s):
+    problem = _two_halves(microbatches, schedule, training)
+    bound = lower_bound(problem)
+    assert bound == pytest.approx(work_s * microbatches + fill_s, rel=1e-8)  # capacity: + MEMORY_RTOL
+    simulated = simulate(problem, [0, 2, 4], [0, 1], events=False).step_time_s
+    assert bound < simulated
+    if step_s is not None:  # the pipeline's own fill is (p - 1) of its stage's time per microbatch
+        assert simulated == pytest.approx(step_s(microbatches))
+
+
+@st.composite
+def tight_problems(draw) -> PartitionProblem:
+    """Pipelines that memory forces, where the fill is much of the step: 3-6 blocks on 2-4 devices of
+    1-2 types, free links, each type's memory between its largest block's state and half of all of it,
+    a few microbatches, every schedule, training or not."""
+    n = draw(st.integers(3, 6))
+    types = [f"t{k}" for k in range(draw(st.integers(1, 2)))]
+    fwd = {t: draw(st.lists(st.floats(0.5, 2.0), min_size=n, max_size=n)) for t in types}
+    state = draw(st.lists(st.floats(1.0, 4.0), min_size=n, max_size=n))
+    act = draw(st.lists(st.floats(0.0, 0.2), min_size=n, max_size=n))
+    memory = {t: draw(st.floats(max(state) + max(act) * n, max(max(state), sum(state) / 2) + sum(act) * n))
+              for t in types}  # fmt: skip
+    devices = [ProblemDevice(f"{t}_{i}", t, memory[t], f"node_{t}")
+               for t in types for i in range(draw(st.integers(1, 2)))]  # fmt: skip
+    d, share = len(devices), draw(st.sampled_from([0.0, 0.5]))
+    return PartitionProblem(
+        blocks=[f"b{i}" for i in range(n)], fwd_s=fwd, bwd_s={t: [2 * f for f in fwd[t]] for t in types},
+        wgrad_s={t: [2 * f * share for f in fwd[t]] for t in types}, state_bytes=state, act_bytes=act,
+        cut_bytes=[0.0] * (n - 1), devices=devices, bandwidth_bps=[[float("inf")] * d] * d,
+        latency_s=[[0.0] * d] * d, microbatches=draw(st.integers(1, 4)),
+        schedule=draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"])), training=draw(st.booleans()),
+        replicate=True, recompute=True,
+    )  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(tight_problems())
+def test_no_feasible_plan_simulates_below_the_bound(problem):
+    bound = lower_bound(problem)
+    _, feasible = brute_force(problem)
+    for bounds, groups, flags in feasible:
+        assert bound <= simulate(problem, bounds, groups, flags, events=False).step_time_s * (1 + 1e-9)
