@@ -11,6 +11,7 @@ its simulated step and its gap to ``solver.bound.lower_bound``, a bound on the s
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import replace
 
 import numpy as np
@@ -64,16 +65,18 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
             scored.append((simulated if rerank else 0.0, plan.step_time_s, plan, simulated))
         if not scored:
             continue
-        winner = min(scored, key=lambda item: item[:2])
+        scored.sort(key=lambda item: item[:2])
+        winner = scored[0]
         if rerank:
-            # Each search's fastest simulated plan is refined in its own plan space: moving cuts can be
-            # worth several percent, so the runner-up before refinement can win after it, and the plan is
+            # Each search's fastest simulated plans are refined in its own plan space: moving cuts can be
+            # worth several percent, so a runner-up before refinement can win after it, and the plan is
             # never slower than the pure pipeline replicate=False gives; a pure one is then regrouped too.
-            _, _, plan, simulated = winner
+            starts = [(plan, simulated) for _, _, plan, simulated in scored[:REFINED_STARTS]]
             for moves in (space, problem) if space is not problem else (problem,):
-                lanes = sum(len(stage.group) for stage in plan.stages)
+                lanes = sum(len(stage.group) for stage in starts[0][0].stages)
                 budget = max(8, min(REFINE_SIMULATIONS, REFINE_ACTIONS // (lanes * problem.microbatches)))
-                plan, simulated = _refine_by_simulation(moves, plan, simulated, budget=budget)
+                starts = [_refine_by_simulation(moves, starts, budget=budget)]
+            plan, simulated = starts[0]
             winner = (simulated, plan.step_time_s, plan, simulated)
         best = winner if best is None or winner[:2] < best[:2] else best
     _, _, plan, simulated = best
@@ -81,52 +84,174 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
     return replace(plan, exact=found.exact, orders_searched=found.solved, simulated_s=simulated, gap=gap)
 
 
-REFINE_SIMULATIONS = 80  # simulations spent moving the re-ranked winner's cuts, at most
+REFINE_SIMULATIONS = 1000  # simulations (and memory-rejected moves) spent refining, at most
 REFINE_ACTIONS = 60_000  # ... and about this many replayed microbatch-replica actions in all
+REFINED_STARTS = 3  # the fastest simulated plans each refinement climbs from, while its budget lasts
 
 
 def _refine_by_simulation(
-    problem: PartitionProblem, plan: PartitionSolution, simulated_s: float, budget: int
-):
-    """Local moves on the re-ranked winner while the simulated step improves (memory must still fit):
-    move one cut by one or two blocks; with replicas allowed, also merge two neighbouring stages into
-    one group, move one device to the neighbouring stage's group, or add an idle device to a group
-    (``_moves``). Those are the moves that make a
-    group of mixed types (uneven shares by speed), which the search's interchangeable groups never
-    propose. The objective is a formula; where it and the simulator disagree (a replicated stage
-    overlaps more than the formula credits), the simulator decides."""
-    current = (plan.boundaries, plan.groups, plan.recompute)
-    start = current
-    improved = True
-    while improved and budget > 0:
-        improved = False
-        for moved in _moves(problem, *current):
-            if budget <= 0:
-                break
-            stages = stage_costs(problem, *moved)
-            if not all(stage.fits for stage in stages):
-                continue
-            budget -= 1
-            time_s = simulate(problem, *moved, events=False, stages=stages).step_time_s
-            if time_s < simulated_s * (1 - 1e-12):
-                simulated_s, current, improved = time_s, moved, True
-                break
-    if current is not start:
-        plan = evaluate(problem, *current, plan.lower_bound_s)
-    return plan, simulated_s
+    problem: PartitionProblem, starts: list[tuple[PartitionSolution, float]], budget: int
+) -> tuple[PartitionSolution, float]:
+    """The fastest simulated plan found by local moves from ``starts`` ((plan, simulated step), fastest
+    first), each climbed in turn while the budget lasts, then, with budget left, by climbs restarted
+    two random moves away from the best (a fixed seed: the same plans every time).
+
+    A climb takes the first move of ``_moves`` that improves the simulated step until none does (memory
+    must still fit; a stage that overflows recomputes where recomputation is allowed): move one cut by
+    one or two blocks; with replicas allowed, merge two neighbouring stages into one group, move one
+    device to the neighbouring stage's group, or add an idle device to a group (moves that make a group
+    of mixed types, uneven shares by speed, which the search's interchangeable groups never propose);
+    swap two devices of different classes between stages, put an idle device of another class in a
+    device's place, leave a device out, or give an idle device half a stage; switch one stage's
+    recomputation. The objective is a formula; where it and the simulator disagree (a replicated stage
+    overlaps more than the formula credits, an order or cut it ranks lower simulates faster), the
+    simulator decides."""
+    first = starts[0][0]
+    climber = _Climber(problem, budget)
+    best, best_s = None, math.inf
+    for plan, simulated_s in starts:
+        if climber.budget <= 0:
+            break
+        current, simulated_s = climber.climb(_key(plan), simulated_s)
+        if simulated_s < best_s:
+            best, best_s = current, simulated_s
+    kicks = random.Random(0)
+    while climber.budget > 0:
+        kicked = best
+        for _ in range(2):
+            options = list(_moves(problem, *kicked))
+            kicked = kicks.choice(options) if options else kicked
+        climber.budget -= 1  # a kick costs one, even to a plan already simulated
+        kicked, simulated_s = climber.simulated(kicked)
+        if simulated_s < math.inf:
+            current, simulated_s = climber.climb(kicked, simulated_s)
+            if simulated_s < best_s:
+                best, best_s = current, simulated_s
+    if best is None:
+        return starts[0]
+    return (first if best == _key(first) else evaluate(problem, *best, first.lower_bound_s)), best_s
+
+
+def _key(plan: PartitionSolution):
+    return plan.boundaries, plan.groups, plan.recompute
+
+
+class _Climber:
+    """First-improvement hill climbing over ``_moves`` with a budget of simulations; each plan is
+    simulated once."""
+
+    def __init__(self, problem: PartitionProblem, budget: int):
+        self.problem, self.budget = problem, budget
+        self._simulated: dict[tuple, tuple] = {}
+
+    def climb(self, current, simulated_s: float):
+        """(the plan the climb from ``current`` ends on, its simulated step)."""
+        improved = True
+        while improved and self.budget > 0:
+            improved = False
+            for moved in _moves(self.problem, *current):
+                if self.budget <= 0:
+                    break
+                moved, time_s = self.simulated(moved)
+                if time_s < simulated_s * (1 - 1e-12):
+                    simulated_s, current, improved = time_s, moved, True
+                    break
+        return current, simulated_s
+
+    def simulated(self, plan):
+        """(plan, its simulated step): where a stage's memory overflows and recomputation is allowed,
+        the plan with those stages recomputing; inf where it still does not fit."""
+        key = (tuple(plan[0]), tuple(map(tuple, plan[1])), tuple(plan[2]))
+        if key not in self._simulated:
+            self.budget -= 1
+            self._simulated[key] = self._simulate(plan)
+        return self._simulated[key]
+
+    def _simulate(self, plan):
+        problem = self.problem
+        stages = stage_costs(problem, *plan)
+        if not all(stage.fits for stage in stages) and problem.recompute and problem.training:
+            plan = (plan[0], plan[1], [r or not stage.fits for r, stage in zip(plan[2], stages)])
+            stages = stage_costs(problem, *plan)
+        if not all(stage.fits for stage in stages):
+            return plan, math.inf
+        return plan, simulate(problem, *plan, events=False, stages=stages).step_time_s
 
 
 def _moves(problem: PartitionProblem, bounds, groups, recompute):
-    """Plans one move from ``(bounds, groups, recompute)``: cuts first, then regrouping."""
+    """Plans one move from ``(bounds, groups, recompute)``: cuts first, then regrouping, then which
+    devices run which stage, then recomputation."""
     for j in range(1, len(bounds) - 1):
         for step in (-2, -1, 1, 2):
             moved = list(bounds)
             moved[j] += step
             if moved[j - 1] < moved[j] < moved[j + 1]:
                 yield moved, groups, recompute
-    if not problem.replicate:
-        return
     groups = [tuple(g) for g in groups]
+    if problem.replicate:
+        yield from _regroupings(problem, bounds, groups, recompute)
+    yield from _exchanges(problem, bounds, groups, recompute)
+    if problem.recompute and problem.training:
+        for j in range(len(groups)):
+            yield bounds, groups, [r != (i == j) for i, r in enumerate(recompute)]
+
+
+def _exchanges(problem: PartitionProblem, bounds, groups, recompute):
+    """Moves that change which devices run a stage: two devices of different classes (type and memory)
+    in different stages swap; an idle device of another class takes a device's place; a device leaves
+    (a replica its group, or a stage's only device, its blocks joining the next or previous stage); an
+    idle device takes the first or second half of a stage as a stage of its own. Devices of one class are
+    interchangeable, so each move is made with the first device of its class."""
+
+    def kind(d: int) -> tuple[str, float]:
+        return problem.devices[d].type, problem.devices[d].memory_bytes
+
+    used = {d for g in groups for d in g}
+    idle: dict[tuple[str, float], int] = {}
+    for d in range(len(problem.devices)):
+        if d not in used:
+            idle.setdefault(kind(d), d)
+    places = [
+        (j, i, d) for j, g in enumerate(groups) for i, d in enumerate(g) if kind(d) not in map(kind, g[:i])
+    ]
+    for j, i, d in places:
+        for other, e in idle.items():
+            if other != kind(d):
+                yield bounds, _with(groups, (j, i, e)), recompute
+        for j2, i2, e in places:
+            if j2 > j and kind(e) != kind(d):
+                yield bounds, _with(_with(groups, (j, i, e)), (j2, i2, d)), recompute
+    for j, i, _ in places:  # a device leaves: one of a group's replicas, or a stage to its neighbours
+        if len(groups[j]) > 1:
+            yield bounds, [(*g[:i], *g[i + 1 :]) if k == j else g for k, g in enumerate(groups)], recompute
+            continue
+        rest, flags = [*groups[:j], *groups[j + 1 :]], [*recompute[:j], *recompute[j + 1 :]]
+        if j + 1 < len(groups):
+            yield [*bounds[: j + 1], *bounds[j + 2 :]], rest, flags
+        if j > 0:
+            yield [*bounds[:j], *bounds[j + 1 :]], rest, flags
+    for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b - a < 2:
+            continue
+        middle = (a + b) // 2
+        for e in idle.values():
+            for at in (j, j + 1):  # the new stage runs the first half, or the second
+                yield (
+                    [*bounds[: j + 1], middle, *bounds[j + 1 :]],
+                    [*groups[:at], (e,), *groups[at:]],
+                    [*recompute[: j + 1], recompute[j], *recompute[j + 1 :]],
+                )
+
+
+def _with(groups: list[tuple[int, ...]], change: tuple[int, int, int]) -> list[tuple[int, ...]]:
+    """``groups`` with device ``change[1]`` of group ``change[0]`` replaced by device ``change[2]``."""
+    j, i, d = change
+    return [(*g[:i], d, *g[i + 1 :]) if k == j else g for k, g in enumerate(groups)]
+
+
+def _regroupings(problem: PartitionProblem, bounds, groups, recompute):
+    """With replicas allowed: an idle device joins a group, two neighbouring stages merge into one
+    group, or a device at a group's edge moves to the neighbouring stage's group."""
     used = {d for g in groups for d in g}
     for d in (d for d in range(len(problem.devices)) if d not in used):  # an idle device joins a group
         for j in range(len(groups)):
