@@ -86,6 +86,7 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
 
 REFINE_SIMULATIONS = 1000  # simulations (and memory-rejected moves) spent refining, at most
 REFINE_ACTIONS = 60_000  # ... and about this many replayed microbatch-replica actions in all
+REJECTED_COST = 0.1  # of the budget, for a plan that does not fit in memory (costed, not simulated)
 REFINED_STARTS = 3  # the fastest simulated plans each refinement climbs from, while its budget lasts
 
 
@@ -96,16 +97,16 @@ def _refine_by_simulation(
     first), each climbed in turn while the budget lasts, then, with budget left, by climbs restarted
     two random moves away from the best (a fixed seed: the same plans every time).
 
-    A climb takes the first move of ``_moves`` that improves the simulated step until none does (memory
-    must still fit; a stage that overflows recomputes where recomputation is allowed): move one cut by
-    one or two blocks; with replicas allowed, merge two neighbouring stages into one group, move one
-    device to the neighbouring stage's group, or add an idle device to a group (moves that make a group
-    of mixed types, uneven shares by speed, which the search's interchangeable groups never propose);
-    swap two devices of different classes between stages, put an idle device of another class in a
-    device's place, leave a device out, or give an idle device half a stage; switch one stage's
-    recomputation. The objective is a formula; where it and the simulator disagree (a replicated stage
-    overlaps more than the formula credits, an order or cut it ranks lower simulates faster), the
-    simulator decides."""
+    A climb takes the first move of ``_moves`` that improves the simulated step until none does
+    (memory must still fit; where no move improves, a stage that overflows may recompute, if
+    allowed): move one cut by one or two blocks; with replicas allowed, merge two neighbouring stages
+    into one group, move one device to the neighbouring stage's group, or add an idle device to a
+    group (moves that make a group of mixed types, uneven shares by speed, which the search's
+    interchangeable groups never propose); swap two devices of different classes between stages, put
+    an idle device of another class in a device's place, leave a device out, or give an idle device
+    half a stage; switch one stage's recomputation. The objective is a formula; where it and the
+    simulator disagree (a replicated stage overlaps more than the formula credits, an order or cut it
+    ranks lower simulates faster), the simulator decides."""
     first = starts[0][0]
     climber = _Climber(problem, budget)
     best, best_s = None, math.inf
@@ -137,45 +138,51 @@ def _key(plan: PartitionSolution):
 
 
 class _Climber:
-    """First-improvement hill climbing over ``_moves`` with a budget of simulations; each plan is
-    simulated once."""
+    """First-improvement hill climbing over ``_moves`` with a budget of simulations (a plan memory
+    rejects costs ``REJECTED_COST`` of one); each plan is simulated once."""
 
     def __init__(self, problem: PartitionProblem, budget: int):
         self.problem, self.budget = problem, budget
         self._simulated: dict[tuple, tuple] = {}
 
     def climb(self, current, simulated_s: float):
-        """(the plan the climb from ``current`` ends on, its simulated step)."""
+        """(the plan the climb from ``current`` ends on, its simulated step). Where no move improves
+        it, the moves that overflow memory are tried again with the overflowing stages recomputing
+        (where recomputation is allowed)."""
+        repairs = (False, True) if self.problem.recompute and self.problem.training else (False,)
         improved = True
         while improved and self.budget > 0:
             improved = False
-            for moved in _moves(self.problem, *current):
-                if self.budget <= 0:
-                    break
-                moved, time_s = self.simulated(moved)
-                if time_s < simulated_s * (1 - 1e-12):
-                    simulated_s, current, improved = time_s, moved, True
+            for repair in repairs:
+                for moved in _moves(self.problem, *current):
+                    if self.budget <= 0:
+                        break
+                    moved, time_s = self.simulated(moved, repair)
+                    if time_s < simulated_s * (1 - 1e-12):
+                        simulated_s, current, improved = time_s, moved, True
+                        break
+                if improved:
                     break
         return current, simulated_s
 
-    def simulated(self, plan):
-        """(plan, its simulated step): where a stage's memory overflows and recomputation is allowed,
-        the plan with those stages recomputing; inf where it still does not fit."""
-        key = (tuple(plan[0]), tuple(map(tuple, plan[1])), tuple(plan[2]))
+    def simulated(self, plan, repair: bool = False):
+        """(plan, its simulated step; inf where memory overflows); with ``repair``, an overflowing stage
+        recomputes instead."""
+        key = (tuple(plan[0]), tuple(map(tuple, plan[1])), tuple(plan[2]), repair)
         if key not in self._simulated:
-            self.budget -= 1
-            self._simulated[key] = self._simulate(plan)
+            self._simulated[key] = self._simulate(plan, repair)
         return self._simulated[key]
 
-    def _simulate(self, plan):
-        problem = self.problem
-        stages = stage_costs(problem, *plan)
-        if not all(stage.fits for stage in stages) and problem.recompute and problem.training:
+    def _simulate(self, plan, repair: bool):
+        stages = stage_costs(self.problem, *plan)
+        if repair and not all(stage.fits for stage in stages):
             plan = (plan[0], plan[1], [r or not stage.fits for r, stage in zip(plan[2], stages)])
-            stages = stage_costs(problem, *plan)
+            stages = stage_costs(self.problem, *plan)
         if not all(stage.fits for stage in stages):
+            self.budget -= REJECTED_COST
             return plan, math.inf
-        return plan, simulate(problem, *plan, events=False, stages=stages).step_time_s
+        self.budget -= 1
+        return plan, simulate(self.problem, *plan, events=False, stages=stages).step_time_s
 
 
 def _moves(problem: PartitionProblem, bounds, groups, recompute):
@@ -198,10 +205,12 @@ def _moves(problem: PartitionProblem, bounds, groups, recompute):
 
 def _exchanges(problem: PartitionProblem, bounds, groups, recompute):
     """Moves that change which devices run a stage: two devices of different classes (type and memory)
-    in different stages swap; an idle device of another class takes a device's place; a device leaves
-    (a replica its group, or a stage's only device, its blocks joining the next or previous stage); an
-    idle device takes the first or second half of a stage as a stage of its own. Devices of one class are
-    interchangeable, so each move is made with the first device of its class."""
+    in different stages swap; an idle device of another class takes a device's place; in a group of
+    mixed classes, another class's device goes first (microbatches are routed in group order); a
+    device leaves (a replica its group, or a stage's only device, its blocks joining the next or
+    previous stage); an idle device takes the first or second half of a stage as a stage of its own.
+    Devices of one class are interchangeable, so each move is made with the first device of its
+    class."""
 
     def kind(d: int) -> tuple[str, float]:
         return problem.devices[d].type, problem.devices[d].memory_bytes
@@ -221,6 +230,13 @@ def _exchanges(problem: PartitionProblem, bounds, groups, recompute):
         for j2, i2, e in places:
             if j2 > j and kind(e) != kind(d):
                 yield bounds, _with(_with(groups, (j, i, e)), (j2, i2, d)), recompute
+    for j, i, _ in places:  # in a group of mixed classes, another class goes first (routing follows order)
+        if i > 0:
+            yield (
+                bounds,
+                [(g[i], *g[:i], *g[i + 1 :]) if k == j else g for k, g in enumerate(groups)],
+                recompute,
+            )
     for j, i, _ in places:  # a device leaves: one of a group's replicas, or a stage to its neighbours
         if len(groups[j]) > 1:
             yield bounds, [(*g[:i], *g[i + 1 :]) if k == j else g for k, g in enumerate(groups)], recompute
