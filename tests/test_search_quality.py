@@ -55,3 +55,12 @@ def test_the_simulator_overrules_the_formula_on_device_order():
     found = solve(problem, rerank=RERANK)
     assert (found.boundaries, found.groups) == plan[:2]
     assert found.simulated_s == pytest.approx(expected_s)
+
+
+def test_recompute_true_keeps_every_stage_recomputing_through_the_refinement():
+    """``recompute=True`` pins recomputation on every stage: no move of the refinement switches it off."""
+    problem = PartitionProblem.from_json(
+        (Path(__file__).parent / "data" / "formula_misranks.problem.json").read_text()
+    )
+    found = solve(replace(problem, recompute=True, recompute_all=True), rerank=RERANK)
+    assert all(found.recompute)

@@ -125,7 +125,7 @@ def _moves(problem: PartitionProblem, bounds, groups, recompute):
     if problem.replicate:
         yield from _regroupings(problem, bounds, groups, recompute)
     yield from _exchanges(problem, bounds, groups, recompute)
-    if problem.recompute and problem.training:
+    if problem.recompute and not problem.recompute_all and problem.training:  # recompute=True pins them all
         for j in range(len(groups)):
             yield bounds, groups, [r != (i == j) for i, r in enumerate(recompute)]
 
