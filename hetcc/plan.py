@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -70,6 +71,7 @@ class PlanStage:
     wire_bytes: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
     tensor: int = 1  # tensor degree: each replica is this many devices, each with its part of the weights
     deferred: int = 0  # weight gradients it defers under a split schedule (each holds its microbatch)
+    warmup: int = 0  # forwards before its first backward (``schedules.stage_actions``); 0: the schedule's
 
     def __post_init__(self):
         if not self.devices:
@@ -178,6 +180,12 @@ def _stage_from_dict(data: dict) -> PlanStage:
         raise TypeError(f"stage {data.get('index')}'s memory must be a JSON object of byte counts")
     tuples = {k: tuple(data[k]) for k in lists}
     return PlanStage(**{**data, **tuples, "memory": MemoryBreakdown(**data["memory"])})
+
+
+def recorded_warmup(stages: Sequence[PlanStage]) -> list[int] | None:
+    """Each stage's forwards before its first backward, as the plan recorded them; None where it did not
+    (an inference plan, or one written before plans said it: the schedule's own then)."""
+    return [s.warmup for s in stages] if stages and all(s.warmup for s in stages) else None
 
 
 def _zb_h1_deferred(stages: tuple[PlanStage, ...], training: object) -> tuple[PlanStage, ...]:
@@ -314,8 +322,11 @@ def explain(plan: Plan) -> str:
     sharded = any(s.shard for s in plan.stages)
     split = any(s.tensor > 1 for s in plan.stages)
     deferring = plan.schedule in SPLIT_SCHEDULES and plan.training
+    warming = plan.training and plan.schedule != "gpipe" and any(s.warmup for s in plan.stages)
     if split:
         header += f" {'tp':>3}"
+    if warming:
+        header += f" {'warm-up':>7}"
     if deferring:
         header += f" {'W deferred':>10}"
     if sharded:
@@ -334,6 +345,7 @@ def explain(plan: Plan) -> str:
             f"{_memory(s.peak_memory_bytes, s.device_memory_bytes):>24} "
             f"{s.compute_s * 1e3:>13.2f} {s.comm_s * 1e3:>10.2f} {'yes' if s.recompute else 'no':>9} {s.bubble:>6.0%}"
             + (f" {s.tensor:>3}" if split else "")
+            + (f" {s.warmup:>7}" if warming else "")
             + (f" {s.deferred:>10}" if deferring else "")
             + (f" {'yes' if s.shard else 'no':>6}" if sharded else "")
             + (f" {'/'.join(s.codecs):>13} {_wire(s):>34}" if coded else "")
@@ -343,6 +355,8 @@ def explain(plan: Plan) -> str:
         lines.append(
             "tp: tensor degree: each replica is tp devices of one node, each with 1/tp of the weights"
         )
+    if warming:
+        lines.append("warm-up: forwards the stage runs before its first backward (each holds its microbatch)")
     if deferring:
         lines.append(
             "W deferred: weight gradients the stage runs later (each holds its microbatch's activations; "

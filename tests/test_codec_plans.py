@@ -125,7 +125,11 @@ def test_a_slow_link_takes_the_codec_and_the_step_gets_shorter():
     coded = dataclasses.replace(plain, codecs=int8_rows(n))
     fast, slow = solve(coded, rerank=2), solve(plain, rerank=2)
     assert [s.codecs for s in fast.stages] == [("int8", "int8"), ("none", "none")]
-    assert fast.simulated_s < slow.simulated_s - 1.0
+    # Warming the first stage up with every microbatch hides much of the slow link, so the best plans
+    # differ by less than the codec saves on one plan: the same plan uncoded is over a second slower.
+    assert fast.simulated_s < slow.simulated_s
+    uncoded = simulate(plain, fast.boundaries, fast.groups, fast.recompute, warmup=fast.warmup, events=False)
+    assert fast.simulated_s < uncoded.step_time_s - 1.0
     assert fast.step_time_s < slow.step_time_s - 1.0
     assert fast.stages[0].comm_s == pytest.approx(2 * (1e-3 + 0.25 + 2e-4 + 1e8 * 2e-10))
 

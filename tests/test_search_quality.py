@@ -54,7 +54,10 @@ def test_the_simulator_overrules_the_formula_on_device_order():
     assert formula.simulated_s > expected_s * 1.01
     found = solve(problem, rerank=RERANK)
     assert (found.boundaries, found.groups) == plan[:2]
-    assert found.simulated_s == pytest.approx(expected_s)
+    # ... and its warm-ups, tuned, make it faster still than at the schedule's own
+    assert found.simulated_s <= expected_s and found.simulated_s == pytest.approx(
+        simulate(problem, *plan, events=False, warmup=found.warmup).step_time_s
+    )
 
 
 def test_recompute_true_keeps_every_stage_recomputing_through_the_refinement():

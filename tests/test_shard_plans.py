@@ -82,7 +82,9 @@ def test_sharding_makes_a_replica_group_fit_where_it_would_not():
     assert stage.allgather_s == pytest.approx(0.001 + 2 / 2 / 100.0)  # (r - 1) (latency + params / r / bw)
     assert found.step_time_s < whole.step_time_s
     assert PartitionSolution.from_dict(found.to_dict()).stages == found.stages  # plan files keep it
-    sim = simulate(problem, found.boundaries, found.groups, found.recompute, shard=found.shard)
+    sim = simulate(
+        problem, found.boundaries, found.groups, found.recompute, shard=found.shard, warmup=found.warmup
+    )
     assert sim.step_time_s == pytest.approx(found.simulated_s)
     for replica in (0, 1):  # the all-gather runs right after the all-reduce, and ends the step
         reduce, gather = (

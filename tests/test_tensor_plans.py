@@ -418,12 +418,15 @@ def test_schedule_auto_plans_each_schedule_on_the_degrees_searched_under_1f1b():
     solved, solution, note, device_map = solve_each_schedule(problem, "auto", "auto")
     one, assignment, one_map = solve_tensor(replace(problem, schedule="1f1b"), rerank=RERANK)
     zb = solve(replace(composite_problem(problem, assignment)[0], schedule="zb-h1"), rerank=RERANK)
+    zb2 = solve(replace(composite_problem(problem, assignment)[0], schedule="zb-h2"), rerank=RERANK)
     plain = solve(replace(problem, tensor_splits=None, schedule="zb-h1"), rerank=RERANK)
     assert plain.simulated_s > zb.simulated_s  # here the degrees found under 1F1B win under zb-h1 too
     assert solved.schedule == "zb-h1" and device_map == one_map
     assert solution.simulated_s == pytest.approx(zb.simulated_s) and zb.simulated_s < one.simulated_s
+    assert zb2.simulated_s >= zb.simulated_s  # a tie goes to the earlier schedule
     assert note == (f"schedule: zb-h1 kept by simulation (1f1b {one.simulated_s * 1e3:.2f} ms, zb-h1 "
-                    f"{zb.simulated_s * 1e3:.2f} ms); tensor degrees searched under 1f1b")  # fmt: skip
+                    f"{zb.simulated_s * 1e3:.2f} ms, zb-h2 {zb2.simulated_s * 1e3:.2f} ms); tensor degrees "
+                    "searched under 1f1b")  # fmt: skip
     assert solution.lower_bound_s == tensor_bound(replace(problem, schedule="zb-h1")) <= solution.simulated_s
 
 

@@ -137,8 +137,10 @@ def compile(  # noqa: A001 - the public API name
     (``hetcc.api.microbatches.search_microbatches``; a count whose lower bound is above a plan already
     found is not planned), and keeps the count whose plan simulates fastest.
     ``schedule``: "1f1b", "gpipe", "zb-h1" (zero-bubble H1: weight gradients deferred into the
-    bubbles; ``hetcc.solver.schedules``) or "auto" (plans 1f1b and zb-h1 at every count tried and keeps
-    the fastest simulated; the plan's notes give both figures).
+    bubbles; ``hetcc.solver.schedules``), "zb-h2" (ZB-H1 with up to twice the forwards before the first
+    backward, where memory holds them) or "auto" (plans 1f1b, zb-h1 and zb-h2 at every count tried and
+    keeps the fastest simulated; the plan's notes give each figure). Every plan but a GPipe one also
+    tunes, by simulation, the forwards each stage runs before its first backward.
 
     ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer
     state; fp16 with loss scaling), priced at each device's peak for that format. ``recompute``:

@@ -98,6 +98,7 @@ def _explain(args: argparse.Namespace) -> None:
 
 
 def _simulate(args: argparse.Namespace) -> None:
+    from hetcc.plan import recorded_warmup
     from hetcc.report import load, simulated_trace, write_trace
     from hetcc.solver.schedules import format_grid
 
@@ -119,6 +120,7 @@ def _simulate(args: argparse.Namespace) -> None:
             comm=False,
             recompute=[s.recompute for s in saved.stages],
             deferred=[s.deferred for s in saved.stages],
+            warmup=recorded_warmup(saved.stages),
         )  # fmt: skip
     )
     if args.trace:
@@ -236,8 +238,9 @@ def _add_compile(commands) -> None:
     )
     compile_cmd.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default="1f1b",
                              help="pipeline schedule: 1f1b holds fewer activations, gpipe runs all "
-                             "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles, auto "
-                             "plans 1f1b and zb-h1 and keeps the faster (default 1f1b)")  # fmt: skip
+                             "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles, zb-h2 "
+                             "also warms up with more forwards, auto plans 1f1b, zb-h1 and zb-h2 and keeps "
+                             "the fastest (default 1f1b)")  # fmt: skip
     compile_cmd.add_argument("--shard", type=lambda t: t if t == "auto" else int(t), choices=("auto", 0, 1),
                              default="auto", help="ZeRO-1 of replicated stages (optimizer state split over the "
                              "replicas): auto where it pays (default), 1 always, 0 never")  # fmt: skip

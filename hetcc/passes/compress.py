@@ -243,6 +243,7 @@ def keep_paying_codecs(
         solution.recompute,
         bound_s=solution.lower_bound_s,
         codecs=pinned,
+        warmup=solution.warmup,
     )
     kept = replace(scored, simulated_s=step, gap=step / solution.lower_bound_s - 1, exact=solution.exact,
                    orders_searched=solution.orders_searched)  # fmt: skip
@@ -258,7 +259,14 @@ def _none_allowed(problem: PartitionProblem, cut: int, pair: tuple[int, int], gr
 
 def _simulated(problem, solution, codecs) -> float:
     codecs = [tuple(p) for p in codecs]
-    stages = stage_costs(problem, solution.boundaries, solution.groups, solution.recompute, codecs=codecs)
+    stages = stage_costs(
+        problem,
+        solution.boundaries,
+        solution.groups,
+        solution.recompute,
+        codecs=codecs,
+        warmup=solution.warmup,
+    )
     return simulate(
         problem, solution.boundaries, solution.groups, solution.recompute, events=False, stages=stages
     ).step_time_s

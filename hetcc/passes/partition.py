@@ -334,6 +334,7 @@ def _stage(k, stage_plan, whole, device_map, chain, settings: PlanSettings, bubb
         codecs=stage_plan.codecs,
         shard=stage_plan.shard,
         deferred=stage_plan.deferred,
+        warmup=stage_plan.warmup,
         wire_bytes=wire,
         tensor=len(groups[0]),
     )

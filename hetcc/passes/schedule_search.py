@@ -22,7 +22,7 @@ RERANK = 6  # best sequences replayed in the simulator; the fastest simulated wi
 
 # What ``schedule="auto"`` tries, each solved and simulated; the fastest is kept (ties: the earlier).
 # GPipe is left out: it has 1F1B's bubble and holds every microbatch.
-AUTO_SCHEDULES = ("1f1b", "zb-h1")
+AUTO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
 
 
 def solve_schedules(

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hetcc.errors import HetccError, PlanFormatError
-from hetcc.plan import Plan, PlanStage, read_plan, read_saved
+from hetcc.plan import Plan, PlanStage, read_plan, read_saved, recorded_warmup
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.tensor import composite_problem, group_name
 
@@ -81,7 +81,9 @@ def simulate_plan(plan: Plan, problem: PartitionProblem):
 
     codecs = [s.codecs for s in plan.stages] if problem.codecs is not None else None
     solved = solved_problem(plan.stages, problem)
-    return simulate(solved, *plan_layout(plan.stages, solved), codecs=codecs)
+    return simulate(
+        solved, *plan_layout(plan.stages, solved), codecs=codecs, warmup=recorded_warmup(plan.stages)
+    )
 
 
 def solved_problem(stages: Sequence[PlanStage], problem: PartitionProblem) -> PartitionProblem:

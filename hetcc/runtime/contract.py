@@ -39,10 +39,10 @@ from hetcc.hardware.schema import (
     load_file,
     short_repr,
 )
-from hetcc.plan import PRECISIONS, RECOMPILE, Plan
+from hetcc.plan import PRECISIONS, RECOMPILE, Plan, recorded_warmup
 from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
-from hetcc.solver.schedules import SCHEDULES, zb_deferrals
+from hetcc.solver.schedules import SCHEDULES, warmup_forwards, zb_deferrals
 
 VERSION = 2  # of pipeline.json, whose ``meta`` this record is
 READABLE_VERSIONS = (1, 2)
@@ -78,6 +78,9 @@ class PipelineMeta:
     # per stage: the weight gradients it defers under a split schedule (``schedules.stage_actions``);
     # empty: ZB-H1's (``schedules.zb_deferrals``)
     deferred: tuple[int, ...] = ()
+    # per stage: the forwards it runs before its first backward (``schedules.stage_actions``); empty: the
+    # schedule's (``schedules.warmup_forwards``)
+    warmup: tuple[int, ...] = ()
     precision: str = "fp32"
     loss_scale: Mapping[str, float] = field(default_factory=dict)  # LossScaler options (fp16-mixed)
     plan_space: PlanSpace = PlanSpace()
@@ -95,9 +98,11 @@ class PipelineMeta:
             "shard": tuple(self.shard) or (False,) * len(stages),
             "inputs": tuple(self.inputs),
         }
+        replicas = [len({p.replica for p in filled["placement"] if p.stage == k}) for k in stages]
         if not self.deferred:
-            replicas = [len({p.replica for p in filled["placement"] if p.stage == k}) for k in stages]
             filled["deferred"] = tuple(zb_deferrals(replicas))
+        if not self.warmup:
+            filled["warmup"] = tuple(warmup_forwards(self.schedule, replicas, every))
         for name, value in filled.items():
             object.__setattr__(self, name, value)
         _check(self, where or Where("PipelineMeta", error=PlanFormatError))
@@ -129,7 +134,7 @@ def pipeline_meta_for(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),
         placement(stage_devices, [s.tensor for s in plan.stages]), tuple(tuple(s.route) for s in solution.stages),
         tuple(s.recompute for s in plan.stages), tuple(s.shard for s in plan.stages),
-        tuple(s.deferred for s in plan.stages), plan.precision, {}, plan_space, dict(state_dict), plan.training,
+        tuple(s.deferred for s in plan.stages), tuple(recorded_warmup(plan.stages) or ()), plan.precision, {}, plan_space, dict(state_dict), plan.training,
     )  # fmt: skip
 
 
@@ -173,6 +178,7 @@ def _fields(nonempty: bool) -> dict[str, Callable[[object, Where], Any]]:
         "recompute": _tuple(ListOf(Flag(), nonempty)),
         "shard": _tuple(ListOf(Flag(), nonempty)),
         "deferred": _tuple(ListOf(Count(minimum=0), nonempty)),
+        "warmup": _tuple(ListOf(Count(), nonempty)),
         "precision": Choice(tuple(PRECISIONS), "precision"),
         "loss_scale": Record(
             {
@@ -198,7 +204,7 @@ _PLAN_SPACE = Record(
     {"replicate": Flag(), "recompute": _recompute_policy, "shard": Choice(("auto", 0, 1), "shard level"),
      "tensor_parallel": _tensor_policy}
 )  # fmt: skip
-_OPTIONAL = ("shard", "deferred")  # written since version 2 was: absent means its default
+_OPTIONAL = ("shard", "deferred", "warmup")  # written since version 2 was: absent means its default
 _META = {
     2: Record(
         _fields(nonempty=True),
@@ -289,6 +295,13 @@ def _check(meta: PipelineMeta, where: Where) -> None:
     _check_per_stage(meta.recompute, meta.num_stages, where.at("recompute"))
     _check_per_stage(meta.shard, meta.num_stages, where.at("shard"))
     _check_per_stage(meta.deferred, meta.num_stages, where.at("deferred"))
+    _check_per_stage(meta.warmup, meta.num_stages, where.at("warmup"))
+    least = warmup_forwards("gpipe" if meta.schedule == "gpipe" else "1f1b", replicas, meta.microbatches)
+    for k, (w, low) in enumerate(zip(meta.warmup, least)):
+        if meta.training and not low <= w <= meta.microbatches:
+            where.at("warmup", k).fail(
+                f"{w} forwards before the first backward; expected {low} (1F1B's) to {meta.microbatches} (M)"
+            )
     unknown = sorted(set(meta.loss_scale) - set(LOSS_SCALE_OPTIONS))
     if unknown:
         where.at("loss_scale").fail(f"unknown options {unknown}", f"use {', '.join(LOSS_SCALE_OPTIONS)}")

@@ -28,13 +28,17 @@ class RankLayout:
     precision: str = "fp32"
     loss_scale: dict[str, float] = field(default_factory=dict)  # LossScaler options (fp16-mixed)
     deferred: tuple[int, ...] | None = None  # per stage: W deferred under a split schedule (None: ZB-H1's)
+    warmup: tuple[int, ...] | None = (
+        None  # per stage: forwards before its first backward (None: the schedule's)
+    )
 
     @classmethod
     def from_meta(cls, meta: PipelineMeta) -> RankLayout:
         """The layout a pipeline's record describes (checked when the record was made)."""
         return cls(
-            meta.placement, meta.routing, meta.recompute, meta.precision, dict(meta.loss_scale), meta.deferred
-        )
+            meta.placement, meta.routing, meta.recompute, meta.precision, dict(meta.loss_scale), meta.deferred,
+            meta.warmup,
+        )  # fmt: skip
 
     @property
     def num_ranks(self) -> int:
@@ -65,6 +69,7 @@ class RankLayout:
         every = stage_actions(
             schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas,
             recompute=self.recompute, deferred=self.deferred,
+            warmup=None if schedule == "gpipe" else self.warmup,  # GPipe runs every forward first
         )[placement.stage]  # fmt: skip
         return [a for a in every if self.routing[placement.stage][a.microbatch] == placement.replica]
 

@@ -23,7 +23,7 @@ from hetcc.errors import ClusterError, HetccError, PlanFormatError, format_bytes
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.measure import preset_for_device_name
 from hetcc.hardware.presets import PRESETS, flops_key, type_key
-from hetcc.plan import Plan, read_plan
+from hetcc.plan import Plan, read_plan, recorded_warmup
 from hetcc.report.data import CLUSTER_FILE, plan_layout, read_problem
 from hetcc.solver.objective import replica_seconds, stage_costs
 from hetcc.solver.problem import PartitionProblem
@@ -102,7 +102,9 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
         for rank in priced
     )
     codecs = [s.codecs for s in plan.stages] if problem.codecs is not None else None
-    stages = stage_costs(substituted, boundaries, groups, recompute, codecs=codecs)
+    stages = stage_costs(
+        substituted, boundaries, groups, recompute, codecs=codecs, warmup=recorded_warmup(plan.stages)
+    )
     overflows = tuple(
         Overflow(j, s.memory_bytes, s.memory_capacity_bytes) for j, s in enumerate(stages) if not s.fits
     )

@@ -53,12 +53,13 @@ from hetcc.solver.problem import (
     within_memory,
 )
 from hetcc.solver.schedules import (
-    SPLIT_SCHEDULES,
     defer_weights,
     max_inflight,
+    one_f_one_b,
     replica_actions,
     splits_backward,
-    stage_actions,
+    stage_warmups,
+    warmup_forwards,
     zb_deferrals,
 )
 from hetcc.solver.sharding import allgather_s, chosen_shard, group_param_bytes, sharded_bytes
@@ -75,29 +76,39 @@ def evaluate(
     bound_s: float | None = None,
     codecs: Codecs = None,
     shard: Sequence[bool] | None = None,
+    warmup: Sequence[int] | None = None,
 ) -> PartitionSolution:
     """Score one plan: stage k runs blocks ``[boundaries[k], boundaries[k+1])`` on ``devices[k]`` (one
     device index, or a tuple of them: a replica group), recomputing its activations if ``recompute[k]``
     and sharding its replicas' optimizer state if ``shard[k]`` (``shard`` None: chosen,
     ``sharding.chosen_shard``). Its outgoing cut uses the codecs ``solver.codecs`` chooses, or the names
     ``codecs[k]`` pins (``("none", "none")``: uncoded; a None entry or ``codecs`` None: chosen).
+    ``warmup[k]`` pins the forwards stage k runs before its first backward (None: the schedule's, fewer
+    where memory is short; ``stage_costs``).
 
     Memory that does not fit makes ``step_time_s`` infinite rather than raising, so baselines that
     overflow a device can still be reported. ``period_s`` is the plan's P (see ``step_time``).
     ``lower_bound_s`` bounds the simulated step of every plan (``solver.bound.lower_bound``; pass
     ``bound_s`` when it is already known: it depends on the problem alone).
     """
-    stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard)
+    stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard, warmup)
     step, period = _objective_s(problem, stages)
     bound = lower_bound(problem) if bound_s is None else bound_s
     return PartitionSolution(stages, step, period, bound, _gap(step, bound))
 
 
 def stage_costs(
-    problem, boundaries, devices, recompute=None, codecs: Codecs = None, shard: Sequence[bool] | None = None
+    problem,
+    boundaries,
+    devices,
+    recompute=None,
+    codecs: Codecs = None,
+    shard: Sequence[bool] | None = None,
+    warmup: Sequence[int] | None = None,
 ) -> tuple[StageCost, ...]:
     """Every stage's costs, memory, replica shares and outgoing codecs (validates the plan; ``codecs``
-    and ``shard`` as in ``evaluate``)."""
+    and ``shard`` as in ``evaluate``). ``warmup`` pins each stage's forwards before its first backward
+    (``schedules.stage_actions``); None: the schedule's, less where memory is short (``_most_fitting``)."""
     groups = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in devices]
     recompute = [False] * len(groups) if recompute is None else [bool(r) for r in recompute]
     codecs = [None] * len(groups) if codecs is None else list(codecs)
@@ -110,23 +121,34 @@ def stage_costs(
         for j, g in enumerate(groups)
     ]
     routes = [route_microbatches(problem.microbatches, s) for s in seconds]
-    # A split schedule is 1F1B's order with weight gradients deferred: each stage defers as many as
-    # ZB-H1 does where its memory holds them, fewer where it does not (``_most_deferred``).
+    # A split schedule defers weight gradients: each stage as many as ZB-H1 does where its memory holds
+    # them, fewer where it does not; ZB-H2 warms up with more forwards, fewer where memory is short.
     split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
+    least = warmup_forwards(
+        "gpipe" if problem.schedule == "gpipe" else "1f1b", replicas, problem.microbatches
+    )
+    wanted = stage_warmups(problem.schedule, replicas, problem.microbatches, warmup)
 
-    def held(j: int, deferred: int) -> tuple[int, ...]:
+    def held(j: int, deferred: int, forwards: int) -> tuple[int, ...]:
         if not problem.training:
             return (1,) * len(groups[j])
-        return _held(problem.schedule, tuple(replicas), tuple(recompute), problem.microbatches, j,
-                     deferred if split[j] else None, tuple(routes[j]))  # fmt: skip
+        return _held(problem.microbatches, forwards, deferred if split[j] else None, tuple(routes[j]),
+                     len(groups[j]))  # fmt: skip
 
-    def fits(j: int, deferred: int) -> bool:
+    def fits(j: int, deferred: int, forwards: int) -> bool:
         return _memory(
-            problem, *boundaries[j : j + 2], groups[j], held(j, deferred), recompute[j], shard[j]
+            problem, *boundaries[j : j + 2], groups[j], held(j, deferred, forwards), recompute[j], shard[j]
         ).fits
 
     most = zb_deferrals(replicas)
-    deferrals = [_most_deferred(lambda d, j=j: fits(j, d), most[j] if split[j] else 0) for j in range(k)]
+    warmups = list(wanted)
+    if warmup is None:  # the schedule's, each stage's capped by its memory and by the stage before's
+        for j in range(k):
+            cap = min(wanted[j], warmups[j - 1]) if j else wanted[j]
+            warmups[j] = _most_fitting(lambda w, j=j: fits(j, 0, w), least[j], cap)
+    deferrals = [
+        _most_fitting(lambda d, j=j: fits(j, d, warmups[j]), 0, most[j] if split[j] else 0) for j in range(k)
+    ]
     return tuple(
         _stage_plan(
             problem,
@@ -134,12 +156,13 @@ def stage_costs(
             groups,
             routes,
             seconds[j],
-            held(j, d),
+            held(j, d, warmups[j]),
             recompute[j],
             j,
             codecs[j],
             shard[j],
             d,
+            warmups[j],
         )  # fmt: skip
         for j, d in enumerate(deferrals)
     )
@@ -147,34 +170,24 @@ def stage_costs(
 
 @functools.lru_cache(maxsize=1 << 14)
 def _held(
-    schedule: str, replicas: tuple[int, ...], recompute: tuple[bool, ...], microbatches: int, j: int,
-    deferred: int | None, route: tuple[int, ...],
-) -> tuple[int, ...]:  # fmt: skip
-    """Per replica of stage ``j`` (its ``route``), the most microbatches it holds at once under
-    ``schedule`` (training), its W deferred ``deferred`` B's (None: its backward does not split).
-    Cached: the search costs the same stage in many plans."""
-    plain = _plain_actions(schedule, replicas, recompute, microbatches)[j]
-    actions = plain if deferred is None else defer_weights(plain, deferred)
-    return tuple(max_inflight(replica_actions(actions, route, r)) for r in range(replicas[j]))
+    microbatches: int, warmup: int, deferred: int | None, route: tuple[int, ...], replicas: int
+) -> tuple[int, ...]:
+    """Per replica of a training stage (its ``route``), the most microbatches it holds at once when it
+    runs ``warmup`` forwards before its first backward, its W deferred ``deferred`` B's (None: its
+    backward does not split). Cached: the search costs the same stage in many plans."""
+    order = one_f_one_b(microbatches, warmup)
+    actions = order if deferred is None else defer_weights(order, deferred)
+    return tuple(max_inflight(replica_actions(actions, route, r)) for r in range(replicas))
 
 
-@functools.lru_cache(maxsize=256)
-def _plain_actions(schedule: str, replicas: tuple[int, ...], recompute: tuple[bool, ...], microbatches: int):
-    """``stage_actions`` of a training step, a split schedule's as 1F1B's order (``defer_weights``
-    adds its W's)."""
-    return stage_actions(
-        "1f1b" if schedule in SPLIT_SCHEDULES else schedule, len(replicas), microbatches,
-        replicas=list(replicas), recompute=list(recompute),
-    )  # fmt: skip
-
-
-def _most_deferred(fits, most: int) -> int:
-    """The largest d <= ``most`` for which ``fits(d)`` (the stage deferring d weight gradients fits its
-    memory), or 0 where none does: each deferred W holds one more microbatch's activations, so whether
-    it fits falls as d grows (a bisection on memory alone; the stage is costed once, at the d found)."""
-    if most == 0 or fits(most):
-        return most
-    low, high = 0, most - 1  # fits(low) or low == 0
+def _most_fitting(fits, least: int, most: int) -> int:
+    """The largest n in [``least``, ``most``] for which ``fits(n)``, or ``least`` where none does:
+    ``n`` counts microbatches a stage holds (weight gradients deferred, forwards before its first
+    backward), so whether it fits falls as n grows (a bisection on memory alone; the stage is costed
+    once, at the n found)."""
+    if most <= least or fits(most):
+        return max(least, most)
+    low, high = least, most - 1  # fits(low) or low == least
     while low < high:
         middle = (low + high + 1) // 2
         if fits(middle):
@@ -258,6 +271,7 @@ def _stage_plan(
     pinned,
     shard: bool | None,
     deferred: int,
+    warmup: int,
 ) -> StageCost:
     start, stop = boundaries[j], boundaries[j + 1]
     group, route, m = groups[j], routes[j], problem.microbatches
@@ -301,6 +315,7 @@ def _stage_plan(
         allgather_s=allgather_s(problem, group, start, stop) if memory.shard else 0.0,
         sharded_bytes=memory.saved[worst] if memory.shard else 0.0,
         deferred=deferred,
+        warmup=warmup if problem.training else 0,
     )
 
 

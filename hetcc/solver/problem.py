@@ -252,6 +252,7 @@ class StageCost:
     allgather_s: float = 0.0  # the sharded step's parameter all-gather, after the all-reduce
     sharded_bytes: float = 0.0  # optimizer state a replica does not hold: memory = state - this + acts
     deferred: int = 0  # weight gradients it defers under a split schedule (``schedules.stage_actions``)
+    warmup: int = 0  # forwards before its first backward (``schedules.stage_actions``; 0 for inference)
 
     @property
     def fits(self) -> bool:
@@ -301,6 +302,11 @@ class PartitionSolution:
     @property
     def shard(self) -> list[bool]:
         return [s.shard for s in self.stages]
+
+    @property
+    def warmup(self) -> list[int] | None:
+        """Every stage's forwards before its first backward (None for inference: there are none)."""
+        return [s.warmup for s in self.stages] if all(s.warmup for s in self.stages) else None
 
     @property
     def bottleneck_s(self) -> float:

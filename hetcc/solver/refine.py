@@ -9,6 +9,7 @@ import random
 
 from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
+from hetcc.solver.schedules import warmup_forwards
 from hetcc.solver.simulate import simulate
 
 REFINE_SIMULATIONS = 1000  # simulations (and memory-rejected moves) spent refining, at most
@@ -31,7 +32,9 @@ def refine_by_simulation(
     group (moves that make a group of mixed types, uneven shares by speed, which the search's
     interchangeable groups never propose); swap two devices of different classes between stages, put
     an idle device of another class in a device's place, leave a device out, or give an idle device
-    half a stage; switch one stage's recomputation. The objective is a formula; where it and the
+    half a stage; switch one stage's recomputation; give one stage one more or one fewer forward
+    before its first backward, or 1F1B's or ZB-H2's warm-up (a move that changes the stages or their
+    replica counts takes the schedule's warm-up, fewer where memory is short). The objective is a formula; where it and the
     simulator disagree (a replicated stage overlaps more than the formula credits, an order or cut it
     ranks lower simulates faster), the simulator decides."""
     first = starts[0][0]
@@ -57,11 +60,14 @@ def refine_by_simulation(
                 best, best_s = current, simulated_s
     if best is None:
         return starts[0]
-    return (first if best == _key(first) else evaluate(problem, *best, first.lower_bound_s)), best_s
+    if best == _key(first):
+        return first, best_s
+    bounds, groups, recompute, warmup = best
+    return evaluate(problem, bounds, groups, recompute, first.lower_bound_s, warmup=warmup), best_s
 
 
 def _key(plan: PartitionSolution):
-    return plan.boundaries, plan.groups, plan.recompute
+    return plan.boundaries, plan.groups, plan.recompute, plan.warmup
 
 
 class _Climber:
@@ -95,24 +101,52 @@ class _Climber:
     def simulated(self, plan, repair: bool = False):
         """(plan, its simulated step; inf where memory overflows); with ``repair``, an overflowing stage
         recomputes instead."""
-        key = (tuple(plan[0]), tuple(map(tuple, plan[1])), tuple(plan[2]), repair)
+        key = (tuple(plan[0]), tuple(map(tuple, plan[1])), tuple(plan[2]), _tuple(plan[3]), repair)
         if key not in self._simulated:
             self._simulated[key] = self._simulate(plan, repair)
         return self._simulated[key]
 
     def _simulate(self, plan, repair: bool):
-        stages = stage_costs(self.problem, *plan)
+        """(the plan with the warm-ups its stages took, its simulated step or inf)."""
+        bounds, groups, recompute, warmup = plan
+        stages = stage_costs(self.problem, bounds, groups, recompute, warmup=warmup)
         if repair and not all(stage.fits for stage in stages):
-            plan = (plan[0], plan[1], [r or not stage.fits for r, stage in zip(plan[2], stages)])
-            stages = stage_costs(self.problem, *plan)
+            recompute = [r or not stage.fits for r, stage in zip(recompute, stages)]
+            stages = stage_costs(self.problem, bounds, groups, recompute, warmup=warmup)
+        plan = (bounds, groups, recompute, [s.warmup for s in stages] if self.problem.training else None)
         if not all(stage.fits for stage in stages):
             self.budget -= REJECTED_COST
             return plan, math.inf
         self.budget -= 1
-        return plan, simulate(self.problem, *plan, events=False, stages=stages).step_time_s
+        return plan, simulate(
+            self.problem, bounds, groups, recompute, events=False, stages=stages
+        ).step_time_s
 
 
-def _moves(problem: PartitionProblem, bounds, groups, recompute):
+def _tuple(values) -> tuple | None:
+    return None if values is None else tuple(values)
+
+
+def _moves(problem: PartitionProblem, bounds, groups, recompute, warmup):
+    """Plans one move from ``(bounds, groups, recompute, warmup)``: the moves of ``_layouts``, each with
+    the schedule's warm-up (None) where it changes the stages' replica counts, else with ``warmup``;
+    then warm-up moves."""
+    counts = [len(g) for g in groups]
+    for moved_bounds, moved_groups, moved_recompute in _layouts(problem, bounds, groups, recompute):
+        same = len(moved_groups) == len(counts) and all(len(g) == c for g, c in zip(moved_groups, counts))
+        yield moved_bounds, moved_groups, moved_recompute, warmup if same else None
+    if warmup is None or problem.schedule == "gpipe":  # inference, or every forward first
+        return
+    least = warmup_forwards("1f1b", counts, problem.microbatches)
+    for j, w in enumerate(warmup):  # from 1F1B's to M, none above the stage before's (``stage_warmups``)
+        low = max(least[j], warmup[j + 1] if j + 1 < len(warmup) else 0)
+        high = warmup[j - 1] if j else problem.microbatches
+        options = (w + 1, w - 1, least[j], 2 * least[j] - 1)
+        for option in dict.fromkeys(o for o in options if o != w and low <= o <= high):
+            yield bounds, groups, recompute, [*warmup[:j], option, *warmup[j + 1 :]]
+
+
+def _layouts(problem: PartitionProblem, bounds, groups, recompute):
     """Plans one move from ``(bounds, groups, recompute)``: cuts first, then regrouping, then which
     devices run which stage, then recomputation."""
     for j in range(1, len(bounds) - 1):

@@ -24,6 +24,19 @@ each action; the simulator replays it with costs; ``format_grid`` prints it as a
   before computing its weight gradients. A stage whose backward cannot be split (``splits_backward``:
   the first stage, whose inputs take no gradient, and a recomputing one) runs its whole backward as
   ``B`` and no ``W``: 1F1B's order.
+- ``zb-h2`` (the paper's H2 schedule): ZB-H1 with more forwards before the first backward, to fill the
+  wait for the first input gradient: stage ``s`` of ``p`` warms up with ``2(p - s) - 1`` forwards (with
+  replicas, twice the replicas of stages s..K-1, less one; at most M), so its first ``B`` finds the
+  stage busy, not idle; the deferred ``W`` fill the drain as in ZB-H1. It holds up to twice ZB-H1's
+  microbatches' activations, so a plan may warm up with fewer (``warmup``: the planner caps each stage's
+  warm-up to what its memory holds, at least 1F1B's). The paper closes the last of its bubble by
+  letting each stage's optimizer step start without waiting for the others (post-validation); hetcc's
+  step ends together, so the last stage still waits ``p - 1`` forwards for its first input at the start.
+
+Every 1F1B-family schedule (all but ``gpipe``) takes a per-stage ``warmup``: the forwards a stage runs
+before its first backward, from 1F1B's (``warmup_forwards("1f1b", ...)``) to M, none above the stage
+before's (``stage_warmups`` says why: each such order is deadlock-free). The planner tunes it per stage
+by simulation: on unequal devices the best warm-up differs per stage.
 
 With ``training=False`` every schedule reduces to forwards only, in microbatch order.
 """
@@ -35,8 +48,8 @@ from dataclasses import dataclass
 
 from hetcc.errors import PlanFormatError
 
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")
-SPLIT_SCHEDULES = ("zb-h1",)  # the schedules that run input and weight gradients apart
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
+SPLIT_SCHEDULES = ("zb-h1", "zb-h2")  # the schedules that run input and weight gradients apart
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,7 @@ def stage_actions(
     replicas: Sequence[int] | None = None,
     recompute: Sequence[bool] | None = None,
     deferred: Sequence[int] | None = None,
+    warmup: Sequence[int] | None = None,
 ) -> list[list[Action]]:
     """Per stage (index = stage), its compute actions in execution order.
 
@@ -90,7 +104,8 @@ def stage_actions(
     actions only removes waits, so the replicated schedule is as deadlock-free as this one. A zb-h1
     stage defers ``deferred[s]`` weight gradients (None: ZB-H1's, ``zb_deferrals``: as many as the
     replicas before it, so every stage holds min(M, all replicas) microbatches); ``recompute`` (per
-    stage) says which cannot split.
+    stage) says which cannot split. ``warmup`` (per stage): the forwards before its first backward, from
+    1F1B's to M (None: the schedule's, ``warmup_forwards``).
     """
     check_schedule_args(schedule, num_stages, microbatches)
     if replicas is not None and (len(replicas) != num_stages or any(r < 1 for r in replicas)):
@@ -98,16 +113,11 @@ def stage_actions(
             f"replicas {list(replicas)} must give a positive count for each of {num_stages} stages",
             hint="one entry per stage",
         )
-    forwards = [Action("F", m) for m in range(microbatches)]
     if not training:
-        return [list(forwards) for _ in range(num_stages)]
-    backwards = [Action("B", m) for m in range(microbatches)]
-    if schedule == "gpipe":
-        return [forwards + backwards for _ in range(num_stages)]
+        return [[Action("F", m) for m in range(microbatches)] for _ in range(num_stages)]
     counts = [1] * num_stages if replicas is None else list(replicas)
-    orders = [
-        _one_f_one_b(forwards, backwards, min(microbatches, sum(counts[s:]))) for s in range(num_stages)
-    ]
+    warmup = stage_warmups(schedule, counts, microbatches, warmup)
+    orders = [one_f_one_b(microbatches, w) for w in warmup]
     if schedule not in SPLIT_SCHEDULES:
         return orders
     split = splits_backward(schedule, recompute or [False] * num_stages)
@@ -123,6 +133,49 @@ def stage_actions(
     return [defer_weights(order, deferred[s]) if split[s] else order for s, order in enumerate(orders)]
 
 
+def stage_warmups(
+    schedule: str, replicas: Sequence[int], microbatches: int, warmup: Sequence[int] | None = None
+) -> list[int]:
+    """``warmup`` (per stage: forwards before its first backward), checked to lie between 1F1B's and M
+    for each stage (GPipe's: M) and not to grow from one stage to the next, or the schedule's own
+    (``warmup_forwards``) where it is None.
+
+    A stage that warmed up with more forwards than the one before it would wait for a forward that
+    stage sends only after this stage's first backward: stage s's B(k) follows its F(k + w_s - 1), which
+    follows stage s-1's B(k + w_s - 1 - w_(s-1)), which follows stage s's: a cycle unless w_s <= w_(s-1).
+    With that, each B waits only on earlier B's: every such order runs."""
+    if warmup is None:
+        return warmup_forwards(schedule, replicas, microbatches)
+    least = warmup_forwards("gpipe" if schedule == "gpipe" else "1f1b", replicas, microbatches)
+    if (
+        len(warmup) != len(replicas)
+        or any(
+            isinstance(w, bool) or not isinstance(w, int) or not low <= w <= microbatches
+            for w, low in zip(warmup, least)
+        )
+        or any(later > earlier for earlier, later in zip(warmup, warmup[1:]))
+    ):
+        raise PlanFormatError(
+            f"schedule {schedule!r}: warm-up forwards {list(warmup)} must give, for each of {len(replicas)} "
+            f"stages, a count from {least} (1F1B's) to {microbatches} (M), none above the stage before's",
+            hint="one entry per stage, or none for the schedule's own",
+        )
+    return list(warmup)
+
+
+def warmup_forwards(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
+    """Per stage, the forwards it runs before its first backward under ``schedule`` (training) with
+    ``replicas`` per stage: M under GPipe; 1F1B's (and ZB-H1's) min(M, replicas of stages s..K-1), enough
+    to keep every downstream replica busy; ZB-H2's min(M, twice that less one), which fills the round
+    trip of the first microbatch."""
+    depths = [sum(replicas[s:]) for s in range(len(replicas))]
+    if schedule == "gpipe":
+        return [microbatches] * len(depths)
+    if schedule == "zb-h2":
+        return [min(microbatches, 2 * depth - 1) for depth in depths]
+    return [min(microbatches, depth) for depth in depths]
+
+
 def zb_deferrals(replicas: Sequence[int]) -> list[int]:
     """ZB-H1's weight gradients deferred per stage: the replicas of the stages before it (s without
     replicas), so that every stage holds as many microbatches as the first."""
@@ -134,13 +187,14 @@ def replica_actions(actions: Sequence[Action], route: Sequence[int], replica: in
     return [a for a in actions if route[a.microbatch] == replica]
 
 
-def _one_f_one_b(forwards: list[Action], backwards: list[Action], warmup: int) -> list[Action]:
-    """``warmup`` forwards, then B/F pairs while forwards remain, then the remaining backwards."""
-    order = forwards[:warmup]
-    for m in range(len(backwards)):
-        order.append(backwards[m])
-        if warmup + m < len(forwards):
-            order.append(forwards[warmup + m])
+def one_f_one_b(microbatches: int, warmup: int) -> list[Action]:
+    """``warmup`` forwards, then B/F pairs while forwards remain, then the remaining backwards (with
+    ``warmup`` = M: GPipe's order)."""
+    order = [Action("F", m) for m in range(warmup)]
+    for m in range(microbatches):
+        order.append(Action("B", m))
+        if warmup + m < microbatches:
+            order.append(Action("F", warmup + m))
     return order
 
 
@@ -216,6 +270,7 @@ def format_grid(
     comm: bool = True,
     recompute: Sequence[bool] | None = None,
     deferred: Sequence[int] | None = None,
+    warmup: Sequence[int] | None = None,
 ) -> str:
     """The schedule as a rank x step grid (one row per rank, one column per unit compute step).
 
@@ -224,11 +279,12 @@ def format_grid(
     middle rank (activations arrive from the previous rank and leave for the next), ``RECV_B3 B3
     SEND_B3`` for gradients going the other way. Idle cells print ``.``. ``recompute`` (per stage):
     the stages whose backward a split schedule cannot split; ``deferred`` (per stage) the weight
-    gradients each defers (``stage_actions``).
+    gradients each defers and ``warmup`` the forwards before its first backward (``stage_actions``).
     """
     actions = stage_actions(
-        schedule, num_stages, microbatches, training=training, recompute=recompute, deferred=deferred
-    )
+        schedule, num_stages, microbatches, training=training, recompute=recompute, deferred=deferred,
+        warmup=warmup,
+    )  # fmt: skip
     timeline = unit_step_timeline(actions)
     rows = [[_cell(action, s, num_stages, comm) for action in row] for s, row in enumerate(timeline)]
     widths = [max(len(str(t)), *(len(row[t]) for row in rows)) for t in range(len(rows[0]))]

@@ -9,10 +9,11 @@ is what the planner's C_j (activations forward, plus gradients back where there 
 microbatch assumes. Transfers on a link go in the order they were issued. A send's seconds include the
 encode and decode of the codecs the sending stage's cut uses (``StageCost.codecs``, priced by
 ``codecs.message_s``): they hold the link, not the stage. A recomputing stage's
-backward includes the forward it recomputes. Under a split schedule (zb-h1) a stage's B(m) is its
+backward includes the forward it recomputes. Under a split schedule (zb-h1, zb-h2) a stage's B(m) is its
 backward less the weight gradients (``problem.wgrad_s``) and sends the gradients back; W(m) is those
 weight gradients, which wait for nothing but the stage and send nothing; each stage defers as many as
-its ``StageCost.deferred`` says (what its memory holds). A replicated stage ends
+its ``StageCost.deferred`` says (what its memory holds), after the forwards its ``StageCost.warmup``
+runs before its first backward. A replicated stage ends
 with the all-reduce of its gradients, once all its replicas are done (``ALLREDUCE``), and where it
 shards its optimizer state (ZeRO-1) with the all-gather of its updated parameters right after
 (``ALLGATHER``); then a parameter tied across stages (``tied_blocks``) is summed over every device
@@ -68,19 +69,22 @@ def simulate(
     stages: Sequence[StageCost] | None = None,
     codecs: Codecs = None,
     shard: Sequence[bool] | None = None,
+    warmup: Sequence[int] | None = None,
 ) -> Simulation:
     """Replay one step of the plan (stage k = blocks [boundaries[k], boundaries[k+1]) on the replica
     group devices[k], recomputing if recompute[k]). ``events=False`` keeps no timeline (the search's
     many replays need only the figures); ``stages``: the plan's ``stage_costs``, where the caller has
-    them (else ``codecs`` pins stages' codecs and ``shard`` their sharding as in ``objective.evaluate``)."""
+    them (else ``codecs`` pins stages' codecs, ``shard`` their sharding and ``warmup`` their forwards
+    before the first backward, as in ``objective.stage_costs``)."""
     if stages is None:
-        stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard)  # validates the plan
+        stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard, warmup)  # validates it
     k = len(stages)
     groups = [s.group for s in stages]
     split = splits_backward(problem.schedule, [s.recompute for s in stages])
     actions = _lane_actions(
         problem.schedule, problem.microbatches, problem.training, tuple(len(g) for g in groups),
         tuple(s.recompute for s in stages), tuple(s.deferred for s in stages), tuple(s.route for s in stages),
+        tuple(s.warmup for s in stages) if problem.training else None,
     )  # fmt: skip
     lanes = [
         _Lane(
@@ -114,13 +118,13 @@ def simulate(
 @functools.lru_cache(maxsize=1024)
 def _lane_actions(
     schedule: str, microbatches: int, training: bool, replicas: tuple[int, ...], recompute: tuple[bool, ...],
-    deferred: tuple[int, ...], routes: tuple[tuple[int, ...], ...],
+    deferred: tuple[int, ...], routes: tuple[tuple[int, ...], ...], warmup: tuple[int, ...] | None,
 ) -> tuple[tuple[tuple[Action, ...], ...], ...]:  # fmt: skip
     """Per stage, per replica (``routes``: each stage's microbatch -> replica), its actions in order
     (``stage_actions``; cached: the search replays many plans of the same shape)."""
     every = stage_actions(
         schedule, len(routes), microbatches, training=training, replicas=list(replicas), recompute=list(recompute),
-        deferred=list(deferred),
+        deferred=list(deferred), warmup=None if warmup is None else list(warmup),
     )  # fmt: skip
     return tuple(
         tuple(tuple(replica_actions(every[j], route, r)) for r in range(replicas[j]))

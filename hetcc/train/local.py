@@ -244,13 +244,16 @@ def _pipeline_folder(stages_or_dir, scratch: str, checkpoint_dir, schedule, micr
 
 def _run_meta(meta: PipelineMeta, schedule: str | None, microbatches: int | None) -> PipelineMeta:
     """``meta`` with the schedule and microbatches given; a routing left at its default (replica 0) is
-    made again for the new microbatch count, and a new schedule defers what it does by its own rule (the
-    plan's deferred weight gradients were chosen for the plan's schedule: a zb-h1 run of a 1F1B plan
-    defers ZB-H1's)."""
+    made again for the new microbatch count, and a new schedule defers and warms up by its own rule (the
+    plan's deferred weight gradients and warm-ups were chosen for the plan's schedule and M: a zb-h1 run
+    of a 1F1B plan defers ZB-H1's)."""
     stage_actions(schedule or meta.schedule, 1, meta.microbatches if microbatches is None else microbatches)
     changes = {k: v for k, v in (("schedule", schedule), ("microbatches", microbatches)) if v is not None}
-    if schedule is not None and schedule != meta.schedule:
+    rescheduled = schedule is not None and schedule != meta.schedule
+    if rescheduled:
         changes["deferred"] = ()
+    if rescheduled or microbatches not in (None, meta.microbatches):
+        changes["warmup"] = ()
     if microbatches is not None and not any(any(row) for row in meta.routing):
         changes["routing"] = ()
     return replace(meta, **changes)

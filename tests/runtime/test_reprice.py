@@ -50,7 +50,9 @@ def _simulated_with(compiled, device: int, kind: str, memory_bytes: float) -> fl
         problem.devices[device], type=kind, memory_bytes=memory_bytes
     )
     solution = compiled.solution
-    return simulate(problem, solution.boundaries, solution.groups, solution.recompute).step_time_s
+    return simulate(
+        problem, solution.boundaries, solution.groups, solution.recompute, warmup=solution.warmup
+    ).step_time_s
 
 
 def test_a_type_of_the_cluster_is_priced_with_its_own_times(build):
