@@ -8,24 +8,30 @@ import random
 
 from hetcc.solver.objective import stage_costs
 from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.schedules import warmup_forwards
 from hetcc.solver.simulate import simulate
 
-Plan = tuple[list[int], list[tuple[int, ...]], list[bool]]
+# (cuts, replica groups, recompute, each stage's forwards before its first backward: None, the schedule's)
+Plan = tuple[list[int], list[tuple[int, ...]], list[bool], list[int] | None]
 
 
-def simulated_s(problem: PartitionProblem, plan: Plan) -> float:
-    """The plan's simulated step (inf where a stage's memory overflows)."""
-    stages = stage_costs(problem, *plan)
+def simulated(problem: PartitionProblem, plan: Plan) -> tuple[float, Plan]:
+    """The plan's simulated step (inf where a stage's memory overflows), and the plan with the warm-ups
+    its stages took."""
+    bounds, groups, recompute, warmup = plan
+    stages = stage_costs(problem, bounds, groups, recompute, warmup=warmup)
+    plan = (bounds, groups, recompute, [s.warmup for s in stages] if problem.training else None)
     if not all(stage.fits for stage in stages):
-        return math.inf
-    return simulate(problem, *plan, events=False, stages=stages).step_time_s
+        return math.inf, plan
+    return simulate(problem, bounds, groups, recompute, events=False, stages=stages).step_time_s, plan
 
 
 def local_search(
     problem: PartitionProblem, restarts: int, simulations: int, seed: int = 0, patience: int = 60
 ) -> tuple[float, Plan | None]:
     """The fastest simulated plan found: ``restarts`` random starts sharing ``simulations``, each
-    climbing by random moves (cuts, devices between groups or in from the idle ones, recompute) until
+    climbing by random moves (cuts, devices between groups or in from the idle ones, recompute, a
+    stage's warm-up) until
     ``patience`` moves in a row fail to improve it."""
     rng = random.Random(seed)
     best: tuple[float, Plan | None] = (math.inf, None)
@@ -33,9 +39,8 @@ def local_search(
     for _ in range(restarts):
         current, spent = None, 0
         while current is None and spent < per_start:
-            plan = _random_plan(problem, rng)
             spent += 1
-            time_s = simulated_s(problem, plan)
+            time_s, plan = simulated(problem, _random_plan(problem, rng))
             current = (time_s, plan) if time_s < math.inf else None
         failed = 0
         while current is not None and spent < per_start and failed < patience:
@@ -44,7 +49,7 @@ def local_search(
                 failed += 1
                 continue
             spent += 1
-            time_s = simulated_s(problem, moved)
+            time_s, moved = simulated(problem, moved)
             if time_s < current[0] * (1 - 1e-12):
                 current, failed = (time_s, moved), 0
             else:
@@ -64,15 +69,17 @@ def _random_plan(problem: PartitionProblem, rng: random.Random) -> Plan:
         rng.choice(groups).append(d)
     cuts = sorted(rng.sample(range(1, n), k - 1))
     recompute = [problem.recompute and rng.random() < 0.3 for _ in range(k)]
-    return [0, *cuts, n], [tuple(g) for g in groups], recompute
+    return [0, *cuts, n], [tuple(g) for g in groups], recompute, None
 
 
 def _move(problem: PartitionProblem, plan: Plan, rng: random.Random) -> Plan | None:
-    """One random change of ``plan``, or None where the drawn kind of move does not apply."""
+    """One random change of ``plan``, or None where the drawn kind of move does not apply; a change of
+    the replica counts takes the schedule's warm-up."""
     bounds, groups, recompute = list(plan[0]), [list(g) for g in plan[1]], list(plan[2])
+    warmup = None if plan[3] is None else list(plan[3])
     k = len(groups)
     idle = [d for d in range(len(problem.devices)) if all(d not in g for g in groups)]
-    kind = rng.randrange(7)
+    kind = rng.randrange(8)
     if kind == 0 and k > 1:  # move a cut
         j = rng.randint(1, k - 1)
         bounds[j] += rng.choice((-2, -1, 1, 2))
@@ -110,6 +117,13 @@ def _move(problem: PartitionProblem, plan: Plan, rng: random.Random) -> Plan | N
             recompute[j : j + 2] = [recompute[j] or recompute[j + 1]]
         else:
             return None
+    elif kind == 7 and warmup is not None and problem.schedule != "gpipe":  # a stage's warm-up
+        j = rng.randrange(k)
+        least = warmup_forwards("1f1b", [len(g) for g in groups], problem.microbatches)[j]
+        low = max([least, *warmup[j + 1 :]])
+        warmup[j] = rng.randint(low, warmup[j - 1] if j else problem.microbatches)
     else:
         return None
-    return bounds, [tuple(g) for g in groups], recompute
+    if [len(g) for g in groups] != [len(g) for g in plan[1]]:
+        warmup = None
+    return bounds, [tuple(g) for g in groups], recompute, warmup

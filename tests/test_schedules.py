@@ -158,3 +158,48 @@ def test_bad_deferrals_name_the_culprit():
         stage_actions("zb-h1", 2, 4, deferred=[0, -1])
     with pytest.raises(PlanFormatError, match="for each of 3 stages"):
         stage_actions("zb-h1", 3, 4, deferred=[0, 1])
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.sampled_from(["1f1b", "zb-h1", "zb-h2"]), st.integers(1, 6), st.integers(1, 12), st.data())
+def test_every_non_increasing_warm_up_runs_and_holds_its_forwards(schedule, stages, microbatches, data):
+    """Any warm-up from 1F1B's to M, none above the stage before's, is deadlock-free (the unit replay
+    raises on a deadlock), keeps each stage's order, and holds at least that many microbatches."""
+    least = [min(microbatches, stages - s) for s in range(stages)]
+    warmup: list[int] = []
+    for s in range(stages):
+        warmup.append(data.draw(st.integers(least[s], warmup[-1] if warmup else microbatches)))
+    actions = stage_actions(schedule, stages, microbatches, warmup=warmup)
+    timeline = unit_step_timeline(actions)
+    for s, row in enumerate(timeline):
+        assert [a for a in row if a is not None] == actions[s]
+        first_backward = next(i for i, a in enumerate(actions[s]) if a.kind == "B")
+        assert [a.kind for a in actions[s][:first_backward]] == ["F"] * warmup[s]
+        assert max_inflight(actions[s]) >= warmup[s]
+
+
+def test_zb_h2_warms_up_with_twice_the_forwards_less_one():
+    """Stage s of p warms up with 2(p - s) - 1 forwards (at most M): the first B reaches stage s after
+    p - s forwards and p - s - 1 input gradients, a wait that ZB-H1 leaves idle; its W's as ZB-H1's."""
+    actions = stage_actions("zb-h2", 4, 8)
+    assert [next(i for i, a in enumerate(row) if a.kind == "B") for row in actions] == [7, 5, 3, 1]
+    assert [max_inflight(row) for row in actions] == [7, 6, 5, 4]  # ZB-H1: 4 each
+    assert [max_inflight(row) for row in stage_actions("zb-h2", 4, 3)] == [3, 3, 3, 3]  # capped at M
+    same = stage_actions("zb-h1", 4, 8, warmup=[7, 5, 3, 1])
+    assert same == actions  # zb-h2 is zb-h1's order with more warm-up
+
+
+def test_a_bad_warm_up_names_the_rule():
+    with pytest.raises(
+        PlanFormatError, match=r"warm-up forwards \[4, 2, 3\] .* none above the stage before's"
+    ):
+        stage_actions("1f1b", 3, 6, warmup=[4, 2, 3])  # stage 2 would wait on a forward stage 1 holds back
+    with pytest.raises(PlanFormatError, match=r"a count from \[3, 2, 1\] \(1F1B's\) to 6"):
+        stage_actions("zb-h1", 3, 6, warmup=[3, 1, 1])
+    with pytest.raises(PlanFormatError, match=r"to 6 \(M\)"):
+        stage_actions("zb-h2", 3, 6, warmup=[7, 2, 1])
+    with pytest.raises(PlanFormatError, match="for each of 3 stages"):
+        stage_actions("1f1b", 3, 6, warmup=[3, 2])
+    with pytest.raises(PlanFormatError, match=r"from \[4, 4\] \(1F1B's\)"):
+        stage_actions("gpipe", 2, 4, warmup=[3, 3])  # GPipe runs every forward first
+    assert stage_actions("gpipe", 2, 4, warmup=[4, 4]) == stage_actions("gpipe", 2, 4)

@@ -26,7 +26,9 @@ BUDGET = {"restarts": 20, "simulations": 20_000, "patience": 300}
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(max_blocks=8), st.sampled_from(["gpipe", "1f1b", "zb-h1"]), st.sampled_from([0.0, 0.5]))
+@given(
+    problems(max_blocks=8), st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2"]), st.sampled_from([0.0, 0.5])
+)
 def test_solve_is_within_one_percent_of_a_local_search(problem, schedule, share):
     problem = replace(
         problem, schedule=schedule, wgrad_s={t: [b * share for b in v] for t, v in problem.bwd_s.items()}

@@ -241,3 +241,38 @@ def test_zb_h1_defers_only_the_weight_gradients_each_stages_memory_holds():
     assert unlimited < capped.step_time_s < one_f_one_b
     # the search checks memory at 1F1B's depth: zb-h1 plans whatever 1F1B plans
     assert solve(problem).stages[-1].fits
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 5), (4, 8), (6, 16)])
+def test_zb_h2_on_equal_stages_takes_what_a_synchronous_step_must(stages, microbatches):
+    """F = B = W = 1: ZB-H2 takes 3M + (p - 1) units, the least any schedule takes when the step ends
+    together (the last stage's first forward waits for p - 1 others, then it has 3M units of work); the
+    paper's zero bubble also lets each stage's optimizer step start early, which hetcc does not. Each
+    stage holds up to 2(p - s) - 1 microbatches (ZB-H1: p), fewer where memory is short."""
+    zb = homogeneous(stages, microbatches, "zb-h2")
+    zb.wgrad_s = {"t": [1.0] * stages}
+    bounds, devices = list(range(stages + 1)), list(range(stages))
+    m, p = microbatches, stages
+    assert simulate(zb, bounds, devices).step_time_s == pytest.approx(3 * m + (p - 1))
+    assert [s.inflight for s in evaluate(zb, bounds, devices).stages] == [
+        min(m, 2 * (p - s) - 1 + s) if s else min(m, 2 * p - 1) for s in range(p)
+    ]
+    zb.act_bytes = [1.0] * stages  # room for ZB-H1's p microbatches only: fewer forwards, then fewer W's
+    zb.devices = [dataclasses.replace(d, memory_bytes=float(p)) for d in zb.devices]
+    capped = evaluate(zb, bounds, devices)
+    assert [s.warmup for s in capped.stages] == [min(m, p, 2 * (p - s) - 1) for s in range(p)]
+    assert all(s.fits and s.inflight <= p for s in capped.stages)
+
+
+def test_the_refinement_warms_a_stage_up_to_hide_a_slow_link():
+    """Two stages over a link that takes as long as a forward: the first stage warming up with every
+    microbatch sends them while the second computes, and the refinement finds that warm-up."""
+    problem = homogeneous(2, 8, "1f1b")
+    problem.cut_bytes = [1.0]
+    problem.bandwidth_bps = [[math.inf, 1.0], [1.0, math.inf]]
+    default = simulate(problem, [0, 1, 2], [0, 1]).step_time_s
+    found = solve(problem, rerank=2)
+    assert found.warmup[0] > 2 and found.simulated_s < default
+    assert found.simulated_s == pytest.approx(
+        simulate(problem, found.boundaries, found.groups, found.recompute, warmup=found.warmup).step_time_s
+    )
