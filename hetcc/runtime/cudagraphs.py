@@ -228,7 +228,7 @@ def uncaptured_reason(
     if recompute:
         return "the stage recomputes its forward in backward (torch.utils.checkpoint)"
     if split:
-        return "the schedule splits the stage's backward (zb-h1); a captured graph runs it whole"
+        return "the schedule splits the stage's backward (zero-bubble); a captured graph runs it whole"
     if segments is not None and not segments:
         return f"no run of {MIN_SEGMENT_OPS} or more ops between the stage's communication"
     return None

@@ -372,7 +372,7 @@ def test_the_plan_says_which_stages_run_as_cuda_graphs_and_why_not_the_others(gp
     )
     split = graphs_note(stages, [True, True], [False, False], "auto", split=[False, True])
     assert split.endswith(
-        "stage 1 uncaptured: the schedule splits the stage's backward (zb-h1); a captured graph runs it whole"
+        "stage 1 uncaptured: the schedule splits the stage's backward (zero-bubble); a captured graph runs it whole"
     )
 
 

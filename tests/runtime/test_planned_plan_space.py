@@ -9,7 +9,7 @@ from models import eager_training, gpt2, token_ids
 from runtime_models import slow_cards
 
 import hetcc
-from hetcc.solver.schedules import splits_backward
+from hetcc.solver.schedules import splits_backward, warmup_forwards
 
 # Slow cards on fast links: compute dominates, so replicas (no bubbles) beat a 4-deep pipeline.
 FOUR_SLOW_CARDS = slow_cards([4], "MEMORY")
@@ -77,6 +77,28 @@ def test_zb_h1_plans_train_like_eager(tmp_path, share, precision):
     assert compiled.pipeline.meta.deferred == tuple(deferred)  # what the ranks run
     assert all(s.peak_memory_bytes <= s.device_memory_bytes for s in compiled.plan.stages)
     _trains_like_eager(compiled, model, inputs, torch.bfloat16 if precision == "bf16-mixed" else None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("share", "microbatches"), [(0.5, 8), (0.44, 4)])
+def test_zb_h2_plans_train_like_eager(tmp_path, share, microbatches):
+    """Zero-bubble H2 as hetcc plans it, under bf16 autocast with GPT-2's tied embedding: at 50% memory
+    and 8 microbatches a replicated stage, and stages warming up with more forwards than 1F1B's (the
+    ranks run the recorded warm-ups); at 44% and 4, four stages, the first recomputing."""
+    model, inputs, cluster = _gpt2_on(tmp_path, FOUR_SLOW_CARDS, share)
+    compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=microbatches, schedule="zb-h2",
+                             precision="bf16-mixed")  # fmt: skip
+    stages = compiled.plan.stages
+    replicas = [len(s.devices) for s in stages]
+    assert compiled.plan.schedule == "zb-h2" and any(splits_backward("zb-h2", [s.recompute for s in stages]))
+    assert compiled.pipeline.meta.warmup == tuple(s.warmup for s in stages)  # what the ranks run
+    beyond = [s.warmup > w for s, w in zip(stages, warmup_forwards("1f1b", replicas, microbatches))]
+    if share == 0.5:
+        assert any(beyond) and max(replicas) > 1, compiled.explain()
+    else:
+        assert len(stages) == 4 and stages[0].recompute, compiled.explain()
+    assert all(s.peak_memory_bytes <= s.device_memory_bytes for s in stages)
+    _trains_like_eager(compiled, model, inputs, torch.bfloat16)
 
 
 @pytest.mark.slow
