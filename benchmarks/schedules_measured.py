@@ -1,10 +1,10 @@
-"""ZB-H1 against 1F1B on the same split, measured on CPU ranks and simulated.
+"""ZB-H1 and ZB-H2 against 1F1B on the same split, measured on CPU ranks and simulated.
 
 A GPT-2 (random weights) is planned with 1F1B for two or more CPU devices calibrated on this machine,
-then run through ``hetcc.run_local`` (one process per rank, gloo) under 1F1B and under ZB-H1 on that
-same split, the runs interleaved; each run's step is the median after its warm-up steps. Prints the
-measured ZB-H1 / 1F1B ratio (one run) and each schedule's measured step against what the simulator
-predicts for it on that split.
+then run through ``hetcc.run_local`` (one process per rank, gloo) under 1F1B, ZB-H1 and ZB-H2 (each
+schedule's own warm-up and deferral) on that same split, the runs interleaved; each run's step is the
+median after its warm-up steps. Prints each zero-bubble schedule's measured ratio to 1F1B (one run) and
+each schedule's measured step against what the simulator predicts for it on that split.
 
     python benchmarks/schedules_measured.py                      # 2 ranks (this machine has 2 cores)
     python benchmarks/schedules_measured.py --ranks 4 --microbatches 8
@@ -27,7 +27,7 @@ import hetcc  # noqa: E402
 from hetcc.solver.simulate import simulate  # noqa: E402
 from hetcc.train.local import run_local  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
 
 
 def _cluster(ranks: int, calibration) -> hetcc.Cluster:
@@ -90,10 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:6s} measured {step[name] * 1e3:8.2f} ms (runs: "
               f"{', '.join(f'{t * 1e3:.2f}' for t in measured[name])}), simulated {simulated[name] * 1e3:8.2f} ms "
               f"({error:+.1%})")  # fmt: skip
-    print(
-        f"  zb-h1 / 1f1b: measured {step['zb-h1'] / step['1f1b']:.3f}x, "
-        f"simulated {simulated['zb-h1'] / simulated['1f1b']:.3f}x"
-    )
+    for name in SCHEDULES[1:]:
+        print(
+            f"  {name} / 1f1b: measured {step[name] / step['1f1b']:.3f}x, "
+            f"simulated {simulated[name] / simulated['1f1b']:.3f}x"
+        )
     return 0
 
 

@@ -135,13 +135,15 @@ def _moves(problem: PartitionProblem, bounds, groups, recompute, warmup):
     for moved_bounds, moved_groups, moved_recompute in _layouts(problem, bounds, groups, recompute):
         same = len(moved_groups) == len(counts) and all(len(g) == c for g, c in zip(moved_groups, counts))
         yield moved_bounds, moved_groups, moved_recompute, warmup if same else None
-    if warmup is None or problem.schedule == "gpipe":  # inference, or every forward first
+    if not problem.training or problem.schedule == "gpipe":  # no backward, or every forward first
         return
+    if warmup is None:  # a plan not simulated yet (a kick's first move): the schedule's own
+        warmup = warmup_forwards(problem.schedule, counts, problem.microbatches)
     least = warmup_forwards("1f1b", counts, problem.microbatches)
     for j, w in enumerate(warmup):  # from 1F1B's to M, none above the stage before's (``stage_warmups``)
         low = max(least[j], warmup[j + 1] if j + 1 < len(warmup) else 0)
         high = warmup[j - 1] if j else problem.microbatches
-        options = (w + 1, w - 1, least[j], 2 * least[j] - 1)
+        options = (w + 1, w - 1, least[j], 2 * least[j] - 1, high)
         for option in dict.fromkeys(o for o in options if o != w and low <= o <= high):
             yield bounds, groups, recompute, [*warmup[:j], option, *warmup[j + 1 :]]
 
@@ -228,7 +230,8 @@ def _with(groups: list[tuple[int, ...]], change: tuple[int, int, int]) -> list[t
 
 def _regroupings(problem: PartitionProblem, bounds, groups, recompute):
     """With replicas allowed: an idle device joins a group, two neighbouring stages merge into one
-    group, or a device at a group's edge moves to the neighbouring stage's group."""
+    group, a device at a group's edge moves to the neighbouring stage's group, or a group splits in two
+    (its first or last device takes the first or second half of the stage)."""
     used = {d for g in groups for d in g}
     for d in (d for d in range(len(problem.devices)) if d not in used):  # an idle device joins a group
         for j in range(len(groups)):
@@ -249,3 +252,13 @@ def _regroupings(problem: PartitionProblem, bounds, groups, recompute):
                 groups[:j] + [(*groups[j], groups[j + 1][0]), groups[j + 1][1:]] + groups[j + 2 :],
                 recompute,
             )
+    for j, group in enumerate(groups):  # a group splits in two: the inverse of a merge
+        a, b = bounds[j], bounds[j + 1]
+        if len(group) < 2 or b - a < 2:
+            continue
+        cut = [*bounds[: j + 1], (a + b) // 2, *bounds[j + 1 :]]
+        flags = [*recompute[: j + 1], recompute[j], *recompute[j + 1 :]]
+        for i in dict.fromkeys((0, len(group) - 1)):
+            alone, rest = (group[i],), (*group[:i], *group[i + 1 :])
+            for halves in ((alone, rest), (rest, alone)):
+                yield cut, [*groups[:j], *halves, *groups[j + 1 :]], flags
