@@ -32,11 +32,12 @@ def refine_by_simulation(
     group (moves that make a group of mixed types, uneven shares by speed, which the search's
     interchangeable groups never propose); swap two devices of different classes between stages, put
     an idle device of another class in a device's place, leave a device out, or give an idle device
-    half a stage; switch one stage's recomputation; give one stage one more or one fewer forward
-    before its first backward, or 1F1B's or ZB-H2's warm-up (a move that changes the stages or their
-    replica counts takes the schedule's warm-up, fewer where memory is short). The objective is a formula; where it and the
-    simulator disagree (a replicated stage overlaps more than the formula credits, an order or cut it
-    ranks lower simulates faster), the simulator decides."""
+    half a stage, or split a group in two stages; switch one stage's recomputation; give one stage one
+    more or one fewer forward before its first backward, or 1F1B's, ZB-H2's or the most it may take (a
+    move that changes the stages or their replica counts takes the schedule's warm-up, fewer where
+    memory is short). The objective is a formula; where it and the simulator disagree (a replicated
+    stage overlaps more than the formula credits, an order or cut it ranks lower simulates faster, a
+    warm-up it does not model), the simulator decides."""
     first = starts[0][0]
     climber = _Climber(problem, budget)
     best, best_s = None, math.inf
