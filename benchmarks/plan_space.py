@@ -3,7 +3,8 @@
 For GPT-2 medium (24 layers, hidden 1024, seq 1024, global batch 32, fp32, Adam, 1F1B) on two mixed
 clusters, print hetcc's plan (``microbatches="auto"``, replicas and recomputation allowed), hetcc's best
 pure pipeline (``replicate=False``) and the Metis-style peer plan of the issue expressed as replica
-groups and simulated by hetcc's simulator at the peer's M = 8. Then plan a Llama-2-70B-shaped model
+groups and simulated by hetcc's simulator at the peer's M = 8; an OPT-1.3B shape on the three-node
+cluster under 1F1B and ``schedule="auto"``. Then plan a Llama-2-70B-shaped model
 (batch 64 x seq 4096, bf16-mixed, Adam) on 64 GPUs (32 H100, 16 MI250X, 16 A100-40GB), and time the
 solver on a 96-block x 64-device synthetic chain. Every figure is a simulated step from the same run.
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hetcc  # noqa: E402
-from examples.models import gpt2_medium, llama_70b  # noqa: E402
+from examples.models import gpt2_medium, llama_70b, opt_1_3b  # noqa: E402
 from hetcc.solver.simulate import simulate  # noqa: E402
 from hetcc.solver.solve import solve  # noqa: E402
 
@@ -43,7 +44,7 @@ def _plan_line(label: str, plan) -> str:
     groups = " -> ".join(f"{len(s.devices)}x {s.device_type} [{len(s.blocks)}]" for s in plan.stages)
     recompute = sum(s.recompute for s in plan.stages)
     return (
-        f"  {label:<28} M={plan.microbatches:<3} simulated {plan.step_time_s * 1e3:8.1f} ms   "
+        f"  {label:<28} {plan.schedule:<5} M={plan.microbatches:<3} simulated {plan.step_time_s * 1e3:8.1f} ms   "
         f"{groups}{f'  ({recompute} recomputing)' if recompute else ''}"
     )
 
@@ -81,6 +82,22 @@ def gpt2_clusters() -> None:
         )
         tried = ", ".join(f"{m}: {s * 1e3:.0f}" for m, s in ours.plan.microbatch_search)
         print(f"  microbatch search (M: simulated ms): {tried}\n")
+
+
+def opt_three_nodes() -> None:
+    """The 24-layer OPT of the schedules issue (hidden 2048, batch 16 x 1024, fp32, Adam) on the three-node
+    H100 / V100 / MI250X cluster, a case the tests do not use: 1F1B against schedule="auto"."""
+    model, batch = opt_1_3b(batch=16, seq=1024)
+    cluster = CLUSTERS / "three_nodes_h100_v100_mi250x.yaml"
+    print("OPT, 24 layers, hidden 2048, batch 16 x 1024, fp32, Adam on three_nodes_h100_v100_mi250x.yaml")
+    for schedule in ("1f1b", "auto"):
+        start = time.perf_counter()
+        plan = hetcc.compile(model, cluster, example_kwargs=batch, schedule=schedule).plan
+        took = time.perf_counter() - start
+        print(_plan_line(f"hetcc, schedule {schedule}", plan) + f"   (compile {took:.0f} s)")
+        print(f"  {'':<28} bound {plan.lower_bound_s * 1e3:.1f} ms, {plan.gap:.1%} above it; "
+              f"warm-ups {[s.warmup for s in plan.stages]}")  # fmt: skip
+    print()
 
 
 def llama_70b_run(schedule: str) -> None:
@@ -124,6 +141,7 @@ def main() -> None:
     parser.add_argument("--llama-schedule", default="1f1b", help="the Llama plan's schedule (e.g. auto)")
     args = parser.parse_args()
     gpt2_clusters()
+    opt_three_nodes()
     if not args.skip_llama:
         llama_70b_run(args.llama_schedule)
     solver_time()

@@ -18,7 +18,7 @@ import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no config notes above the plan table
 
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM  # noqa: E402
 
 
 def _token_batch(vocab: int, batch: int, seq: int) -> dict:
@@ -91,6 +91,18 @@ def gpt2_medium(batch: int = 64, seq: int = 512):
 def gpt2_xl(batch: int = 32, seq: int = 512):
     """GPT-2 XL (1.5 B): 48 layers, hidden 1600."""
     return _gpt2(48, 1600, 25, batch, seq)
+
+
+def opt_1_3b(batch: int = 16, seq: int = 1024):
+    """An OPT-1.3B-shaped model: 24 layers, hidden 2048, 32 heads, feed-forward 8192."""
+    config = OPTConfig(
+        hidden_size=2048, ffn_dim=8192, num_hidden_layers=24, num_attention_heads=32, word_embed_proj_dim=2048,
+        max_position_embeddings=max(2048, seq),
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = OPTForCausalLM(config)
+        ids = torch.randint(0, config.vocab_size, (batch, seq))
+    return model, {"input_ids": ids, "use_cache": False}
 
 
 def _llama(config: LlamaConfig, batch: int, seq: int):

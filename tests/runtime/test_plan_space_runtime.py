@@ -333,3 +333,29 @@ def test_layout_runs_the_weight_gradients_each_stage_defers():
     # run_local's schedule override: a 1F1B plan run as zb-h1 defers ZB-H1's; a zb-h1 plan keeps its own
     assert _run_meta(PipelineMeta(3, microbatches=4, deferred=(0, 0, 0)), "zb-h1", None).deferred == (0, 1, 2)
     assert _run_meta(replace(zb, deferred=(0, 0, 1)), "zb-h1", None).deferred == (0, 0, 1)
+
+
+def test_layout_runs_the_warm_up_each_stage_was_planned():
+    """Ranks run the forwards before the first backward that the record gives each stage (a record
+    without them runs the schedule's own); a bad entry is named; a run under another schedule or
+    microbatch count warms up by its own rule."""
+    meta = PipelineMeta(3, schedule="zb-h2", microbatches=6, placement=ranks_for([1, 2, 1]),
+                        routing=[[0] * 6, [0, 1] * 3, [0] * 6])  # fmt: skip
+    assert meta.warmup == (6, 5, 1)  # ZB-H2's min(M, 2 x the replicas from the stage on - 1)
+    tuned = RankLayout.from_meta(replace(meta, warmup=(5, 3, 1)))
+    assert [str(a) for a in tuned.actions("zb-h2", 0)][:6] == ["F0", "F1", "F2", "F3", "F4", "B0"]
+    assert tuned.actions("zb-h2", 1) == [
+        a
+        for a in stage_actions("zb-h2", 3, 6, replicas=[1, 2, 1], warmup=[5, 3, 1])[1]
+        if a.microbatch % 2 == 0
+    ]
+    where = Where("pipeline.json", error=PlanFormatError)
+    record = json.loads(json.dumps(meta.to_json()))
+    assert read_meta({k: v for k, v in record.items() if k != "warmup"}, 3, where).warmup == (6, 5, 1)
+    with pytest.raises(
+        PlanFormatError, match=r"pipeline.json: warmup\[1\]: 2 forwards .* expected 3 \(1F1B's\)"
+    ):
+        read_meta({**record, "warmup": [6, 2, 1]}, 3, where)
+    assert _run_meta(meta, "1f1b", None).warmup == (4, 3, 1)
+    assert _run_meta(PipelineMeta(3, schedule="zb-h2", microbatches=6), None, 3).warmup == (3, 3, 1)
+    assert _run_meta(replace(meta, warmup=(5, 3, 1)), "zb-h2", 6).warmup == (5, 3, 1)
