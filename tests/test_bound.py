@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from test_plan_space import brute_force
 
 from hetcc.solver.bound import lower_bound
+from hetcc.solver.objective import stage_costs
 from hetcc.solver.problem import PartitionProblem, ProblemDevice
 from hetcc.solver.simulate import simulate
 
@@ -70,7 +71,7 @@ def tight_problems(draw) -> PartitionProblem:
         wgrad_s={t: [2 * f * share for f in fwd[t]] for t in types}, state_bytes=state, act_bytes=act,
         cut_bytes=[0.0] * (n - 1), devices=devices, bandwidth_bps=[[float("inf")] * d] * d,
         latency_s=[[0.0] * d] * d, microbatches=draw(st.integers(1, 4)),
-        schedule=draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"])), training=draw(st.booleans()),
+        schedule=draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2"])), training=draw(st.booleans()),
         replicate=True, recompute=True,
     )  # fmt: skip
 
@@ -82,3 +83,10 @@ def test_no_feasible_plan_simulates_below_the_bound(problem):
     _, feasible = brute_force(problem)
     for bounds, groups, flags in feasible:
         assert bound <= simulate(problem, bounds, groups, flags, events=False).step_time_s * (1 + 1e-9)
+        if (
+            problem.training and problem.schedule != "gpipe"
+        ):  # every stage warming up with all M, where it fits
+            most = [problem.microbatches] * len(groups)
+            if all(s.fits for s in stage_costs(problem, bounds, groups, flags, warmup=most)):
+                simulated = simulate(problem, bounds, groups, flags, events=False, warmup=most)
+                assert bound <= simulated.step_time_s * (1 + 1e-9)

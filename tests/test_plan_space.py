@@ -229,12 +229,12 @@ def test_a_plan_with_replicas_allowed_is_not_slower_than_the_pure_pipeline():
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(), st.sampled_from([0.0, 0.3, 0.5]))
-def test_zb_h1_plans_simulate_no_faster_than_the_bound(problem, share):
+@given(problems(), st.sampled_from([0.0, 0.3, 0.5]), st.sampled_from(["zb-h1", "zb-h2"]))
+def test_zero_bubble_plans_simulate_no_faster_than_the_bound(problem, share, schedule):
     """The bound holds for zero-bubble plans too: it charges only the forwards' fill, so deferring W cannot beat it."""
     problem = dataclasses.replace(
         problem,
-        schedule="zb-h1",
+        schedule=schedule,
         wgrad_s={t: [b * share for b in times] for t, times in problem.bwd_s.items()},
     )
     try:
