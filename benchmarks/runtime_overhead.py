@@ -79,7 +79,8 @@ def hetcc_step(stages, rank, x, y, args, data_path: bool = False):
 def pipelining_step(stages, rank, x, y, args):
     """One training step of torch.distributed.pipelining on this rank, as a closure."""
     schedule = pipelining_schedule(stages, rank, args.microbatches, args.schedule, F.mse_loss)
-    optimizer = torch.optim.SGD(schedule._stage.submod.parameters(), lr=1e-3)
+    stage = schedule._stages[0] if hasattr(schedule, "_stages") else schedule._stage
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=1e-3)
 
     def step():
         optimizer.zero_grad()
@@ -141,7 +142,7 @@ def worker(rank: int, port: int, directory: str, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zb-h1"))
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch", type=int, default=16)
     parser.add_argument("--width", type=int, default=256)

@@ -17,7 +17,10 @@ from hetcc.errors import PlanFormatError
 from hetcc.passes.codegen import compute_module
 from hetcc.passes.comm import StageGraph
 
-_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}  # in torch.distributed.pipelining
+# hetcc's schedules and torch.distributed.pipelining's: ZB-H1 is torch's interleaved zero-bubble
+# schedule with one stage per rank (a schedule of several stages per rank: it takes a list of them).
+_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble"}
+_MULTI_STAGE = ("zb-h1",)
 
 
 class PipeliningModule(torch.nn.Module):
@@ -58,7 +61,8 @@ def pipelining_schedule(
     from torch.distributed import pipelining  # 0.4-4 s to import: only where a schedule is built
 
     stage = pipelining.PipelineStage(module, rank, len(stages), torch.device(device))
-    return getattr(pipelining, _SCHEDULES[schedule])(stage, microbatches, loss_fn=loss_fn)
+    stages_here = [stage] if schedule in _MULTI_STAGE else stage
+    return getattr(pipelining, _SCHEDULES[schedule])(stages_here, microbatches, loss_fn=loss_fn)
 
 
 def _check_chain(stages: list[StageGraph]) -> None:

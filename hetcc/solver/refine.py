@@ -196,37 +196,46 @@ def _exchanges(problem: PartitionProblem, bounds, groups, recompute):
                 yield bounds, _with(_with(groups, (j, i, e)), (j2, i2, d)), recompute
     for j, i, _ in places:  # in a group of mixed classes, another class goes first (routing follows order)
         if i > 0:
-            yield (
-                bounds,
-                [(g[i], *g[:i], *g[i + 1 :]) if k == j else g for k, g in enumerate(groups)],
-                recompute,
-            )
+            g = groups[j]
+            yield bounds, _replaced(groups, j, (g[i], *g[:i], *g[i + 1 :])), recompute
     for j, i, _ in places:  # a device leaves: one of a group's replicas, or a stage to its neighbours
         if len(groups[j]) > 1:
-            yield bounds, [(*g[:i], *g[i + 1 :]) if k == j else g for k, g in enumerate(groups)], recompute
+            yield bounds, _replaced(groups, j, (*groups[j][:i], *groups[j][i + 1 :])), recompute
             continue
         rest, flags = [*groups[:j], *groups[j + 1 :]], [*recompute[:j], *recompute[j + 1 :]]
         if j + 1 < len(groups):
             yield [*bounds[: j + 1], *bounds[j + 2 :]], rest, flags
         if j > 0:
             yield [*bounds[:j], *bounds[j + 1 :]], rest, flags
-    for j, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        if b - a < 2:
-            continue
-        middle = (a + b) // 2
-        for e in idle.values():
+    for j in range(len(groups)):
+        halved = _halved(bounds, recompute, j)
+        for e in idle.values() if halved else ():
             for at in (j, j + 1):  # the new stage runs the first half, or the second
-                yield (
-                    [*bounds[: j + 1], middle, *bounds[j + 1 :]],
-                    [*groups[:at], (e,), *groups[at:]],
-                    [*recompute[: j + 1], recompute[j], *recompute[j + 1 :]],
-                )
+                yield halved[0], [*groups[:at], (e,), *groups[at:]], halved[1]
+
+
+def _replaced(groups: list[tuple[int, ...]], j: int, group: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """``groups`` with group ``j`` replaced by ``group``."""
+    return [group if k == j else g for k, g in enumerate(groups)]
 
 
 def _with(groups: list[tuple[int, ...]], change: tuple[int, int, int]) -> list[tuple[int, ...]]:
     """``groups`` with device ``change[1]`` of group ``change[0]`` replaced by device ``change[2]``."""
     j, i, d = change
-    return [(*g[:i], d, *g[i + 1 :]) if k == j else g for k, g in enumerate(groups)]
+    return _replaced(groups, j, (*groups[j][:i], d, *groups[j][i + 1 :]))
+
+
+def _halved(bounds, recompute, j: int):
+    """(cuts, recompute flags) with stage ``j`` cut at its middle into two stages that recompute as it
+    did; None where it has a single block."""
+    a, b = bounds[j], bounds[j + 1]
+    if b - a < 2:
+        return None
+    return [*bounds[: j + 1], (a + b) // 2, *bounds[j + 1 :]], [
+        *recompute[: j + 1],
+        recompute[j],
+        *recompute[j + 1 :],
+    ]
 
 
 def _regroupings(problem: PartitionProblem, bounds, groups, recompute):
@@ -254,12 +263,10 @@ def _regroupings(problem: PartitionProblem, bounds, groups, recompute):
                 recompute,
             )
     for j, group in enumerate(groups):  # a group splits in two: the inverse of a merge
-        a, b = bounds[j], bounds[j + 1]
-        if len(group) < 2 or b - a < 2:
+        halved = _halved(bounds, recompute, j)
+        if len(group) < 2 or halved is None:
             continue
-        cut = [*bounds[: j + 1], (a + b) // 2, *bounds[j + 1 :]]
-        flags = [*recompute[: j + 1], recompute[j], *recompute[j + 1 :]]
         for i in dict.fromkeys((0, len(group) - 1)):
             alone, rest = (group[i],), (*group[:i], *group[i + 1 :])
             for halves in ((alone, rest), (rest, alone)):
-                yield cut, [*groups[:j], *halves, *groups[j + 1 :]], flags
+                yield halved[0], [*groups[:j], *halves, *groups[j + 1 :]], halved[1]
