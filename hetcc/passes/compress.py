@@ -31,7 +31,7 @@ from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, CutTensor
 from hetcc.passes.comm import wire_codecs
 from hetcc.solver.codecs import allowed, stage_messages
-from hetcc.solver.objective import evaluate, stage_costs
+from hetcc.solver.objective import evaluate
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, WireCodec
 from hetcc.solver.simulate import simulate
 from hetcc.wire import CODECS, NO_CODEC, get_codec, within_budget
@@ -258,18 +258,9 @@ def _none_allowed(problem: PartitionProblem, cut: int, pair: tuple[int, int], gr
 
 
 def _simulated(problem, solution, codecs) -> float:
+    layout = (solution.boundaries, solution.groups, solution.recompute)
     codecs = [tuple(p) for p in codecs]
-    stages = stage_costs(
-        problem,
-        solution.boundaries,
-        solution.groups,
-        solution.recompute,
-        codecs=codecs,
-        warmup=solution.warmup,
-    )
-    return simulate(
-        problem, solution.boundaries, solution.groups, solution.recompute, events=False, stages=stages
-    ).step_time_s
+    return simulate(problem, *layout, events=False, codecs=codecs, warmup=solution.warmup).step_time_s
 
 
 def stage_wire_bytes(
