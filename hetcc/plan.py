@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.hardware.schema import finite, read_text
-from hetcc.solver.schedules import SCHEDULES, SPLIT_SCHEDULES, splits_backward, zb_deferrals
+from hetcc.solver.schedules import SCHEDULES, SPLIT_SCHEDULES, splits_backward, stage_warmups, zb_deferrals
 
 PLAN_FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -250,6 +250,13 @@ def _check_plan(plan: Plan) -> None:
         raise _fail("stages", "must be a non-empty list indexed 0, 1, ... in order")
     for stage in plan.stages:
         _check_stage(stage, plan.microbatches)
+    warmup = recorded_warmup(plan.stages)
+    if plan.training and warmup is not None:  # the ranks run these: a bad one must not reach them
+        replicas = [len(s.devices) // s.tensor for s in plan.stages]
+        try:
+            stage_warmups(plan.schedule, replicas, plan.microbatches, warmup)
+        except PlanFormatError as error:
+            raise _fail("stages[*].warmup", error.args[0]) from None
 
 
 def _check_stage(stage: PlanStage, microbatches: int) -> None:

@@ -7,7 +7,7 @@ import torch
 from models import eager_training, gpt2, lm_kwargs, token_ids
 
 import hetcc
-from hetcc.errors import HetccError, InfeasiblePlanError
+from hetcc.errors import HetccError, InfeasiblePlanError, PlanFormatError
 from hetcc.ir import info
 from hetcc.passes.codegen import stage_source
 from hetcc.passes.schedule_search import RERANK
@@ -203,3 +203,19 @@ def test_a_zb_h1_plan_saved_before_plans_held_deferrals_reads_with_zb_h1s(compil
     assert [s.deferred for s in read.stages] == expected and any(expected)
     assert "W deferred" in read.explain()
     assert hetcc.Plan.from_json(plan.to_json()) == plan  # a plan that records them keeps its own
+
+
+def test_a_plan_file_with_a_warm_up_the_ranks_cannot_run_is_refused(compiled):
+    """Each stage's warm-up (forwards before its first backward) is what its ranks run: one below 1F1B's,
+    above M or above the stage before's is named when the plan is read."""
+    plan = compiled[0].plan
+    document = json.loads(plan.to_json())
+    assert [s["warmup"] for s in document["stages"]] == [s.warmup for s in plan.stages] and plan.stages[
+        0
+    ].warmup
+    document["stages"][0]["warmup"] = plan.microbatches + 1
+    with pytest.raises(PlanFormatError, match=r"plan field 'stages\[\*\].warmup': .*to \d+ \(M\)"):
+        hetcc.Plan.from_json(json.dumps(document))
+    document["stages"][0]["warmup"] = 2.5
+    with pytest.raises(PlanFormatError, match="warm-up forwards"):
+        hetcc.Plan.from_json(json.dumps(document))
