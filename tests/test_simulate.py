@@ -248,7 +248,8 @@ def test_zb_h2_on_equal_stages_takes_what_a_synchronous_step_must(stages, microb
     """F = B = W = 1: ZB-H2 takes 3M + (p - 1) units, the least any schedule takes when the step ends
     together (the last stage's first forward waits for p - 1 others, then it has 3M units of work); the
     paper's zero bubble also lets each stage's optimizer step start early, which hetcc does not. Each
-    stage holds up to 2(p - s) - 1 microbatches (ZB-H1: p), fewer where memory is short."""
+    stage holds up to 2(p - s) - 1 microbatches and its deferred W's (ZB-H1: p), fewer where memory is
+    short: ZB-H1's W's first, then the extra forwards."""
     zb = homogeneous(stages, microbatches, "zb-h2")
     zb.wgrad_s = {"t": [1.0] * stages}
     bounds, devices = list(range(stages + 1)), list(range(stages))
@@ -257,11 +258,17 @@ def test_zb_h2_on_equal_stages_takes_what_a_synchronous_step_must(stages, microb
     assert [s.inflight for s in evaluate(zb, bounds, devices).stages] == [
         min(m, 2 * (p - s) - 1 + s) if s else min(m, 2 * p - 1) for s in range(p)
     ]
-    zb.act_bytes = [1.0] * stages  # room for ZB-H1's p microbatches only: fewer forwards, then fewer W's
+    # room for ZB-H1's p microbatches only: memory goes to ZB-H1's deferred W's first, so no stage warms
+    # up with more than 1F1B's; with room for one more, the stages that can take one more do
+    zb.act_bytes = [1.0] * stages
     zb.devices = [dataclasses.replace(d, memory_bytes=float(p)) for d in zb.devices]
     capped = evaluate(zb, bounds, devices)
-    assert [s.warmup for s in capped.stages] == [min(m, p, 2 * (p - s) - 1) for s in range(p)]
-    assert all(s.fits and s.inflight <= p for s in capped.stages)
+    assert [s.warmup for s in capped.stages] == [min(m, p - s) for s in range(p)]
+    assert [s.deferred for s in capped.stages] == list(range(p)) and all(s.fits for s in capped.stages)
+    zb.devices = [dataclasses.replace(d, memory_bytes=p + 1.0) for d in zb.devices]
+    roomier = evaluate(zb, bounds, devices)
+    assert [s.warmup for s in roomier.stages] == [min(m, p - s + 1, 2 * (p - s) - 1) for s in range(p)]
+    assert all(s.fits and s.inflight <= p + 1 for s in roomier.stages)
 
 
 def test_the_refinement_warms_a_stage_up_to_hide_a_slow_link():

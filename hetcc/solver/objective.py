@@ -122,7 +122,7 @@ def stage_costs(
     ]
     routes = [route_microbatches(problem.microbatches, s) for s in seconds]
     # A split schedule defers weight gradients: each stage as many as ZB-H1 does where its memory holds
-    # them, fewer where it does not; ZB-H2 warms up with more forwards, fewer where memory is short.
+    # them, fewer where it does not; ZB-H2 then warms up with more forwards, as many as memory still holds.
     split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
     least = warmup_forwards(
         "gpipe" if problem.schedule == "gpipe" else "1f1b", replicas, problem.microbatches
@@ -141,14 +141,15 @@ def stage_costs(
         ).fits
 
     most = zb_deferrals(replicas)
+    deferrals = [0] * k
     warmups = list(wanted)
-    if warmup is None:  # the schedule's, each stage's capped by its memory and by the stage before's
-        for j in range(k):
+    for j in range(k):
+        if warmup is None:  # the schedule's, capped by the stage before's; memory first to ZB-H1's W's
+            deferrals[j] = _most_fitting(lambda d, j=j: fits(j, d, least[j]), 0, most[j] if split[j] else 0)
             cap = min(wanted[j], warmups[j - 1]) if j else wanted[j]
-            warmups[j] = _most_fitting(lambda w, j=j: fits(j, 0, w), least[j], cap)
-    deferrals = [
-        _most_fitting(lambda d, j=j: fits(j, d, warmups[j]), 0, most[j] if split[j] else 0) for j in range(k)
-    ]
+            warmups[j] = _most_fitting(lambda w, j=j: fits(j, deferrals[j], w), least[j], cap)
+        else:
+            deferrals[j] = _most_fitting(lambda d, j=j: fits(j, d, warmups[j]), 0, most[j] if split[j] else 0)
     return tuple(
         _stage_plan(
             problem,
