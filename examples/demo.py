@@ -94,7 +94,7 @@ def _same_split(small, plan) -> object:
     stages = codegen(split_stages(gm, stage_of, len(plan.stages)))
     meta = dataclasses.replace(  # the small plan's settings, one CPU rank per stage of the big plan's split
         small.pipeline.meta, num_stages=len(plan.stages), placement=(), routing=(),
-        recompute=[s.recompute for s in plan.stages],
+        recompute=[s.recompute for s in plan.stages], shard=(), deferred=(), warmup=(),  # the defaults here
     )  # fmt: skip
     return dataclasses.replace(small, pipeline=Pipeline(stages, meta))
 

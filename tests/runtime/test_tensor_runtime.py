@@ -56,6 +56,7 @@ def _split(compiled, degrees, replicas=None, shard=None, schedule=None):
         routing=routing,
         shard=tuple(shard or ()),
         schedule=schedule or meta.schedule,
+        warmup=(),  # the plan's warm-ups were for its own replicas: the schedule's for these
     )
     return dataclasses.replace(compiled, pipeline=Pipeline(stages, meta))
 

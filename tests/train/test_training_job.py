@@ -69,7 +69,7 @@ def job():
     stages = codegen(split_stages(gm, stage_of, len(REPLICAS)))
     meta = dataclasses.replace(  # the compiled run's settings; this split's ranks and routing
         compiled.pipeline.meta, num_stages=len(REPLICAS), optimizer={"name": "adamw"},
-        placement=ranks_for(REPLICAS), routing=[[m % count for m in range(M)] for count in REPLICAS], recompute=(), shard=(), deferred=(),
+        placement=ranks_for(REPLICAS), routing=[[m % count for m in range(M)] for count in REPLICAS], recompute=(), shard=(), deferred=(), warmup=(),
     )  # fmt: skip
     assert stages[0].tied and {0, 2} <= set(stages[0].tied[0].stages)  # the embedding tied to the head
     return dataclasses.replace(compiled, pipeline=Pipeline(stages, meta)), eager
