@@ -102,3 +102,15 @@ def test_the_readme_trains_on_the_standard_library_resumes_and_exports(tmp_path)
 
     model, _ = gpt2_bytes()
     model.load_state_dict(safetensors.torch.load_file(tmp_path / "build/lm.safetensors"), strict=True)
+
+
+@pytest.mark.slow
+def test_the_demo_runs_and_its_pipeline_trains_like_eager(tmp_path):
+    """``make demo``, the README's first command: it plans, re-splits a small copy on the big plan's
+    stages, trains it on CPU processes and prints its losses beside eager PyTorch's."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py")], cwd=tmp_path,
+                          env=_users_environ(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if re.fullmatch(r"\s*\d+\s+\S+\s+\S+\s*", line)]
+    assert rows and all(float(ours) == pytest.approx(float(eager), rel=1e-5) for _, ours, eager in rows)
+    assert "demo done" in done.stdout
