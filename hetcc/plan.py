@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.hardware.schema import finite, read_text
-from hetcc.solver.schedules import SCHEDULES, SPLIT_SCHEDULES, splits_backward, stage_warmups, zb_deferrals
+from hetcc.solver.schedules import (
+    SCHEDULES,
+    SPLIT_SCHEDULES,
+    recorded_warmup,
+    splits_backward,
+    stage_warmups,
+    zb_deferrals,
+)
 
 PLAN_FORMAT_VERSION = 1
 PLAN_FILE = "plan.json"
@@ -180,12 +186,6 @@ def _stage_from_dict(data: dict) -> PlanStage:
         raise TypeError(f"stage {data.get('index')}'s memory must be a JSON object of byte counts")
     tuples = {k: tuple(data[k]) for k in lists}
     return PlanStage(**{**data, **tuples, "memory": MemoryBreakdown(**data["memory"])})
-
-
-def recorded_warmup(stages: Sequence[PlanStage]) -> list[int] | None:
-    """Each stage's forwards before its first backward, as the plan recorded them; None where it did not
-    (an inference plan, or one written before plans said it: the schedule's own then)."""
-    return [s.warmup for s in stages] if stages and all(s.warmup for s in stages) else None
 
 
 def _zb_h1_deferred(stages: tuple[PlanStage, ...], training: object) -> tuple[PlanStage, ...]:

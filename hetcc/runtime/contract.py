@@ -39,10 +39,10 @@ from hetcc.hardware.schema import (
     load_file,
     short_repr,
 )
-from hetcc.plan import PRECISIONS, RECOMPILE, Plan, recorded_warmup
+from hetcc.plan import PRECISIONS, RECOMPILE, Plan
 from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
-from hetcc.solver.schedules import SCHEDULES, warmup_forwards, zb_deferrals
+from hetcc.solver.schedules import SCHEDULES, recorded_warmup, warmup_fault, warmup_forwards, zb_deferrals
 
 VERSION = 2  # of pipeline.json, whose ``meta`` this record is
 READABLE_VERSIONS = (1, 2)
@@ -296,12 +296,9 @@ def _check(meta: PipelineMeta, where: Where) -> None:
     _check_per_stage(meta.shard, meta.num_stages, where.at("shard"))
     _check_per_stage(meta.deferred, meta.num_stages, where.at("deferred"))
     _check_per_stage(meta.warmup, meta.num_stages, where.at("warmup"))
-    least = warmup_forwards("gpipe" if meta.schedule == "gpipe" else "1f1b", replicas, meta.microbatches)
-    for k, (w, low) in enumerate(zip(meta.warmup, least)):
-        if meta.training and not low <= w <= meta.microbatches:
-            where.at("warmup", k).fail(
-                f"{w} forwards before the first backward; expected {low} (1F1B's) to {meta.microbatches} (M)"
-            )
+    fault = warmup_fault(meta.schedule, replicas, meta.microbatches, meta.warmup) if meta.training else None
+    if fault is not None:
+        where.at("warmup", fault[0]).fail(fault[1])
     unknown = sorted(set(meta.loss_scale) - set(LOSS_SCALE_OPTIONS))
     if unknown:
         where.at("loss_scale").fail(f"unknown options {unknown}", f"use {', '.join(LOSS_SCALE_OPTIONS)}")

@@ -28,9 +28,8 @@ class RankLayout:
     precision: str = "fp32"
     loss_scale: dict[str, float] = field(default_factory=dict)  # LossScaler options (fp16-mixed)
     deferred: tuple[int, ...] | None = None  # per stage: W deferred under a split schedule (None: ZB-H1's)
-    warmup: tuple[int, ...] | None = (
-        None  # per stage: forwards before its first backward (None: the schedule's)
-    )
+    # per stage: the forwards it runs before its first backward (None: the schedule's)
+    warmup: tuple[int, ...] | None = None
 
     @classmethod
     def from_meta(cls, meta: PipelineMeta) -> RankLayout:

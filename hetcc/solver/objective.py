@@ -54,12 +54,12 @@ from hetcc.solver.problem import (
 )
 from hetcc.solver.schedules import (
     defer_weights,
+    least_warmups,
     max_inflight,
     one_f_one_b,
     replica_actions,
     splits_backward,
     stage_warmups,
-    warmup_forwards,
     zb_deferrals,
 )
 from hetcc.solver.sharding import allgather_s, chosen_shard, group_param_bytes, sharded_bytes
@@ -124,9 +124,7 @@ def stage_costs(
     # A split schedule defers weight gradients: each stage as many as ZB-H1 does where its memory holds
     # them, fewer where it does not; ZB-H2 then warms up with more forwards, as many as memory still holds.
     split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
-    least = warmup_forwards(
-        "gpipe" if problem.schedule == "gpipe" else "1f1b", replicas, problem.microbatches
-    )
+    least = least_warmups(problem.schedule, replicas, problem.microbatches)
     wanted = stage_warmups(problem.schedule, replicas, problem.microbatches, warmup)
 
     def held(j: int, deferred: int, forwards: int) -> tuple[int, ...]:
@@ -144,12 +142,13 @@ def stage_costs(
     deferrals = [0] * k
     warmups = list(wanted)
     for j in range(k):
-        if warmup is None:  # the schedule's, capped by the stage before's; memory first to ZB-H1's W's
-            deferrals[j] = _most_fitting(lambda d, j=j: fits(j, d, least[j]), 0, most[j] if split[j] else 0)
+        # the schedule's warm-up (capped by the stage before's) gets the memory ZB-H1's W's leave; a
+        # pinned one defers what fits beside it
+        forwards = least[j] if warmup is None else warmups[j]
+        deferrals[j] = _most_fitting(lambda d, j=j, w=forwards: fits(j, d, w), 0, most[j] if split[j] else 0)
+        if warmup is None:
             cap = min(wanted[j], warmups[j - 1]) if j else wanted[j]
             warmups[j] = _most_fitting(lambda w, j=j: fits(j, deferrals[j], w), least[j], cap)
-        else:
-            deferrals[j] = _most_fitting(lambda d, j=j: fits(j, d, warmups[j]), 0, most[j] if split[j] else 0)
     return tuple(
         _stage_plan(
             problem,

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.problem_checks import validate_problem
+from hetcc.solver.schedules import recorded_warmup
 
 # Relative slack on memory capacity, so that a plan filling a device exactly is not lost to rounding.
 MEMORY_RTOL = 1e-9
@@ -306,7 +307,7 @@ class PartitionSolution:
     @property
     def warmup(self) -> list[int] | None:
         """Every stage's forwards before its first backward (None for inference: there are none)."""
-        return [s.warmup for s in self.stages] if all(s.warmup for s in self.stages) else None
+        return recorded_warmup(self.stages)
 
     @property
     def bottleneck_s(self) -> float:

@@ -9,7 +9,7 @@ import random
 
 from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
-from hetcc.solver.schedules import warmup_forwards
+from hetcc.solver.schedules import least_warmups, recorded_warmup, warmup_forwards
 from hetcc.solver.simulate import simulate
 
 REFINE_SIMULATIONS = 1000  # simulations (and memory-rejected moves) spent refining, at most
@@ -114,7 +114,7 @@ class _Climber:
         if repair and not all(stage.fits for stage in stages):
             recompute = [r or not stage.fits for r, stage in zip(recompute, stages)]
             stages = stage_costs(self.problem, bounds, groups, recompute, warmup=warmup)
-        plan = (bounds, groups, recompute, [s.warmup for s in stages] if self.problem.training else None)
+        plan = (bounds, groups, recompute, recorded_warmup(stages))
         if not all(stage.fits for stage in stages):
             self.budget -= REJECTED_COST
             return plan, math.inf
@@ -140,7 +140,7 @@ def _moves(problem: PartitionProblem, bounds, groups, recompute, warmup):
         return
     if warmup is None:  # a plan not simulated yet (a kick's first move): the schedule's own
         warmup = warmup_forwards(problem.schedule, counts, problem.microbatches)
-    least = warmup_forwards("1f1b", counts, problem.microbatches)
+    least = least_warmups(problem.schedule, counts, problem.microbatches)
     for j, w in enumerate(warmup):  # from 1F1B's to M, none above the stage before's (``stage_warmups``)
         low = max(least[j], warmup[j + 1] if j + 1 < len(warmup) else 0)
         high = warmup[j - 1] if j else problem.microbatches

@@ -147,21 +147,41 @@ def stage_warmups(
     With that, each B waits only on earlier B's: every such order runs."""
     if warmup is None:
         return warmup_forwards(schedule, replicas, microbatches)
-    least = warmup_forwards("gpipe" if schedule == "gpipe" else "1f1b", replicas, microbatches)
-    if (
-        len(warmup) != len(replicas)
-        or any(
-            isinstance(w, bool) or not isinstance(w, int) or not low <= w <= microbatches
-            for w, low in zip(warmup, least)
-        )
-        or any(later > earlier for earlier, later in zip(warmup, warmup[1:]))
-    ):
+    if len(warmup) != len(replicas) or warmup_fault(schedule, replicas, microbatches, warmup) is not None:
         raise PlanFormatError(
             f"schedule {schedule!r}: warm-up forwards {list(warmup)} must give, for each of {len(replicas)} "
-            f"stages, a count from {least} (1F1B's) to {microbatches} (M), none above the stage before's",
+            f"stages, a count from {least_warmups(schedule, replicas, microbatches)} (1F1B's) to "
+            f"{microbatches} (M), none above the stage before's",
             hint="one entry per stage, or none for the schedule's own",
         )
     return list(warmup)
+
+
+def warmup_fault(
+    schedule: str, replicas: Sequence[int], microbatches: int, warmup: Sequence[int]
+) -> tuple[int, str] | None:
+    """The first stage whose warm-up ``stage_warmups`` refuses, and why; None where every stage's runs."""
+    least = least_warmups(schedule, replicas, microbatches)
+    for k, (w, low) in enumerate(zip(warmup, least)):
+        if isinstance(w, bool) or not isinstance(w, int) or not low <= w <= microbatches:
+            return (
+                k,
+                f"{w!r} forwards before the first backward; expected {low} (1F1B's) to {microbatches} (M)",
+            )
+        if k and w > warmup[k - 1]:
+            return k, f"{w} forwards before the first backward, more than the stage before's {warmup[k - 1]}"
+    return None
+
+
+def least_warmups(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:
+    """Per stage, the fewest forwards it may run before its first backward: GPipe's M, else 1F1B's."""
+    return warmup_forwards("gpipe" if schedule == "gpipe" else "1f1b", replicas, microbatches)
+
+
+def recorded_warmup(stages: Sequence) -> list[int] | None:
+    """Each stage's ``warmup`` as a plan's stages (``PlanStage``, ``StageCost``) record it; None where
+    they do not (an inference plan, or a plan written before plans said it: the schedule's own then)."""
+    return [s.warmup for s in stages] if stages and all(s.warmup for s in stages) else None
 
 
 def warmup_forwards(schedule: str, replicas: Sequence[int], microbatches: int) -> list[int]:

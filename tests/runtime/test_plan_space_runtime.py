@@ -356,6 +356,10 @@ def test_layout_runs_the_warm_up_each_stage_was_planned():
         PlanFormatError, match=r"pipeline.json: warmup\[1\]: 2 forwards .* expected 3 \(1F1B's\)"
     ):
         read_meta({**record, "warmup": [6, 2, 1]}, 3, where)
+    with pytest.raises(
+        PlanFormatError, match=r"pipeline.json: warmup\[1\]: 6 forwards .* the stage before's 5"
+    ):
+        read_meta({**record, "warmup": [5, 6, 1]}, 3, where)  # stage 1 would wait on a forward stage 0 holds
     assert _run_meta(meta, "1f1b", None).warmup == (4, 3, 1)
     assert _run_meta(PipelineMeta(3, schedule="zb-h2", microbatches=6), None, 3).warmup == (3, 3, 1)
     assert _run_meta(replace(meta, warmup=(5, 3, 1)), "zb-h2", 6).warmup == (5, 3, 1)
