@@ -336,7 +336,7 @@ def inflight_microbatches(
 ) -> int:
     """Microbatches whose saved activations stage ``stage`` (all its replicas together) holds at its peak:
     W_j = min(M, sum of the replica counts of stages j..K-1) (min(M, K - j) without replicas) for 1F1B,
-    and for zb-h1 deferring no weight gradient (each deferred one holds one more; ``objective.stage_costs``
+    and for a zero-bubble schedule at 1F1B's warm-up deferring no weight gradient (each deferred one holds one more; ``objective.stage_costs``
     defers as many as fit, so the search checks memory at this least), M for GPipe, 1 for inference."""
     if not problem.training:
         return 1
@@ -364,7 +364,7 @@ def round_trip_slots(
 ) -> int | None:
     """W_j when stage ``stage`` must finish a backward before it may start another forward, else None.
 
-    That is a training 1F1B (or zb-h1) stage whose warm-up W_j is below M. GPipe stages, stages whose
+    That is a training 1F1B (or zero-bubble) stage whose warm-up W_j is below M. GPipe stages, stages whose
     warm-up already covers all M microbatches, and inference never wait on a backward.
     """
     inflight = min(problem.microbatches, warmup_depth(stage, num_stages, replicas))  # forwards before a B
