@@ -336,8 +336,9 @@ def inflight_microbatches(
 ) -> int:
     """Microbatches whose saved activations stage ``stage`` (all its replicas together) holds at its peak:
     W_j = min(M, sum of the replica counts of stages j..K-1) (min(M, K - j) without replicas) for 1F1B,
-    and for a zero-bubble schedule at 1F1B's warm-up deferring no weight gradient (each deferred one holds one more; ``objective.stage_costs``
-    defers as many as fit, so the search checks memory at this least), M for GPipe, 1 for inference."""
+    and for a zero-bubble schedule at 1F1B's warm-up deferring no weight gradient (each deferred one or
+    extra forward holds one more; ``objective.stage_costs`` takes as many as fit, so the search checks
+    memory at this least), M for GPipe, 1 for inference."""
     if not problem.training:
         return 1
     if problem.schedule == "gpipe":
