@@ -166,7 +166,7 @@ class Chain:
 
     def _by_depth(self, depth: int) -> tuple[int, float]:
         """W_j and the round-trip slots (inf if none) of a stage with ``depth`` devices from it to the
-        last stage: both depend on nothing else (``problem.warmup_depth``)."""
+        last stage: both depend on nothing else (``schedules.downstream_replicas``)."""
         if depth not in self._depths:
             slots = round_trip_slots(self.problem, 0, depth)
             self._depths[depth] = (

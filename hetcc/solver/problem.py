@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, fields
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.problem_checks import validate_problem
-from hetcc.solver.schedules import recorded_warmup
+from hetcc.solver.schedules import downstream_replicas, recorded_warmup
 
 # Relative slack on memory capacity, so that a plan filling a device exactly is not lost to rounding.
 MEMORY_RTOL = 1e-9
@@ -335,20 +335,15 @@ def inflight_microbatches(
     problem: PartitionProblem, stage: int, num_stages: int, replicas: Sequence[int] | None = None
 ) -> int:
     """Microbatches whose saved activations stage ``stage`` (all its replicas together) holds at its peak:
-    W_j = min(M, sum of the replica counts of stages j..K-1) (min(M, K - j) without replicas) for 1F1B,
-    and for a zero-bubble schedule at 1F1B's warm-up deferring no weight gradient (each deferred one or
-    extra forward holds one more; ``objective.stage_costs`` takes as many as fit, so the search checks
-    memory at this least), M for GPipe, 1 for inference."""
+    W_j = min(M, ``schedules.downstream_replicas``) for 1F1B, and for a zero-bubble schedule at 1F1B's
+    warm-up deferring no weight gradient (each deferred one or extra forward holds one more;
+    ``objective.stage_costs`` takes as many as fit, so the search checks memory at this least), M for
+    GPipe, 1 for inference."""
     if not problem.training:
         return 1
     if problem.schedule == "gpipe":
         return problem.microbatches
-    return min(problem.microbatches, warmup_depth(stage, num_stages, replicas))
-
-
-def warmup_depth(stage: int, num_stages: int, replicas: Sequence[int] | None) -> int:
-    """Sum of replica counts from ``stage`` to the last stage (K - stage without replicas)."""
-    return num_stages - stage if replicas is None else sum(replicas[stage:])
+    return min(problem.microbatches, downstream_replicas(stage, num_stages, replicas))
 
 
 def replica_inflight(stage_inflight: int, replicas: int) -> int:
@@ -368,7 +363,9 @@ def round_trip_slots(
     That is a training 1F1B (or zero-bubble) stage whose warm-up W_j is below M. GPipe stages, stages whose
     warm-up already covers all M microbatches, and inference never wait on a backward.
     """
-    inflight = min(problem.microbatches, warmup_depth(stage, num_stages, replicas))  # forwards before a B
+    inflight = min(
+        problem.microbatches, downstream_replicas(stage, num_stages, replicas)
+    )  # forwards before a B
     if problem.training and problem.schedule != "gpipe" and inflight < problem.microbatches:
         return inflight
     return None

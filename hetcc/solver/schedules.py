@@ -189,12 +189,18 @@ def warmup_forwards(schedule: str, replicas: Sequence[int], microbatches: int) -
     ``replicas`` per stage: M under GPipe; 1F1B's (and ZB-H1's) min(M, replicas of stages s..K-1), enough
     to keep every downstream replica busy; ZB-H2's min(M, twice that less one), which fills the round
     trip of the first microbatch."""
-    depths = [sum(replicas[s:]) for s in range(len(replicas))]
+    depths = [downstream_replicas(s, len(replicas), replicas) for s in range(len(replicas))]
     if schedule == "gpipe":
         return [microbatches] * len(depths)
     if schedule == "zb-h2":
         return [min(microbatches, 2 * depth - 1) for depth in depths]
     return [min(microbatches, depth) for depth in depths]
+
+
+def downstream_replicas(stage: int, num_stages: int, replicas: Sequence[int] | None = None) -> int:
+    """The replicas of stages ``stage``..K-1 (K - stage without replicas): the forwards a 1F1B stage runs
+    before its first backward where M allows, enough to keep every later replica busy."""
+    return num_stages - stage if replicas is None else sum(replicas[stage:])
 
 
 def zb_deferrals(replicas: Sequence[int]) -> list[int]:
