@@ -101,7 +101,7 @@ def simulate(
     routes = [s.route for s in stages]
     timeline = _Timeline(problem, stages, routes, events)
     for lane in lanes:
-        lane.steps = [timeline.step(lane, action) for action in lane.actions]
+        lane.steps = timeline.steps(lane)
     remaining = sum(len(lane.steps) for lane in lanes)
     while remaining:
         progressed = 0
@@ -110,6 +110,7 @@ def simulate(
         if not progressed:
             raise PlanFormatError("simulated schedule deadlocked", hint="report the plan and schedule")
         remaining -= progressed
+    timeline.finish(lanes)
     timeline.all_reduce(lanes)
     timeline.tied_sums(lanes)
     return timeline.result(lanes, k)
@@ -153,7 +154,6 @@ class _Timeline:
     def __init__(self, problem: PartitionProblem, stages, routes, record: bool = True):
         self.problem, self.stages, self.routes, self.record = problem, stages, routes, record
         self.last_s = 0.0  # the latest end of anything on the timeline
-        self.wires: dict[tuple, tuple[tuple[int, int], float]] = {}
         self.link_free_s: dict[tuple[int, int], float] = {}
         self.arrival_s: dict[tuple[int, str, int], float] = {}  # (receiving stage, kind, mb) -> time
         self.received: dict[tuple[int, str, int], int] = {}  # messages arrived so far
@@ -168,53 +168,74 @@ class _Timeline:
             self.expected[(b, "F")] = self.expected.get((b, "F"), 0) + 1
             self.expected[(a, "B")] = self.expected.get((a, "B"), 0) + 1
 
-    def step(self, lane: _Lane, action) -> tuple:
-        """One action as ``run`` takes it: (what it waits for, how many messages, its seconds, its sends
-        as (what they deliver, link, seconds), kind, microbatch)."""
-        stage, kind, m = lane.stage, action.kind, action.microbatch
-        sends = []
-        for target, message in self.outgoing.get((stage, kind), ()):
-            peer = self.stages[target].group[self.routes[target][m]]
-            wire = self.wires.get((lane.device, peer, stage, target))
-            if wire is None:  # the link (one per device pair, both directions) and the message's seconds
-                link = (min(lane.device, peer), max(lane.device, peer))
-                wire = self.wires[lane.device, peer, stage, target] = (
-                    link,
-                    message_s(self.problem, lane.device, peer, message),
+    def steps(self, lane: _Lane) -> list[tuple]:
+        """The lane's actions as ``run`` takes them: per action (what it waits for, how many messages, its
+        seconds, its sends as (what they deliver, link, seconds), kind, microbatch)."""
+        stage, device, routes = lane.stage, lane.device, self.routes
+        seconds = {"F": lane.fwd_s, "B": lane.bwd_s - lane.wgrad_s, "W": lane.wgrad_s}
+        expected = {kind: self.expected.get((stage, kind), 0) for kind in seconds}
+        # per kind, per message: its target stage and, per replica of that stage, the wire to it
+        outgoing = {
+            kind: [
+                (target, [self._wire(device, peer, message) for peer in self.stages[target].group])
+                for target, message in self.outgoing.get((stage, kind), ())
+            ]
+            for kind in seconds
+        }  # fmt: skip
+        steps = []
+        for action in lane.actions:
+            kind, m = action.kind, action.microbatch
+            sends = ()
+            if outgoing[kind]:
+                sends = tuple(
+                    [((target, kind, m), *wires[routes[target][m]]) for target, wires in outgoing[kind]]
                 )
-            sends.append(((target, kind, m), *wire))
-        duration = {"F": lane.fwd_s, "B": lane.bwd_s - lane.wgrad_s, "W": lane.wgrad_s}[kind]
-        return (stage, kind, m), self.expected.get((stage, kind), 0), duration, tuple(sends), kind, m
+            steps.append(((stage, kind, m), expected[kind], seconds[kind], sends, kind, m))
+        return steps
+
+    def _wire(self, device: int, peer: int, message: Message) -> tuple[tuple[int, int], float]:
+        """(the link between ``device`` and ``peer``, one per pair and both directions; the seconds of
+        ``message`` on it)."""
+        return (min(device, peer), max(device, peer)), message_s(self.problem, device, peer, message)
 
     def run(self, lane: _Lane) -> int:
         """Run the lane's next actions whose inputs have arrived, each with its outgoing sends (the
-        stage does not wait for them; a link carries one at a time, in the order issued); how many."""
-        received, arrival, link_free = self.received, self.arrival_s, self.link_free_s
+        stage does not wait for them; a link carries one at a time, in the order issued); how many.
+        (The hot loop of every simulation: conditionals rather than ``max``, and the step's end is taken
+        once every lane is done, ``finish``.)"""
+        received, arrival, link_free, record = self.received, self.arrival_s, self.link_free_s, self.record
         steps, start_cursor = lane.steps, lane.cursor
-        cursor, free, busy, last = start_cursor, lane.free_s, lane.busy_s, self.last_s
-        while cursor < len(steps):
+        cursor, free, busy, count = start_cursor, lane.free_s, lane.busy_s, len(steps)
+        while cursor < count:
             key, expected, duration, sends, kind, m = steps[cursor]
-            if received.get(key, 0) < expected:
+            if expected and received.get(key, 0) < expected:
                 break
-            start = max(free, arrival.get(key, 0.0))
+            ready = arrival.get(key, 0.0)
+            start = free if free >= ready else ready
             end = start + duration
             free = end
             busy += end - start
-            last = max(last, end)
-            if self.record:
+            if record:
                 self._note(lane, lane.stage, kind, m, start, end)
             for target, link, seconds in sends:
-                sent = max(link_free.get(link, 0.0), end)
+                sent = link_free.get(link, 0.0)
+                if sent < end:
+                    sent = end
                 done = sent + seconds
                 link_free[link] = done
-                arrival[target] = max(arrival.get(target, 0.0), done)
+                if arrival.get(target, 0.0) < done:
+                    arrival[target] = done
                 received[target] = received.get(target, 0) + 1
-                last = max(last, done)
-                if self.record:
+                if record:
                     self._note(lane, lane.stage, f"SEND_{kind}", m, sent, done)
             cursor += 1
-        lane.cursor, lane.free_s, lane.busy_s, self.last_s = cursor, free, busy, last
+        lane.cursor, lane.free_s, lane.busy_s = cursor, free, busy
         return cursor - start_cursor
+
+    def finish(self, lanes: list[_Lane]) -> None:
+        """Once every lane has run its actions: the latest end of any compute or transfer so far (each
+        lane's and each link's clock only ever moves on)."""
+        self.last_s = max(self.last_s, *(lane.free_s for lane in lanes), *self.link_free_s.values())
 
     def _note(self, lane: _Lane, stage: int, kind: str, m: int, start: float, end: float) -> None:
         self.last_s = max(self.last_s, end)
