@@ -133,10 +133,10 @@ def stage_costs(
         return _held(problem.microbatches, forwards, deferred if split[j] else None, tuple(routes[j]),
                      len(groups[j]))  # fmt: skip
 
+    footprints = [_footprint(problem, *boundaries[j : j + 2], g) for j, g in enumerate(groups)]
+
     def fits(j: int, deferred: int, forwards: int) -> bool:
-        return _memory(
-            problem, *boundaries[j : j + 2], groups[j], held(j, deferred, forwards), recompute[j], shard[j]
-        ).fits
+        return _memory(problem, footprints[j], held(j, deferred, forwards), recompute[j], shard[j]).fits
 
     most = zb_deferrals(replicas)
     deferrals = [0] * k
@@ -156,11 +156,10 @@ def stage_costs(
             groups,
             routes,
             seconds[j],
-            held(j, d, warmups[j]),
+            _memory(problem, footprints[j], held(j, d, warmups[j]), recompute[j], shard[j]),
             recompute[j],
             j,
             codecs[j],
-            shard[j],
             d,
             warmups[j],
         )  # fmt: skip
@@ -265,11 +264,10 @@ def _stage_plan(
     groups,
     routes,
     seconds,
-    held,
+    memory: _Memory,
     recompute: bool,
     j: int,
     pinned,
-    shard: bool | None,
     deferred: int,
     warmup: int,
 ) -> StageCost:
@@ -287,7 +285,6 @@ def _stage_plan(
         times = {pair: pair_s(problem, stop - 1, pair, rows) for pair in pairs}
         comm, codecs = max(times.values()), names(rows)
         link_busy = max(steady_share(count, m) * times[pair] for pair, count in pairs.items())
-    memory = _memory(problem, start, stop, group, held, recompute, shard)
     worst = memory.worst
     return StageCost(
         blocks=(start, stop),
@@ -334,22 +331,42 @@ class _Memory(NamedTuple):
     worst: int
 
 
-def _memory(problem, start: int, stop: int, group, held, recompute: bool, shard: bool | None) -> _Memory:
-    """The memory of blocks ``[start, stop)`` on replica group ``group``, each replica holding ``held``
-    microbatches' activations at once, sharding where ``shard`` says (None: ``chosen_shard``)."""
+class _Footprint(NamedTuple):
+    """What one replica group's memory is made of, whatever it holds at once: per replica its state and
+    one microbatch's activation bytes, its capacity and the bytes sharding its optimizer state saves;
+    what a recomputing stage keeps per microbatch (its input)."""
+
+    state: list[float]
+    act: list[float]
+    caps: list[float]
+    saved: list[float]
+    kept: float
+
+
+def _footprint(problem, start: int, stop: int, group) -> _Footprint:
+    """The footprint of blocks ``[start, stop)`` on replica group ``group`` (worked out once per stage:
+    ``stage_costs`` weighs several held counts against it)."""
     kinds = [problem.devices[d].type for d in group]
-    caps = [problem.devices[d].memory_bytes for d in group]
-    state = [math.fsum(problem.state_for(t)[start:stop]) for t in kinds]
-    act = [math.fsum(problem.act_for(t)[start:stop]) for t in kinds]
-    kept = problem.cut_bytes[start - 1] if start > 0 else 0.0  # what a recomputing stage keeps
+    return _Footprint(
+        [math.fsum(problem.state_for(t)[start:stop]) for t in kinds],
+        [math.fsum(problem.act_for(t)[start:stop]) for t in kinds],
+        [problem.devices[d].memory_bytes for d in group],
+        [sharded_bytes(problem, t, start, stop, len(group)) for t in kinds],
+        problem.cut_bytes[start - 1] if start > 0 else 0.0,
+    )
+
+
+def _memory(problem, footprint: _Footprint, held, recompute: bool, shard: bool | None) -> _Memory:
+    """The memory of a replica group of ``footprint``, each replica holding ``held`` microbatches'
+    activations at once, sharding where ``shard`` says (None: ``chosen_shard``)."""
+    state, act, caps, saved, kept = footprint
     used = [w + (h * kept + a if recompute else h * a) for w, a, h in zip(state, act, held)]
-    saved = [sharded_bytes(problem, t, start, stop, len(group)) for t in kinds]
     if shard is None:
-        shard = chosen_shard(problem, len(group), max(saved), all(map(within_memory, used, caps)))
+        shard = chosen_shard(problem, len(caps), max(saved), all(map(within_memory, used, caps)))
     shard = bool(shard and problem.training)
     if shard:
         used = [u - s for u, s in zip(used, saved)]
-    worst = max(range(len(group)), key=lambda r: used[r] - caps[r])
+    worst = max(range(len(caps)), key=lambda r: used[r] - caps[r])
     return _Memory(state, act, held, used, saved, shard, within_memory(used[worst], caps[worst]), worst)
 
 
