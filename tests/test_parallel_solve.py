@@ -1,20 +1,27 @@
 """Independent solves at once (``hetcc.solver.parallel``): forked workers give exactly the answers of
-one-after-another solving, infeasible problems included, and the degree search keeps its plan."""
+one-after-another solving, infeasible problems included, and the degree search keeps its plan; one
+search serves every 1F1B-family schedule (``solve.search_plans``), each solved as alone."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import replace
 from pathlib import Path
 from unittest import mock
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from test_plan_space import problems
 from test_tensor_plans import _two_h100_nodes
 
 from hetcc import config
 from hetcc.errors import InfeasiblePlanError
+from hetcc.passes import schedule_search
+from hetcc.passes.schedule_search import AUTO_SCHEDULES
 from hetcc.solver import parallel, tensor
 from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.solve import search_plans, solve, solve_searched
 from hetcc.solver.tensor import solve_tensor
 
 SAVED = Path(__file__).parent / "data" / "gpt2_medium_three_nodes.problem.json"
@@ -79,4 +86,38 @@ def test_jobs_of_a_worker_that_dies_are_solved_in_this_process(forced, monkeypat
     monkeypatch.setattr(parallel, "_solve_or_error", _dying)
     jobs = _jobs()
     answers = parallel.solve_each(jobs)
-    assert answers[0] == _SOLVE((jobs[0], 0)) and isinstance(answers[1], InfeasiblePlanError)
+    assert answers[0] == _SOLVE((jobs[0], 0, None)) and isinstance(answers[1], InfeasiblePlanError)
+
+
+@settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_blocks=7))
+def test_one_search_serves_every_one_f_one_b_family_schedule(problem):
+    """The searches see 1f1b, zb-h1 and zb-h2 alike, so ``schedule="auto"`` searches once: each
+    schedule's plan from the shared search is the plan its own ``solve`` gives."""
+    problem = replace(problem, wgrad_s={t: [b / 2 for b in v] for t, v in problem.bwd_s.items()})
+    scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
+    try:
+        searched = search_plans(scheduled[0], rerank=2)
+    except InfeasiblePlanError:
+        for p in scheduled:
+            with pytest.raises(InfeasiblePlanError):
+                solve(p, rerank=2)
+        return
+    assert all(search_plans(p, rerank=2) == searched for p in scheduled[1:])
+    alone = [solve(p, rerank=2) for p in scheduled]
+    with mock.patch.object(schedule_search, "RERANK", 2):
+        solved, kept, note = schedule_search.solve_schedules(problem, "auto")
+    assert kept == min(alone, key=lambda plan: plan.simulated_s) and solved.schedule in note
+    assert all(f"{p.schedule} {plan.simulated_s * 1e3:.2f} ms" in note for p, plan in zip(scheduled, alone))
+    with pytest.raises(ValueError, match="GPipe"):
+        solve_searched(replace(problem, schedule="gpipe"), searched, rerank=2)
+
+
+def test_workers_answer_a_shared_search_as_solving_alone(forced):
+    problem = replace(_two_h100_nodes(), tensor_splits=None)
+    problem = replace(problem, wgrad_s={t: [b / 2 for b in v] for t, v in problem.bwd_s.items()})
+    scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
+    searched = search_plans(scheduled[0], rerank=1)
+    together = parallel.solve_each(scheduled, 1, searched)
+    assert together == [solve(p, rerank=1) for p in scheduled]
+    assert len({plan.simulated_s for plan in together}) > 1  # the schedules replay differently

@@ -2,7 +2,9 @@
 
 ``solve_one`` solves a problem (``solver.solve``), or with tensor parallelism on, searches its degree
 assignments (``solver.tensor.solve_tensor``). ``schedule="auto"`` tries every schedule of
-``AUTO_SCHEDULES`` (``solve_each_schedule``); with ``tensor_parallel="auto"`` too, the degrees are searched
+``AUTO_SCHEDULES`` (``solve_each_schedule``): one search, whose plans each schedule re-ranks and refines
+under its own replay (the searches see these schedules alike: ``solver.solve.Searched``); with
+``tensor_parallel="auto"`` too, the degrees are searched
 once, under the first, and the others planned on the degrees found and on degree 1. Solves that do not
 depend on each other run side by side (``solver.parallel.solve_each``).
 """
@@ -15,7 +17,7 @@ from dataclasses import replace
 from hetcc.errors import InfeasiblePlanError
 from hetcc.solver.parallel import solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
-from hetcc.solver.solve import solve
+from hetcc.solver.solve import search_plans, solve
 from hetcc.solver.tensor import DeviceMap, composite_problem, solve_tensor, tensor_bound
 
 RERANK = 6  # best sequences replayed in the simulator; the fastest simulated wins
@@ -46,9 +48,11 @@ def solve_each_schedule(
         solved, solution, device_map = solve_one(problem, tensor)
         return solved, solution, "", device_map
     tried, first_error = [], None
-    if not (tensor and problem.tensor_splits):  # each schedule one solve: all at once
+    if not (tensor and problem.tensor_splits):  # one search, then each schedule's re-ranking at once
         scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
-        for each, answer in zip(scheduled, solve_each(scheduled, RERANK)):
+        problem.validate()
+        searched = search_plans(scheduled[0], RERANK)  # InfeasiblePlanError: no schedule has a plan
+        for each, answer in zip(scheduled, solve_each(scheduled, RERANK, searched)):
             if isinstance(answer, InfeasiblePlanError):
                 first_error = first_error or answer
             else:

@@ -22,7 +22,7 @@ from concurrent.futures.process import BrokenProcessPool
 from hetcc import config
 from hetcc.errors import InfeasiblePlanError
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
-from hetcc.solver.solve import solve
+from hetcc.solver.solve import Searched, solve, solve_searched
 
 # Blocks x devices x microbatches summed over the jobs: below it they solve faster one after another
 # than processes start (the 70B problem's tensor groups are ~73,000 each, GPT-2 medium's ~7,000).
@@ -30,12 +30,14 @@ PARALLEL_WORK = 200_000
 
 
 def solve_each(
-    problems: Sequence[PartitionProblem], rerank: int = 0
+    problems: Sequence[PartitionProblem], rerank: int = 0, searched: Searched | None = None
 ) -> list[PartitionSolution | InfeasiblePlanError]:
     """``solve(problem, rerank)`` of each problem, in order; a problem no plan fits gives its
-    InfeasiblePlanError in its place rather than raising. Where a worker dies, every job is solved
+    InfeasiblePlanError in its place rather than raising. ``searched``: what ``solve.search_plans``
+    found for every one of them (the same problem under schedules its searches see alike), so each job
+    only re-ranks and refines (``solve.solve_searched``). Where a worker dies, every job is solved
     again in this process."""
-    jobs = [(problem, rerank) for problem in problems]
+    jobs = [(problem, rerank, searched) for problem in problems]
     workers = _workers(problems)
     if workers <= 1:
         return [_solve_or_error(job) for job in jobs]
@@ -55,9 +57,12 @@ def _workers(problems: Sequence[PartitionProblem]) -> int:
     return min(len(problems), config.solver_workers or os.cpu_count() or 1)
 
 
-def _solve_or_error(job: tuple[PartitionProblem, int]) -> PartitionSolution | InfeasiblePlanError:
-    problem, rerank = job
+def _solve_or_error(job: tuple) -> PartitionSolution | InfeasiblePlanError:
+    problem, rerank, searched = job
     try:
+        if searched is not None:
+            problem.validate()
+            return solve_searched(problem, searched, rerank)
         return solve(problem, rerank=rerank)
     except InfeasiblePlanError as error:
         return error

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,6 +34,27 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
     search's plan too), each search's fastest refined by simulation (``refine.refine_by_simulation``).
     ``simulated_s`` is filled in either way; ``gap`` is simulated step / lower bound - 1."""
     problem.validate()
+    return solve_searched(problem, search_plans(problem, rerank), rerank)
+
+
+class Searched(NamedTuple):
+    """What ``solve``'s searches found (``search_plans``): per plan space, whether it allows replicas and
+    its candidate plans (boundaries, groups, recompute, shard), best first; whether the first search was
+    exhaustive and how many sequences it solved.
+
+    The searches see a schedule only as GPipe or not (a stage holds 1F1B's microbatches under every
+    other: ``problem.inflight_microbatches``; the formula has no warm-up or deferral), so one
+    ``Searched`` serves 1f1b, zb-h1 and zb-h2 alike (``solve_searched``), which differ in what the
+    simulator replays."""
+
+    gpipe: bool
+    exact: bool
+    solved: int
+    spaces: tuple[tuple[bool, tuple], ...]
+
+
+def search_plans(problem: PartitionProblem, rerank: int = 0) -> Searched:
+    """``solve``'s searches; InfeasiblePlanError naming the tightest shortfall where no plan fits."""
     found = search(problem, keep=max(1, rerank))
     if found is None:
         raise _infeasible_error(problem)
@@ -42,16 +64,27 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
         # the sequence the single-best search finds joins the re-ranking, so re-ranking never loses it.
         single = search(problem, keep=1)
         candidates += single.candidates if single is not None else []
-    searches = [(problem, candidates)]
+    spaces = [(problem.replicate, tuple(candidates))]
     if rerank and problem.replicate:
         # Pure pipelines are plans too: the search with replicas is heuristic on large clusters, and its
         # formula and the simulator can disagree, so the best pure pipelines join the re-ranking.
-        pure_problem = replace(problem, replicate=False)
-        pure = search(pure_problem, keep=rerank)
-        searches.append((pure_problem, pure.candidates if pure is not None else []))
+        pure = search(replace(problem, replicate=False), keep=rerank)
+        spaces.append((False, tuple(pure.candidates) if pure is not None else ()))
+    return Searched(problem.schedule == "gpipe", found.exact, found.solved, tuple(spaces))
+
+
+def solve_searched(problem: PartitionProblem, searched: Searched, rerank: int = 0) -> PartitionSolution:
+    """``solve`` from what ``search_plans`` found for ``problem`` under this schedule or another that
+    the searches see alike (``Searched``): the candidates scored, re-ranked and refined under
+    ``problem.schedule``."""
+    if searched.gpipe != (problem.schedule == "gpipe"):
+        raise ValueError(
+            f"plans searched {'with' if searched.gpipe else 'without'} GPipe replayed under {problem.schedule}"
+        )
     bound_s = lower_bound(problem)
     seen, best = set(), None
-    for space, candidates in searches:
+    for replicate, candidates in searched.spaces:
+        space = problem if replicate == problem.replicate else replace(problem, replicate=replicate)
         scored = []
         for boundaries, groups, recompute, shard in candidates:
             key = (tuple(boundaries), tuple(map(tuple, groups)), tuple(recompute), tuple(shard))
@@ -81,7 +114,9 @@ def solve(problem: PartitionProblem, rerank: int = 0) -> PartitionSolution:
         best = winner if best is None or winner[:2] < best[:2] else best
     _, _, plan, simulated = best
     gap = simulated / plan.lower_bound_s - 1 if plan.lower_bound_s > 0 else math.inf
-    return replace(plan, exact=found.exact, orders_searched=found.solved, simulated_s=simulated, gap=gap)
+    return replace(
+        plan, exact=searched.exact, orders_searched=searched.solved, simulated_s=simulated, gap=gap
+    )
 
 
 def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:
