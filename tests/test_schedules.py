@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.schedules import Action, format_grid, max_inflight, stage_actions, unit_step_timeline
+from hetcc.solver.schedules import (
+    INTERLEAVED,
+    Action,
+    format_grid,
+    interleaved_actions,
+    max_inflight,
+    stage_actions,
+    unit_step_timeline,
+)
 
 shapes = st.tuples(st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 6), st.integers(1, 9))
 
@@ -203,3 +211,50 @@ def test_a_bad_warm_up_names_the_rule():
     with pytest.raises(PlanFormatError, match=r"from \[4, 4\] \(1F1B's\)"):
         stage_actions("gpipe", 2, 4, warmup=[3, 3])  # GPipe runs every forward first
     assert stage_actions("gpipe", 2, 4, warmup=[4, 4]) == stage_actions("gpipe", 2, 4)
+
+
+interleavings = st.tuples(st.integers(1, 5), st.integers(1, 4), st.integers(1, 4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(interleavings)
+def test_interleaved_1f1b_runs_each_stage_in_order_and_hides_the_bubble_v_times(shape):
+    """Interleaved 1F1B (p ranks of v chunks, M = k * p): every stage (rank r, chunk c: stage c * p + r)
+    runs each microbatch's forward then backward once, in microbatch order, the order is deadlock-free,
+    and at one unit step per chunk action it takes 2vM + 2(p - 1) steps (Narayanan et al.: the bubble is
+    1F1B's 2(p - 1) stage steps over v), where 1F1B on the same chunks in v-times larger stages takes
+    v(2M + 2(p - 1))."""
+    ranks, chunks, rounds = shape
+    microbatches = rounds * ranks
+    orders = interleaved_actions(ranks, chunks, microbatches)
+    for rank, order in enumerate(orders):
+        for chunk in range(chunks):
+            mine = [a for a in order if a.chunk == chunk]
+            assert [a.microbatch for a in mine if a.kind == "F"] == list(range(microbatches)), (rank, chunk)
+            assert [a.microbatch for a in mine if a.kind == "B"] == list(range(microbatches)), (rank, chunk)
+            position = {(a.kind, a.microbatch): i for i, a in enumerate(mine)}
+            assert all(position["F", m] < position["B", m] for m in range(microbatches))
+    assert len(unit_step_timeline(orders)[0]) == 2 * chunks * microbatches + 2 * (ranks - 1)
+    one_f_one_b = unit_step_timeline(stage_actions("1f1b", ranks, microbatches))  # a step: v chunk steps
+    assert chunks * len(one_f_one_b[0]) == chunks * 2 * microbatches + chunks * 2 * (ranks - 1)
+
+
+def test_interleaved_1f1b_matches_megatrons_order():
+    # rank 0 of 2, 2 chunks: 2(p - 1) + (v - 1)p = 4 warm-up forwards, chunk 0 for microbatches 0-1 then
+    # chunk 1 for the same; its backwards run the last chunk first; the last stage (rank 1, chunk 1) turns
+    # each forward round into a backward at once
+    orders = interleaved_actions(2, 2, 4)
+    assert " ".join(map(str, orders[0])) == (
+        "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
+    )
+    assert " ".join(map(str, orders[1][:6])) == "F0 F1 F0.1 B0.1 F1.1 B1.1"
+    assert interleaved_actions(3, 1, 6) == stage_actions("1f1b", 3, 6)  # one chunk: 1F1B
+    assert format_grid(INTERLEAVED, 2, 2, chunks=2, comm=False) == "\n".join([
+        "       | 0   1   2     3     4     5     6     7     8   9",
+        "-----------------------------------------------------------",
+        "rank 0 | F0  F1  F0.1  F1.1  .     .     B0.1  B1.1  B0  B1",
+        "rank 1 | .   F0  F1    F0.1  F1.1  B0.1  B1.1  B0    B1  .",
+    ])  # fmt: skip
+    for bad in ((2, 2, 3), (2, 0, 4), (0, 2, 4)):
+        with pytest.raises(PlanFormatError):
+            interleaved_actions(*bad)

@@ -40,6 +40,9 @@ before's (``stage_warmups`` says why: each such order is deadlock-free). The pla
 by simulation: on unequal devices the best warm-up differs per stage.
 
 With ``training=False`` every schedule reduces to forwards only, in microbatch order.
+
+``interleaved-1f1b`` (``INTERLEAVED``, ``interleaved_actions``): v stages per rank, 1F1B's bubble over v;
+its order is data here (a grid, its unit-step bubble), not yet planned, simulated or run.
 """
 
 from __future__ import annotations
@@ -51,18 +54,22 @@ from hetcc.errors import PlanFormatError
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SPLIT_SCHEDULES = ("zb-h1", "zb-h2")  # the schedules that run input and weight gradients apart
+INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actions``): not planned yet
 
 
 @dataclass(frozen=True)
 class Action:
     """One compute action of a stage: ``kind`` is ``"F"`` (forward), ``"B"`` (backward: under a split
-    schedule the input gradient only) or ``"W"`` (the weight gradient of a split backward)."""
+    schedule the input gradient only) or ``"W"`` (the weight gradient of a split backward). ``chunk``:
+    which of its rank's stages runs it, under an interleaved order (``interleaved_actions``: stage
+    ``chunk * ranks + rank``); 0 where a rank holds one stage."""
 
     kind: str
     microbatch: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
 def check_schedule_args(schedule: str, num_stages: int, microbatches: int) -> None:
@@ -239,6 +246,45 @@ def defer_weights(order: Sequence[Action], lag: int) -> list[Action]:
     return out + [Action("W", m) for m in pending]
 
 
+def interleaved_actions(ranks: int, chunks: int, microbatches: int) -> list[list[Action]]:
+    """Per rank, its actions under interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language
+    Model Training on GPU Clusters", Megatron-LM's order; torch's ``ScheduleInterleaved1F1B``): the model
+    is cut into ``chunks * ranks`` stages and rank r holds stages r, r + p, ..., one per chunk, so a
+    microbatch crosses every rank ``chunks`` times. Each rank runs its forwards in groups of p microbatches
+    per chunk (chunk 0 for microbatches 0..p-1, chunk 1 for the same, ..., then the next p), its
+    backwards likewise from the last chunk down; it warms up with 2(p - r - 1) + (v - 1)p forwards (all
+    v*M where M = p), then alternates one forward and one backward, then drains. Its bubble is 1F1B's
+    over v: 2(p - 1) chunk steps at equal F and B (``unit_step_timeline``), against 2v(p - 1) for 1F1B
+    on the same chunks in v-times larger stages. M must be a multiple of p (Megatron's rule); one chunk
+    per rank is 1F1B's order.
+
+    The planner, the simulator and the runtime do not take it yet (a rank runs one stage there); it
+    is here as data: its order, its grid (``format_grid(INTERLEAVED, ...)``) and its unit-step bubble."""
+    check_schedule_args("1f1b", ranks, microbatches)
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or microbatches % ranks:
+        raise PlanFormatError(
+            f"interleaved 1F1B: {chunks!r} chunks per rank and {microbatches} microbatches over {ranks} ranks",
+            hint="give each rank 1 or more chunks, and a multiple of the ranks as microbatches",
+        )
+    if chunks == 1:
+        return stage_actions("1f1b", ranks, microbatches)
+    total, group = chunks * microbatches, ranks * chunks
+
+    def action(kind: str, k: int) -> Action:  # the k-th forward (backward) of a rank
+        chunk = (k % group) // ranks
+        microbatch = (k // group) * ranks + k % ranks
+        return Action(kind, microbatch, chunk if kind == "F" else chunks - 1 - chunk)
+
+    orders = []
+    for rank in range(ranks):
+        warmup = total if microbatches == ranks else min(total, 2 * (ranks - rank - 1) + (chunks - 1) * ranks)
+        order = [action("F", k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [action("F", warmup + k), action("B", k)]
+        orders.append(order + [action("B", k) for k in range(total - warmup, total)])
+    return orders
+
+
 def max_inflight(actions: list[Action]) -> int:
     """Most microbatches whose forward ran but whose backward has not yet (activations held): released by
     ``W`` where the actions split their backwards, else by ``B``."""
@@ -251,38 +297,43 @@ def max_inflight(actions: list[Action]) -> int:
 
 
 def unit_step_timeline(actions: list[list[Action]]) -> list[list[Action | None]]:
-    """Replay ``actions`` with every compute taking one step and transfers taking none.
+    """Replay ``actions`` (per rank) with every compute taking one step and transfers taking none.
 
-    A stage runs its next action at the first step after its inputs exist: F(m) after F(m) on the
-    previous stage, B(m) after B(m) on the next stage (the last stage's B(m) after its own F(m), and
-    W(m) after its own B(m), which its order already guarantees). Returns, per stage, the action at
-    each step or None.
+    A rank runs its next action at the first step after its inputs exist: F(m) after F(m) on the
+    stage before, B(m) after B(m) on the stage after (the last stage's B(m) after its own F(m), and
+    W(m) after its own B(m), which its order already guarantees); rank r's chunk c is stage c * p + r of
+    the p ranks' (``interleaved_actions``; with one chunk per rank, stage r). Returns, per rank, the
+    action at each step or None.
     """
-    num_stages = len(actions)
+    num_ranks = len(actions)
+    num_stages = num_ranks * (1 + max((a.chunk for row in actions for a in row), default=0))
     done_at: dict[tuple[int, str, int], int] = {}
-    cursor = [0] * num_stages
-    timeline: list[list[Action | None]] = [[] for _ in range(num_stages)]
+    cursor = [0] * num_ranks
+    timeline: list[list[Action | None]] = [[] for _ in range(num_ranks)]
     step = 0
-    while any(cursor[s] < len(actions[s]) for s in range(num_stages)):
-        ready = [_ready(actions, s, cursor[s], done_at, step) for s in range(num_stages)]
+    while any(cursor[r] < len(actions[r]) for r in range(num_ranks)):
+        ready = [
+            _ready(actions[r], r, num_ranks, num_stages, cursor[r], done_at, step) for r in range(num_ranks)
+        ]
         if not any(ready):
             raise PlanFormatError("schedule deadlocks: no stage can run", hint="report this schedule")
-        for s in range(num_stages):
-            action = actions[s][cursor[s]] if ready[s] else None
-            timeline[s].append(action)
+        for r in range(num_ranks):
+            action = actions[r][cursor[r]] if ready[r] else None
+            timeline[r].append(action)
             if action is not None:
-                done_at[(s, action.kind, action.microbatch)] = step
-                cursor[s] += 1
+                done_at[(action.chunk * num_ranks + r, action.kind, action.microbatch)] = step
+                cursor[r] += 1
         step += 1
     return timeline
 
 
-def _ready(actions, stage: int, index: int, done_at: dict, step: int) -> bool:
-    if index >= len(actions[stage]):
+def _ready(actions, rank: int, num_ranks: int, num_stages: int, index: int, done_at: dict, step: int) -> bool:
+    if index >= len(actions):
         return False
-    action = actions[stage][index]
+    action = actions[index]
+    stage = action.chunk * num_ranks + rank
     source = stage - 1 if action.kind == "F" else stage + 1
-    if action.kind == "W" or source < 0 or source >= len(actions):
+    if action.kind == "W" or source < 0 or source >= num_stages:
         return True  # a weight gradient waits only for its own stage's B, which comes before it
     finished = done_at.get((source, action.kind, action.microbatch))
     return finished is not None and finished < step
@@ -298,6 +349,7 @@ def format_grid(
     recompute: Sequence[bool] | None = None,
     deferred: Sequence[int] | None = None,
     warmup: Sequence[int] | None = None,
+    chunks: int = 1,
 ) -> str:
     """The schedule as a rank x step grid (one row per rank, one column per unit compute step).
 
@@ -307,13 +359,19 @@ def format_grid(
     SEND_B3`` for gradients going the other way. Idle cells print ``.``. ``recompute`` (per stage):
     the stages whose backward a split schedule cannot split; ``deferred`` (per stage) the weight
     gradients each defers and ``warmup`` the forwards before its first backward (``stage_actions``).
+    ``INTERLEAVED`` with ``chunks`` per rank: ``num_stages`` ranks, each holding that many stages
+    (``interleaved_actions``; a cell's ``.c`` names its chunk c > 0).
     """
-    actions = stage_actions(
-        schedule, num_stages, microbatches, training=training, recompute=recompute, deferred=deferred,
-        warmup=warmup,
-    )  # fmt: skip
+    if schedule == INTERLEAVED:
+        actions = interleaved_actions(num_stages, chunks, microbatches)
+    else:
+        actions = stage_actions(
+            schedule, num_stages, microbatches, training=training, recompute=recompute, deferred=deferred,
+            warmup=warmup,
+        )  # fmt: skip
     timeline = unit_step_timeline(actions)
-    rows = [[_cell(action, s, num_stages, comm) for action in row] for s, row in enumerate(timeline)]
+    last = num_stages * chunks - 1
+    rows = [[_cell(action, r, num_stages, last, comm) for action in row] for r, row in enumerate(timeline)]
     widths = [max(len(str(t)), *(len(row[t]) for row in rows)) for t in range(len(rows[0]))]
     labels = [f"rank {s}" for s in range(num_stages)]
     label_width = len(labels[-1])
@@ -324,13 +382,14 @@ def format_grid(
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _cell(action: Action | None, stage: int, num_stages: int, comm: bool) -> str:
+def _cell(action: Action | None, rank: int, num_ranks: int, last: int, comm: bool) -> str:
     if action is None:
         return "."
     if not comm or action.kind == "W":  # a weight gradient moves nothing
         return str(action)
-    # Forwards receive from the previous rank and send to the next; backwards the other way.
-    has_prev, has_next = stage > 0, stage < num_stages - 1
+    # Forwards receive from the previous stage's rank and send to the next; backwards the other way.
+    stage = action.chunk * num_ranks + rank
+    has_prev, has_next = stage > 0, stage < last
     receives, sends = (has_prev, has_next) if action.kind == "F" else (has_next, has_prev)
     parts = [f"RECV_{action}"] if receives else []
     parts.append(str(action))
