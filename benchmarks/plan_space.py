@@ -4,7 +4,8 @@ For GPT-2 medium (24 layers, hidden 1024, seq 1024, global batch 32, fp32, Adam,
 clusters, print hetcc's plan (``microbatches="auto"``, replicas and recomputation allowed), hetcc's best
 pure pipeline (``replicate=False``) and the Metis-style peer plan of the issue expressed as replica
 groups and simulated by hetcc's simulator at the peer's M = 8; an OPT-1.3B shape on the three-node
-cluster under 1F1B and ``schedule="auto"``. Then plan a Llama-2-70B-shaped model
+cluster under 1F1B and ``schedule="auto"``; for each, what interleaved 1F1B (v = 2, 3 chunks per device,
+``solver.interleave``; not planned or run yet) would give on the pure pipeline's devices. Then plan a Llama-2-70B-shaped model
 (batch 64 x seq 4096, bf16-mixed, Adam) on 64 GPUs (32 H100, 16 MI250X, 16 A100-40GB), and time the
 solver on a 96-block x 64-device synthetic chain. Every figure is a simulated step from the same run.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,6 +27,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import hetcc  # noqa: E402
 from examples.models import gpt2_medium, llama_70b, opt_1_3b  # noqa: E402
+from hetcc.errors import PlanFormatError  # noqa: E402
+from hetcc.solver.interleave import interleave  # noqa: E402
 from hetcc.solver.simulate import simulate  # noqa: E402
 from hetcc.solver.solve import solve  # noqa: E402
 
@@ -46,6 +50,24 @@ def _plan_line(label: str, plan) -> str:
     return (
         f"  {label:<28} {plan.schedule:<5} M={plan.microbatches:<3} simulated {plan.step_time_s * 1e3:8.1f} ms   "
         f"{groups}{f'  ({recompute} recomputing)' if recompute else ''}"
+    )
+
+
+def _interleaved_line(problem) -> str:
+    """Interleaved 1F1B on the devices of ``problem``'s best 1F1B pure pipeline, in its order."""
+    problem = replace(problem, schedule="1f1b", replicate=False)
+    pipeline = solve(problem, rerank=6)
+    devices = [group[0] for group in pipeline.groups]
+    figures = []
+    for chunks in (2, 3):
+        try:
+            figures.append(f"v={chunks} {interleave(problem, devices, chunks)[1] * 1e3:.1f} ms")
+        except PlanFormatError:
+            figures.append(f"v={chunks} -")
+    return (
+        f"  interleaved 1F1B on the pure pipeline's {len(devices)} devices: {', '.join(figures)} "
+        f"(the pipeline: {pipeline.simulated_s * 1e3:.1f} ms; '-': fewer than v blocks a device, or M not a "
+        "multiple of the devices)"
     )
 
 
@@ -80,6 +102,7 @@ def gpt2_clusters() -> None:
             f"  hetcc vs peer: {peer_s / ours.plan.step_time_s:.2f}x; vs its best pure pipeline: "
             f"{pure.plan.step_time_s / ours.plan.step_time_s:.2f}x ({1 - ours.plan.step_time_s / pure.plan.step_time_s:.0%} faster)"
         )
+        print(_interleaved_line(pure.problem))
         tried = ", ".join(f"{m}: {s * 1e3:.0f}" for m, s in ours.plan.microbatch_search)
         print(f"  microbatch search (M: simulated ms): {tried}\n")
 
@@ -92,11 +115,12 @@ def opt_three_nodes() -> None:
     print("OPT, 24 layers, hidden 2048, batch 16 x 1024, fp32, Adam on three_nodes_h100_v100_mi250x.yaml")
     for schedule in ("1f1b", "auto"):
         start = time.perf_counter()
-        plan = hetcc.compile(model, cluster, example_kwargs=batch, schedule=schedule).plan
-        took = time.perf_counter() - start
+        compiled = hetcc.compile(model, cluster, example_kwargs=batch, schedule=schedule)
+        took, plan = time.perf_counter() - start, compiled.plan
         print(_plan_line(f"hetcc, schedule {schedule}", plan) + f"   (compile {took:.0f} s)")
         print(f"  {'':<28} bound {plan.lower_bound_s * 1e3:.1f} ms, {plan.gap:.1%} above it; "
               f"warm-ups {[s.warmup for s in plan.stages]}")  # fmt: skip
+    print(_interleaved_line(compiled.problem))
     print()
 
 

@@ -8,9 +8,12 @@ import random
 
 import pytest
 
+from hetcc.errors import PlanFormatError
 from hetcc.solver.baselines import baselines
-from hetcc.solver.objective import evaluate
+from hetcc.solver.interleave import interleave
+from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, ProblemDevice
+from hetcc.solver.schedules import interleaved_actions
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
 
@@ -283,3 +286,97 @@ def test_the_refinement_warms_a_stage_up_to_hide_a_slow_link():
     assert found.simulated_s == pytest.approx(
         simulate(problem, found.boundaries, found.groups, found.recompute, warmup=found.warmup).step_time_s
     )
+
+
+def _on_devices(problem: PartitionProblem, count: int) -> PartitionProblem:
+    """``problem`` on its first ``count`` devices."""
+    return dataclasses.replace(
+        problem,
+        devices=problem.devices[:count],
+        bandwidth_bps=[row[:count] for row in problem.bandwidth_bps[:count]],
+        latency_s=[row[:count] for row in problem.latency_s[:count]],
+    )
+
+
+@pytest.mark.parametrize(
+    ("ranks", "chunks", "microbatches"), [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 2, 2), (4, 4, 16)]
+)
+def test_interleaved_1f1b_on_equal_chunks_has_1f1bs_bubble_over_v(ranks, chunks, microbatches):
+    """p devices holding v one-block chunks each (F = 1, B = 2 a block): interleaved 1F1B takes
+    3vM + 3(p - 1), 1F1B on v-block stages 3v(M + p - 1): the bubble over v (Narayanan et al., sec. 2.2);
+    in inference vM + p - 1 forwards."""
+    k = ranks * chunks
+    problem = _on_devices(homogeneous(k, microbatches, "1f1b"), ranks)
+    bounds, devices = list(range(k + 1)), [j % ranks for j in range(k)]
+    sim = simulate(problem, bounds, devices, chunks=chunks)
+    assert sim.step_time_s == pytest.approx(3 * chunks * microbatches + 3 * (ranks - 1))
+    assert sim.busy_s == tuple([3.0 * microbatches] * k)
+    plain = simulate(problem, list(range(0, k + 1, chunks)), list(range(ranks)))
+    assert plain.step_time_s == pytest.approx(3 * chunks * (microbatches + ranks - 1))
+    for device in {e.device for e in sim.events}:  # a device runs one of its chunks' actions at a time
+        mine = sorted((e.start_s, e.end_s) for e in sim.events if e.device == device and e.kind in "FB")
+        assert all(a[1] <= b[0] for a, b in zip(mine, mine[1:]))
+    inference = dataclasses.replace(problem, training=False)
+    assert simulate(inference, bounds, devices, chunks=chunks).step_time_s == pytest.approx(
+        chunks * microbatches + ranks - 1
+    )
+
+
+def test_an_interleaved_device_holds_every_chunks_state_and_its_orders_activations():
+    """Each chunk's stage reports its device's memory: the state of all its chunks and the most
+    activation bytes its order holds at once; a plan whose chunks do not take turns on one device each
+    is refused, as is a schedule other than 1f1b."""
+    ranks, chunks, microbatches = 2, 2, 4
+    problem = _on_devices(homogeneous(ranks * chunks, microbatches, "1f1b"), ranks)
+    problem = dataclasses.replace(
+        problem, state_bytes=[1.0, 2.0, 4.0, 8.0], act_bytes=[0.5, 0.25, 0.125, 1.0]
+    )
+    bounds, devices = [0, 1, 2, 3, 4], [0, 1, 0, 1]
+    stages = stage_costs(problem, bounds, devices, chunks=chunks)
+    held = {}  # per (rank, chunk): the most microbatches its order holds, and the order's peak bytes
+    for rank, order in enumerate(interleaved_actions(ranks, chunks, microbatches)):
+        live = peak = 0.0
+        for action in order:
+            live += (1 if action.kind == "F" else -1) * problem.act_bytes[action.chunk * ranks + rank]
+            peak = max(peak, live)
+        state = sum(problem.state_bytes[rank::ranks])
+        for j in (rank, rank + ranks):
+            assert stages[j].memory_bytes == pytest.approx(state + peak), (rank, j)
+        held[rank] = peak
+    assert held[0] < 4 * (0.5 + 4 * 0.125)  # fewer than every microbatch of both chunks at once
+    assert [s.inflight for s in stages] == [4, 3, 2, 1]  # K - j microbatches, as 1F1B over K stages holds
+    for bad_devices, schedule in (
+        ([0, 1, 1, 0], "1f1b"),
+        ([0, 1, 0, 1], "zb-h1"),
+        ([(0, 1), 1, (0, 1), 1], "1f1b"),
+    ):
+        with pytest.raises(PlanFormatError, match="interleaved"):
+            stage_costs(dataclasses.replace(problem, schedule=schedule), bounds, bad_devices, chunks=chunks)
+
+
+def test_interleave_sizes_chunks_to_their_devices_and_respects_memory():
+    """``interleave`` over p devices: on equal devices and blocks the chunks come out equal (the closed
+    form above, two blocks a chunk); on a device twice as fast, its chunks hold twice the blocks; where
+    memory is short, the plan returned fits; too few blocks or microbatches are named."""
+    ranks, chunks, microbatches = 2, 2, 4
+    problem = _on_devices(homogeneous(8, microbatches, "1f1b"), ranks)
+    cuts, step_s = interleave(problem, [0, 1], chunks)
+    assert cuts == [0, 2, 4, 6, 8]
+    assert step_s == pytest.approx(2 * (3 * chunks * microbatches + 3 * (ranks - 1)))
+    twelve = _on_devices(homogeneous(12, microbatches, "1f1b"), ranks)
+    fast = dataclasses.replace(
+        twelve,
+        devices=[twelve.devices[0], dataclasses.replace(twelve.devices[1], type="fast")],
+        fwd_s={**twelve.fwd_s, "fast": [0.5] * 12},
+        bwd_s={**twelve.bwd_s, "fast": [1.0] * 12},
+        state_bytes=[1.0] * 12,
+    )
+    cuts, roomy_s = interleave(fast, [0, 1], chunks)
+    assert cuts == [0, 2, 6, 8, 12]  # device 1, twice as fast, holds twice the blocks in each chunk
+    short = [dataclasses.replace(d, memory_bytes=6.5) for d in fast.devices]  # 8 blocks' state do not fit
+    tight = dataclasses.replace(fast, devices=short)
+    cuts, step_s = interleave(tight, [0, 1], chunks)
+    assert all(s.fits for s in stage_costs(tight, cuts, [0, 1, 0, 1], chunks=chunks)) and step_s > roomy_s
+    for count, m in ((5, 4), (2, 3)):
+        with pytest.raises(PlanFormatError, match="interleaving"):
+            interleave(dataclasses.replace(problem, microbatches=m), [0, 1], count)

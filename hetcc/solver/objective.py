@@ -38,7 +38,6 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from hetcc.errors import PlanFormatError
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.codecs import cut_rows, names, pair_s
 from hetcc.solver.problem import (
@@ -52,8 +51,10 @@ from hetcc.solver.problem import (
     steady_share,
     within_memory,
 )
+from hetcc.solver.problem_checks import check_plan
 from hetcc.solver.schedules import (
     defer_weights,
+    interleaved_actions,
     least_warmups,
     max_inflight,
     one_f_one_b,
@@ -105,15 +106,17 @@ def stage_costs(
     codecs: Codecs = None,
     shard: Sequence[bool] | None = None,
     warmup: Sequence[int] | None = None,
+    chunks: int = 1,
 ) -> tuple[StageCost, ...]:
     """Every stage's costs, memory, replica shares and outgoing codecs (validates the plan; ``codecs``
     and ``shard`` as in ``evaluate``). ``warmup`` pins each stage's forwards before its first backward
-    (``schedules.stage_actions``); None: the schedule's, less where memory is short (``_most_fitting``)."""
+    (``schedules.stage_actions``); None: the schedule's, less where memory is short (``_most_fitting``).
+    ``chunks`` > 1: an interleaved 1F1B plan (``_interleaved``)."""
     groups = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in devices]
     recompute = [False] * len(groups) if recompute is None else [bool(r) for r in recompute]
     codecs = [None] * len(groups) if codecs is None else list(codecs)
     shard = [None] * len(groups) if shard is None else [bool(f) for f in shard]
-    _check_plan(problem, boundaries, groups, recompute, codecs, shard)
+    check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks)
     replicas = [len(g) for g in groups]
     k = len(groups)
     seconds = [
@@ -134,6 +137,10 @@ def stage_costs(
                      len(groups[j]))  # fmt: skip
 
     footprints = [_footprint(problem, *boundaries[j : j + 2], g) for j, g in enumerate(groups)]
+    if chunks > 1:
+        return _interleaved(
+            problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks
+        )
 
     def fits(j: int, deferred: int, forwards: int) -> bool:
         return _memory(problem, footprints[j], held(j, deferred, forwards), recompute[j], shard[j]).fits
@@ -164,6 +171,36 @@ def stage_costs(
             warmups[j],
         )  # fmt: skip
         for j, d in enumerate(deferrals)
+    )
+
+
+def _interleaved(problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks: int):
+    """The stages of an interleaved 1F1B plan (``schedules.interleaved_actions``: K / chunks ranks, stage
+    j on the device of rank j mod K / chunks), each costed as its own, with its device's memory: the
+    state of every chunk it holds and the most activation bytes its order holds at once (a recomputing
+    chunk holds its input per microbatch, and rebuilds one microbatch's activations at a time)."""
+    ranks, m = len(groups) // chunks, problem.microbatches
+    orders = interleaved_actions(ranks, chunks, m, training=problem.training)
+    memories = [None] * len(groups)
+    for rank, order in enumerate(orders):
+        mine = range(rank, len(groups), ranks)  # the rank's stages, by chunk
+        held = [max_inflight([a for a in order if a.chunk == c]) for c in range(chunks)]
+        parts = [_memory(problem, footprints[j], (held[c],), recompute[j], False) for c, j in enumerate(mine)]
+        per_microbatch = [footprints[j].kept if recompute[j] else footprints[j].act[0] for j in mine]
+        live = peak = 0.0
+        for action in order:  # a forward keeps its microbatch's activations until its backward
+            live += {"F": 1, "B": -1}.get(action.kind, 0) * per_microbatch[action.chunk]
+            peak = max(peak, live)
+        rebuilt = max((footprints[j].act[0] for j in mine if recompute[j]), default=0.0)
+        used = sum(footprints[j].state[0] for j in mine) + peak + rebuilt
+        fits = within_memory(used, footprints[rank].caps[0])
+        for c, j in enumerate(mine):
+            memories[j] = parts[c]._replace(used=[used], fits=fits)
+    return tuple(
+        _stage_plan(
+            problem, boundaries, groups, routes, seconds[j], memories[j], recompute[j], j, codecs[j], 0, 0
+        )
+        for j in range(len(groups))
     )
 
 
@@ -375,43 +412,6 @@ def _allreduce_s(problem: PartitionProblem, group: tuple[int, ...], start: int, 
     if not problem.training:
         return 0.0
     return device_ring_s(problem, group, group_param_bytes(problem, group, start, stop))
-
-
-def _check_plan(problem: PartitionProblem, boundaries, groups, recompute, codecs, shard) -> None:
-    n = len(problem.blocks)
-    if len(boundaries) != len(groups) + 1 or not groups:
-        raise PlanFormatError(
-            f"a plan with {len(groups)} stage(s) needs {len(groups) + 1} boundaries, got {len(boundaries)}",
-            hint="pass boundaries [0, ..., num_blocks] with one more entry than stages",
-        )
-    if boundaries[0] != 0 or boundaries[-1] != n or any(a >= b for a, b in zip(boundaries, boundaries[1:])):
-        raise PlanFormatError(
-            f"boundaries {list(boundaries)} must rise strictly from 0 to {n} (every stage non-empty)",
-            hint="give each stage at least one block",
-        )
-    flat = [d for g in groups for d in g]
-    if not all(groups) or len(set(flat)) != len(flat) or not all(0 <= d < len(problem.devices) for d in flat):
-        raise PlanFormatError(
-            f"devices {[list(g) for g in groups]} must be non-empty groups of distinct indices below "
-            f"{len(problem.devices)}",
-            hint="use each device at most once",
-        )
-    if len(recompute) != len(groups):
-        raise PlanFormatError(
-            f"recompute has {len(recompute)} entries for {len(groups)} stages", hint="one flag per stage"
-        )
-    if len(shard) != len(groups) or any(f and len(g) < 2 for f, g in zip(shard, groups)):
-        raise PlanFormatError(
-            f"shard {shard!r} must give one flag per stage ({len(groups)}), True only for a replicated stage",
-            hint="one flag per stage; ZeRO-1 splits optimizer state across a stage's replicas",
-        )
-    pinned_ok = (c is None or isinstance(c, (tuple, list)) and len(c) == 2 and all(isinstance(x, str) for x in c)
-                 for c in codecs)  # fmt: skip
-    if len(codecs) != len(groups) or not all(pinned_ok):
-        raise PlanFormatError(
-            f"codecs {codecs!r} must give {len(groups)} entries, each None or (activation, gradient) names",
-            hint="one entry per stage; None lets the planner choose",
-        )
 
 
 def step_time(

@@ -138,6 +138,58 @@ def _fail(field: str, reason: str, hint: str) -> PlanFormatError:
     return PlanFormatError(f"partition problem field {field!r}: {reason}", hint=hint)
 
 
+def check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks: int = 1) -> None:
+    """Raise PlanFormatError naming what is wrong with a plan of ``problem`` (``objective.stage_costs``'s
+    arguments): its boundaries, replica groups (each device in one, or with ``chunks`` > 1 the first
+    K / chunks stages' single devices again for each further chunk: an interleaved plan), flags, codecs."""
+    n = len(problem.blocks)
+    if len(boundaries) != len(groups) + 1 or not groups:
+        raise PlanFormatError(
+            f"a plan with {len(groups)} stage(s) needs {len(groups) + 1} boundaries, got {len(boundaries)}",
+            hint="pass boundaries [0, ..., num_blocks] with one more entry than stages",
+        )
+    if boundaries[0] != 0 or boundaries[-1] != n or any(a >= b for a, b in zip(boundaries, boundaries[1:])):
+        raise PlanFormatError(
+            f"boundaries {list(boundaries)} must rise strictly from 0 to {n} (every stage non-empty)",
+            hint="give each stage at least one block",
+        )
+    ranks = len(groups) // chunks if chunks >= 1 and len(groups) % chunks == 0 else 0
+    if chunks != 1 and (
+        problem.schedule != "1f1b"
+        or not ranks
+        or any(groups[j] != groups[j % ranks] or len(groups[j]) != 1 for j in range(len(groups)))
+    ):
+        raise PlanFormatError(
+            f"an interleaved plan of {chunks!r} chunks needs the 1f1b schedule (got {problem.schedule!r}) and a "
+            f"multiple of {chunks!r} stages, stage j on the one device of stage j mod K / chunks, got "
+            f"{[list(g) for g in groups]}",
+            hint="repeat the first K / chunks stages' devices, one device each, for every further chunk",
+        )
+    flat = [d for g in groups[: ranks or len(groups)] for d in g]
+    if not all(groups) or len(set(flat)) != len(flat) or not all(0 <= d < len(problem.devices) for d in flat):
+        raise PlanFormatError(
+            f"devices {[list(g) for g in groups]} must be non-empty groups of distinct indices below "
+            f"{len(problem.devices)}",
+            hint="use each device at most once",
+        )
+    if len(recompute) != len(groups):
+        raise PlanFormatError(
+            f"recompute has {len(recompute)} entries for {len(groups)} stages", hint="one flag per stage"
+        )
+    if len(shard) != len(groups) or any(f and len(g) < 2 for f, g in zip(shard, groups)):
+        raise PlanFormatError(
+            f"shard {shard!r} must give one flag per stage ({len(groups)}), True only for a replicated stage",
+            hint="one flag per stage; ZeRO-1 splits optimizer state across a stage's replicas",
+        )
+    pinned_ok = (c is None or isinstance(c, (tuple, list)) and len(c) == 2 and all(isinstance(x, str) for x in c)
+                 for c in codecs)  # fmt: skip
+    if len(codecs) != len(groups) or not all(pinned_ok):
+        raise PlanFormatError(
+            f"codecs {codecs!r} must give {len(groups)} entries, each None or (activation, gradient) names",
+            hint="one entry per stage; None lets the planner choose",
+        )
+
+
 def validate_problem(problem) -> None:
     """Raise PlanFormatError naming the first field of ``problem`` (a ``PartitionProblem``) whose type,
     length or values are inconsistent."""

@@ -41,8 +41,9 @@ by simulation: on unequal devices the best warm-up differs per stage.
 
 With ``training=False`` every schedule reduces to forwards only, in microbatch order.
 
-``interleaved-1f1b`` (``INTERLEAVED``, ``interleaved_actions``): v stages per rank, 1F1B's bubble over v;
-its order is data here (a grid, its unit-step bubble), not yet planned, simulated or run.
+``interleaved-1f1b`` (``INTERLEAVED``, ``interleaved_actions``): v stages per rank, 1F1B's bubble over v.
+The simulator replays it (``simulate(..., chunks=v)``) and ``solver.interleave`` prices it on a
+pipeline's devices; the planner does not choose it and the runtime does not run it yet.
 """
 
 from __future__ import annotations
@@ -246,7 +247,9 @@ def defer_weights(order: Sequence[Action], lag: int) -> list[Action]:
     return out + [Action("W", m) for m in pending]
 
 
-def interleaved_actions(ranks: int, chunks: int, microbatches: int) -> list[list[Action]]:
+def interleaved_actions(
+    ranks: int, chunks: int, microbatches: int, training: bool = True
+) -> list[list[Action]]:
     """Per rank, its actions under interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language
     Model Training on GPU Clusters", Megatron-LM's order; torch's ``ScheduleInterleaved1F1B``): the model
     is cut into ``chunks * ranks`` stages and rank r holds stages r, r + p, ..., one per chunk, so a
@@ -256,10 +259,10 @@ def interleaved_actions(ranks: int, chunks: int, microbatches: int) -> list[list
     v*M where M = p), then alternates one forward and one backward, then drains. Its bubble is 1F1B's
     over v: 2(p - 1) chunk steps at equal F and B (``unit_step_timeline``), against 2v(p - 1) for 1F1B
     on the same chunks in v-times larger stages. M must be a multiple of p (Megatron's rule); one chunk
-    per rank is 1F1B's order.
+    per rank is 1F1B's order. Without ``training``, each rank's forwards alone, in the same order.
 
-    The planner, the simulator and the runtime do not take it yet (a rank runs one stage there); it
-    is here as data: its order, its grid (``format_grid(INTERLEAVED, ...)``) and its unit-step bubble."""
+    The simulator replays it (``simulate(..., chunks=v)``); the planner and the runtime do not take it
+    yet (a rank runs one stage there). ``format_grid(INTERLEAVED, ...)`` prints it."""
     check_schedule_args("1f1b", ranks, microbatches)
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or microbatches % ranks:
         raise PlanFormatError(
@@ -267,7 +270,7 @@ def interleaved_actions(ranks: int, chunks: int, microbatches: int) -> list[list
             hint="give each rank 1 or more chunks, and a multiple of the ranks as microbatches",
         )
     if chunks == 1:
-        return stage_actions("1f1b", ranks, microbatches)
+        return stage_actions("1f1b", ranks, microbatches, training=training)
     total, group = chunks * microbatches, ranks * chunks
 
     def action(kind: str, k: int) -> Action:  # the k-th forward (backward) of a rank
@@ -275,6 +278,8 @@ def interleaved_actions(ranks: int, chunks: int, microbatches: int) -> list[list
         microbatch = (k // group) * ranks + k % ranks
         return Action(kind, microbatch, chunk if kind == "F" else chunks - 1 - chunk)
 
+    if not training:
+        return [[action("F", k) for k in range(total)] for _ in range(ranks)]
     orders = []
     for rank in range(ranks):
         warmup = total if microbatches == ranks else min(total, 2 * (ranks - rank - 1) + (chunks - 1) * ranks)

@@ -18,6 +18,9 @@ with the all-reduce of its gradients, once all its replicas are done (``ALLREDUC
 shards its optimizer state (ZeRO-1) with the all-gather of its updated parameters right after
 (``ALLGATHER``); then a parameter tied across stages (``tied_blocks``) is summed over every device
 holding it, which the search's formula leaves out; the step ends when the last device does.
+
+An interleaved 1F1B plan (``chunks`` > 1: each of p devices holds v stages, ``schedules.interleaved_actions``)
+replays the same way with one lane per device, running its chunks' actions in the schedule's order.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from hetcc.errors import PlanFormatError
 from hetcc.solver.codecs import Message, message_s, stage_messages
 from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, stage_costs, weight_grad_s
 from hetcc.solver.problem import PartitionProblem, device_ring_s
-from hetcc.solver.schedules import Action, replica_actions, splits_backward, stage_actions
+from hetcc.solver.schedules import (
+    Action,
+    interleaved_actions,
+    replica_actions,
+    splits_backward,
+    stage_actions,
+)
 
 
 @dataclass(frozen=True)
@@ -70,34 +79,44 @@ def simulate(
     codecs: Codecs = None,
     shard: Sequence[bool] | None = None,
     warmup: Sequence[int] | None = None,
+    chunks: int = 1,
 ) -> Simulation:
     """Replay one step of the plan (stage k = blocks [boundaries[k], boundaries[k+1]) on the replica
     group devices[k], recomputing if recompute[k]). ``events=False`` keeps no timeline (the search's
     many replays need only the figures); ``stages``: the plan's ``stage_costs``, where the caller has
     them (else ``codecs`` pins stages' codecs, ``shard`` their sharding and ``warmup`` their forwards
-    before the first backward, as in ``objective.stage_costs``)."""
+    before the first backward, as in ``objective.stage_costs``). ``chunks`` > 1: an interleaved 1F1B
+    plan (``schedules.interleaved_actions``), each of its K / chunks devices one lane running its chunks'
+    stages in that order."""
     if stages is None:
-        stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard, warmup)  # validates it
+        stages = stage_costs(problem, boundaries, devices, recompute, codecs, shard, warmup, chunks)
     k = len(stages)
     groups = [s.group for s in stages]
     split = splits_backward(problem.schedule, [s.recompute for s in stages])
-    actions = _lane_actions(
-        problem.schedule, problem.microbatches, problem.training, tuple(len(g) for g in groups),
-        tuple(s.recompute for s in stages), tuple(s.deferred for s in stages), tuple(s.route for s in stages),
-        tuple(s.warmup for s in stages) if problem.training else None,
-    )  # fmt: skip
-    lanes = [
-        _Lane(
-            j,
-            r,
-            d,
-            actions[j][r],
-            *replica_seconds(problem, *stages[j].blocks, d, stages[j].recompute),
-            weight_grad_s(problem, *stages[j].blocks, d) if split[j] else 0.0,
+
+    def seconds(j: int, device: int) -> tuple[float, float, float]:  # stage j's F, B and W there
+        fwd, bwd = replica_seconds(problem, *stages[j].blocks, device, stages[j].recompute)
+        wgrad = weight_grad_s(problem, *stages[j].blocks, device) if split[j] else 0.0
+        return fwd, bwd - wgrad, wgrad
+
+    if chunks > 1:
+        ranks = k // chunks
+        orders = interleaved_actions(ranks, chunks, problem.microbatches, problem.training)
+        lanes = []
+        for r, order in enumerate(orders):
+            mine, device = tuple(range(r, k, ranks)), groups[r][0]
+            lanes.append(_Lane(mine, 0, device, order, {j: seconds(j, device) for j in mine}))
+    else:
+        actions = _lane_actions(
+            problem.schedule, problem.microbatches, problem.training, tuple(len(g) for g in groups),
+            tuple(s.recompute for s in stages), tuple(s.deferred for s in stages), tuple(s.route for s in stages),
+            tuple(s.warmup for s in stages) if problem.training else None,
         )  # fmt: skip
-        for j in range(k)
-        for r, d in enumerate(groups[j])
-    ]
+        lanes = [
+            _Lane((j,), r, d, actions[j][r], {j: seconds(j, d)})
+            for j in range(k)
+            for r, d in enumerate(groups[j])
+        ]
     routes = [s.route for s in stages]
     timeline = _Timeline(problem, stages, routes, events)
     for lane in lanes:
@@ -135,13 +154,11 @@ def _lane_actions(
 
 @dataclass
 class _Lane:
-    stage: int
+    stages: tuple[int, ...]  # the stages it runs, by chunk: one, or each of an interleaved rank's
     replica: int
     device: int
     actions: list
-    fwd_s: float
-    bwd_s: float  # the whole backward: B's and, where the stage splits, W's
-    wgrad_s: float = 0.0  # W's share of it where the stage splits
+    seconds: dict[int, tuple[float, float, float]]  # per stage: its F, B and W there (B: the rest of it)
     cursor: int = 0
     free_s: float = 0.0
     busy_s: float = 0.0
@@ -171,26 +188,28 @@ class _Timeline:
     def steps(self, lane: _Lane) -> list[tuple]:
         """The lane's actions as ``run`` takes them: per action (what it waits for, how many messages, its
         seconds, its sends as (what they deliver, link, seconds), kind, microbatch)."""
-        stage, device, routes = lane.stage, lane.device, self.routes
-        seconds = {"F": lane.fwd_s, "B": lane.bwd_s - lane.wgrad_s, "W": lane.wgrad_s}
-        expected = {kind: self.expected.get((stage, kind), 0) for kind in seconds}
-        # per kind, per message: its target stage and, per replica of that stage, the wire to it
+        device, routes = lane.device, self.routes
+        # per stage and kind: its seconds, the messages it waits for, and per message it sends, the target
+        # stage and, per replica of that stage, the wire to it
+        seconds = {(j, kind): t for j, times in lane.seconds.items() for kind, t in zip("FBW", times)}
+        expected = {key: self.expected.get(key, 0) for key in seconds}
         outgoing = {
-            kind: [
+            key: [
                 (target, [self._wire(device, peer, message) for peer in self.stages[target].group])
-                for target, message in self.outgoing.get((stage, kind), ())
+                for target, message in self.outgoing.get(key, ())
             ]
-            for kind in seconds
+            for key in seconds
         }  # fmt: skip
         steps = []
         for action in lane.actions:
             kind, m = action.kind, action.microbatch
+            key = (lane.stages[action.chunk], kind)
             sends = ()
-            if outgoing[kind]:
+            if outgoing[key]:
                 sends = tuple(
-                    [((target, kind, m), *wires[routes[target][m]]) for target, wires in outgoing[kind]]
+                    [((target, kind, m), *wires[routes[target][m]]) for target, wires in outgoing[key]]
                 )
-            steps.append(((stage, kind, m), expected[kind], seconds[kind], sends, kind, m))
+            steps.append(((key[0], kind, m), expected[key], seconds[key], sends, kind, m))
         return steps
 
     def _wire(self, device: int, peer: int, message: Message) -> tuple[tuple[int, int], float]:
@@ -216,7 +235,7 @@ class _Timeline:
             free = end
             busy += end - start
             if record:
-                self._note(lane, lane.stage, kind, m, start, end)
+                self._note(lane, key[0], kind, m, start, end)
             for target, link, seconds in sends:
                 sent = link_free.get(link, 0.0)
                 if sent < end:
@@ -227,7 +246,7 @@ class _Timeline:
                     arrival[target] = done
                 received[target] = received.get(target, 0) + 1
                 if record:
-                    self._note(lane, lane.stage, f"SEND_{kind}", m, sent, done)
+                    self._note(lane, key[0], f"SEND_{kind}", m, sent, done)
             cursor += 1
         lane.cursor, lane.free_s, lane.busy_s = cursor, free, busy
         return cursor - start_cursor
@@ -249,7 +268,7 @@ class _Timeline:
         for j, stage in enumerate(self.stages):
             if stage.allreduce_s <= 0 and stage.allgather_s <= 0:
                 continue
-            mine = [lane for lane in lanes if lane.stage == j]
+            mine = [lane for lane in lanes if j in lane.stages]
             start = max(lane.free_s for lane in mine)
             for kind, seconds in (("ALLREDUCE", stage.allreduce_s), ("ALLGATHER", stage.allgather_s)):
                 if seconds <= 0:
@@ -269,21 +288,25 @@ class _Timeline:
             holders = {
                 j for j, s in enumerate(self.stages) if any(s.blocks[0] <= b < s.blocks[1] for b in users)
             }
-            mine = [lane for lane in lanes if lane.stage in holders]
+            mine = [lane for lane in lanes if holders.intersection(lane.stages)]
             if len(holders) < 2 or nbytes <= 0:
                 continue
             seconds = device_ring_s(problem, [lane.device for lane in mine], nbytes)
             start = max(lane.free_s for lane in mine)
             for lane in mine:
                 lane.free_s = start + seconds
-                self._note(lane, lane.stage, "ALLREDUCE", -1, start, lane.free_s)
+                self._note(lane, min(holders.intersection(lane.stages)), "ALLREDUCE", -1, start, lane.free_s)
 
     def result(self, lanes: list[_Lane], num_stages: int) -> Simulation:
         step = self.last_s
-        busy = tuple(
-            math.fsum(lane.busy_s for lane in lanes if lane.stage == j) / len(self.stages[j].group)
-            for j in range(num_stages)
-        )
+        busy_s: list[list[float]] = [[] for _ in range(num_stages)]  # per stage: its lanes' compute
+        for lane in lanes:
+            if len(lane.stages) == 1:
+                busy_s[lane.stages[0]].append(lane.busy_s)
+            else:  # an interleaved lane's, by its steps
+                for (stage, _, _), _, seconds, *_ in lane.steps:
+                    busy_s[stage].append(seconds)
+        busy = tuple(math.fsum(b) / len(self.stages[j].group) for j, b in enumerate(busy_s))
         bubble = tuple(1 - b / step if step > 0 else 0.0 for b in busy)
         overall = 1 - sum(lane.busy_s for lane in lanes) / (step * len(lanes)) if step > 0 else 0.0
         events = tuple(sorted(self.events, key=lambda e: (e.start_s, e.stage, e.replica, e.kind)))
