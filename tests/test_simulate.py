@@ -345,6 +345,9 @@ def test_an_interleaved_device_holds_every_chunks_state_and_its_orders_activatio
         held[rank] = peak
     assert held[0] < 4 * (0.5 + 4 * 0.125)  # fewer than every microbatch of both chunks at once
     assert [s.inflight for s in stages] == [4, 3, 2, 1]  # K - j microbatches, as 1F1B over K stages holds
+    inference = stage_costs(dataclasses.replace(problem, training=False), bounds, devices, chunks=chunks)
+    assert [s.inflight for s in inference] == [1] * 4  # one microbatch at a time, its larger chunk's bytes
+    assert inference[0].memory_bytes == inference[2].memory_bytes == pytest.approx(1.0 + 4.0 + 0.5)
     for bad_devices, schedule in (
         ([0, 1, 1, 0], "1f1b"),
         ([0, 1, 0, 1], "zb-h1"),

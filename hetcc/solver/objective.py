@@ -184,11 +184,13 @@ def _interleaved(problem, boundaries, groups, routes, seconds, footprints, recom
     memories = [None] * len(groups)
     for rank, order in enumerate(orders):
         mine = range(rank, len(groups), ranks)  # the rank's stages, by chunk
-        held = [max_inflight([a for a in order if a.chunk == c]) for c in range(chunks)]
+        held = [
+            max_inflight([a for a in order if a.chunk == c]) if problem.training else 1 for c in range(chunks)
+        ]
         parts = [_memory(problem, footprints[j], (held[c],), recompute[j], False) for c, j in enumerate(mine)]
         per_microbatch = [footprints[j].kept if recompute[j] else footprints[j].act[0] for j in mine]
-        live = peak = 0.0
-        for action in order:  # a forward keeps its microbatch's activations until its backward
+        live, peak = 0.0, 0.0 if problem.training else max(per_microbatch)  # inference: one at a time
+        for action in order if problem.training else ():  # a forward holds its activations until its backward
             live += {"F": 1, "B": -1}.get(action.kind, 0) * per_microbatch[action.chunk]
             peak = max(peak, live)
         rebuilt = max((footprints[j].act[0] for j in mine if recompute[j]), default=0.0)
