@@ -3,6 +3,8 @@ any schedule, in training or inference, simulating below it (numbers only, no to
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -66,11 +68,16 @@ def tight_problems(draw) -> PartitionProblem:
     devices = [ProblemDevice(f"{t}_{i}", t, memory[t], f"node_{t}")
                for t in types for i in range(draw(st.integers(1, 2)))]  # fmt: skip
     d, share = len(devices), draw(st.sampled_from([0.0, 0.5]))
+    tied = draw(st.booleans())  # the first and last blocks share a weight, summed over a finite link
+    link = draw(st.floats(0.5, 4.0)) if tied else float("inf")
     return PartitionProblem(
         blocks=[f"b{i}" for i in range(n)], fwd_s=fwd, bwd_s={t: [2 * f for f in fwd[t]] for t in types},
         wgrad_s={t: [2 * f * share for f in fwd[t]] for t in types}, state_bytes=state, act_bytes=act,
-        cut_bytes=[0.0] * (n - 1), devices=devices, bandwidth_bps=[[float("inf")] * d] * d,
-        latency_s=[[0.0] * d] * d, microbatches=draw(st.integers(1, 4)),
+        cut_bytes=[0.0] * (n - 1), devices=devices,
+        bandwidth_bps=[[float("inf") if a == b else link for b in range(d)] for a in range(d)],
+        latency_s=[[0.0 if a == b else 0.01 for b in range(d)] for a in range(d)] if tied else [[0.0] * d] * d,
+        tied_blocks=[[0, n - 1]] if tied else [], tied_bytes=[draw(st.floats(0.5, 2.0))] if tied else [],
+        microbatches=draw(st.integers(1, 4)),
         schedule=draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2"])), training=draw(st.booleans()),
         replicate=True, recompute=True,
     )  # fmt: skip
@@ -90,3 +97,20 @@ def test_no_feasible_plan_simulates_below_the_bound(problem):
             if all(s.fits for s in stage_costs(problem, bounds, groups, flags, warmup=most)):
                 simulated = simulate(problem, bounds, groups, flags, events=False, warmup=most)
                 assert bound <= simulated.step_time_s * (1 + 1e-9)
+
+
+def test_a_tied_weight_no_device_holds_with_the_blocks_between_adds_its_sum():
+    """Blocks 0 and 3 tied (0.5 bytes over a 1 byte/s link): no device holds all four blocks, so every
+    plan sums the weight over two devices at step end, 0.5 s after both are done: the chain gains it and
+    each of the two devices idles it, 0.5 s more on the balance of two devices; where one device holds
+    everything, a plan may keep the weight on one stage, and the bound stays."""
+    problem = _two_halves(4)
+    link = [[float("inf"), 1.0], [1.0, float("inf")]]
+    tied = replace(problem, tied_blocks=[[0, 3]], tied_bytes=[0.5], bandwidth_bps=link)
+    assert lower_bound(tied) == pytest.approx(lower_bound(problem) + 0.5)
+    pipeline = simulate(tied, [0, 2, 4], [0, 1], events=False).step_time_s
+    assert pipeline == pytest.approx(simulate(problem, [0, 2, 4], [0, 1], events=False).step_time_s + 0.5)
+    assert lower_bound(tied) < pipeline
+    roomy = [replace(d, memory_bytes=4.0) for d in problem.devices]
+    assert lower_bound(replace(tied, devices=roomy)) == lower_bound(replace(problem, devices=roomy))
+    assert lower_bound(replace(tied, training=False)) == lower_bound(replace(problem, training=False))

@@ -49,6 +49,14 @@ def lower_bound(
       ``x[i, t] * s_t[i] / K_t * I_t[i]`` seconds of idle to ``M * x[i, t] * c_t[i]`` in the
       ``n_t * step`` its devices have.
 
+    - with a tied weight (``tied_blocks``) whose first and last users no device can hold together with
+      the blocks between them (every way's state of that span above its capacity): every plan holds it
+      on two or more stages and sums its gradient over their devices once they are done, a ring that
+      moves at least its bytes over the fastest link, after two latencies (``_tied_sums``). The step
+      then ends at least that long after the last compute, so the chain gains it, and each device
+      holding the first or the last user idles that long: charged to those two blocks' columns like
+      the fill (a device holds at most one of them).
+
     ``ways`` widens the plan space the bound covers (``solver.tensor``): per class, every ``Way`` its
     devices may run blocks (default: one device of the class's own type). A way of w devices together
     spends w * c[i] device-seconds and holds w * s[i] bytes per block i, so the constraints of class t
@@ -66,6 +74,11 @@ def lower_bound(
     owner = np.array([k for k, _ in rows])
     width = np.array([way.devices for _, way in rows], dtype=float)[:, None]
     idle = _fill_idle_s(problem, kinds, state, capacity[owner])
+    sums = _tied_sums(problem, state, capacity[owner])
+    for (first, last), seconds in sums:
+        idle[:, first] += seconds
+        idle[:, last] += seconds
+    chain += max((seconds for _, seconds in sums), default=0.0)
     balance = _memory_balance_bound(
         problem.microbatches * costs * width + idle * width, state * width, owner, counts, capacity
     )
@@ -113,6 +126,25 @@ def _fill_idle_s(problem: PartitionProblem, kinds: list[str], state: np.ndarray,
             idle[r] += after[hi + 1]
         idle[r] *= held / room[r]
     return idle
+
+
+def _tied_sums(problem: PartitionProblem, state: np.ndarray, capacity: np.ndarray) -> list[tuple]:
+    """Per tied weight every plan must sum over two or more devices at step end (``lower_bound``): its
+    (first, last) user blocks and the least seconds of that sum. ``state``: per row (a way) and block, the
+    bytes a device holds; ``capacity``: per row."""
+    if not problem.training or not problem.tied_blocks or len(problem.devices) < 2:
+        return []
+    pairs = [(a, b) for a in range(len(problem.devices)) for b in range(len(problem.devices)) if a != b]
+    fastest = max(problem.bandwidth_bps[a][b] for a, b in pairs)
+    latency = min(problem.latency_s[a][b] for a, b in pairs)
+    prefix = np.concatenate([np.zeros((len(state), 1)), np.cumsum(state, axis=1)], axis=1)
+    sums = []
+    for users, nbytes in zip(problem.tied_blocks, problem.tied_bytes or []):
+        first, last = min(users), max(users)
+        spans = prefix[:, last + 1] - prefix[:, first]  # per row: one device holding first..last
+        if first < last and nbytes > 0 and bool(np.all(spans > capacity * (1 + MEMORY_RTOL))):
+            sums.append(((first, last), 2 * latency + nbytes / fastest))
+    return sums
 
 
 def _memory_balance_bound(work, state, owner, counts, capacity) -> float:
