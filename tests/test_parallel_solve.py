@@ -118,6 +118,26 @@ def test_workers_answer_a_shared_search_as_solving_alone(forced):
     problem = replace(problem, wgrad_s={t: [b / 2 for b in v] for t, v in problem.bwd_s.items()})
     scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
     searched = search_plans(scheduled[0], rerank=1)
-    together = parallel.solve_each(scheduled, 1, searched)
+    together = parallel.solve_each(scheduled, 1, [searched] * len(scheduled))
     assert together == [solve(p, rerank=1) for p in scheduled]
     assert len({plan.simulated_s for plan in together}) > 1  # the schedules replay differently
+
+
+def test_the_schedules_on_the_searched_degrees_share_each_composites_search():
+    """With ``tensor_parallel="auto"``, zb-h1 and zb-h2 are planned on the degrees searched under 1f1b and
+    on none: one search per composite serves both, and each plan is its composite's own ``solve``."""
+    problem = _two_h100_nodes()
+    half = {t: [b / 2 for b in v] for t, v in problem.bwd_s.items()}
+    problem = replace(problem, wgrad_s=half, tensor_splits=[
+        replace(row, wgrad_s={t: [b / 2 for b in v] for t, v in row.bwd_s.items()}) for row in problem.tensor_splits
+    ])  # fmt: skip
+    with mock.patch.object(schedule_search, "RERANK", 1):
+        first = schedule_search.solve_one(replace(problem, schedule="1f1b"), "auto")
+        answers = schedule_search._on_searched_degrees(problem, first, ("zb-h1", "zb-h2"))
+    composites = [first[0], tensor.composite_problem(problem, {})[0]]
+    for name, (composite, plan, _) in zip(("zb-h1", "zb-h2"), answers):
+        alone = [solve(replace(c, schedule=name), rerank=1) for c in composites]
+        fastest = min(alone, key=lambda found: found.simulated_s)
+        assert composite.schedule == name and plan.simulated_s == fastest.simulated_s
+        assert plan.boundaries == fastest.boundaries and plan.groups == fastest.groups
+    assert answers[0][1].simulated_s < first[1].simulated_s  # the split backward pays here

@@ -52,18 +52,25 @@ def solve_each_schedule(
         scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
         problem.validate()
         searched = search_plans(scheduled[0], RERANK)  # InfeasiblePlanError: no schedule has a plan
-        for each, answer in zip(scheduled, solve_each(scheduled, RERANK, searched)):
+        for each, answer in zip(scheduled, solve_each(scheduled, RERANK, [searched] * len(scheduled))):
             if isinstance(answer, InfeasiblePlanError):
                 first_error = first_error or answer
             else:
                 tried.append((each, answer, _identity(problem)))
+    elif tensor == "auto":
+        try:
+            tried.append(solve_one(replace(problem, schedule=AUTO_SCHEDULES[0]), tensor))
+        except InfeasiblePlanError as error:
+            first_error = error
+        for answer in _on_searched_degrees(problem, tried[0], AUTO_SCHEDULES[1:]) if tried else ():
+            if isinstance(answer, InfeasiblePlanError):
+                first_error = first_error or answer
+            else:
+                tried.append(answer)
     else:
         for name in AUTO_SCHEDULES:
             try:
-                if tried and tensor == "auto":
-                    tried.append(_on_searched_degrees(problem, tried[0], name))
-                else:
-                    tried.append(solve_one(replace(problem, schedule=name), tensor))
+                tried.append(solve_one(replace(problem, schedule=name), tensor))
             except InfeasiblePlanError as error:
                 first_error = first_error or error
     if not tried:
@@ -77,25 +84,37 @@ def solve_each_schedule(
 
 
 def _on_searched_degrees(
-    problem: PartitionProblem, searched: tuple[PartitionProblem, PartitionSolution, DeviceMap], schedule: str
-) -> tuple[PartitionProblem, PartitionSolution, DeviceMap]:
-    """``solve_one``'s answer under ``schedule`` on the degrees of ``searched`` (its composite problem) or
-    on none (every class at degree 1, so "auto" stays no slower than ``tensor_parallel=False``), the
-    faster simulated; its bound the tensor bound of ``problem`` under ``schedule``, valid for every
-    assignment. InfeasiblePlanError where neither fits."""
+    problem: PartitionProblem, searched: tuple[PartitionProblem, PartitionSolution, DeviceMap], schedules
+) -> list[tuple[PartitionProblem, PartitionSolution, DeviceMap] | InfeasiblePlanError]:
+    """Per schedule of ``schedules``, ``solve_one``'s answer on the degrees of ``searched`` (its composite
+    problem) or on none (every class at degree 1, so "auto" stays no slower than
+    ``tensor_parallel=False``), the faster simulated, its bound the tensor bound of ``problem`` under
+    that schedule, valid for every assignment; InfeasiblePlanError where neither fits. Each composite is
+    searched once, for every schedule (``solver.solve.Searched``), and the re-rankings run at once."""
     degrees = [(searched[0], searched[2])]
     if any(len(members) > 1 for members in searched[2]):  # else the search kept degree 1 already
         degrees.append(composite_problem(problem, {}))
-    composites = [replace(composite, schedule=schedule) for composite, _ in degrees]
-    answers = solve_each(composites, RERANK)
-    plans = [(c, answer, device_map) for c, answer, (_, device_map) in zip(composites, answers, degrees)
-             if not isinstance(answer, InfeasiblePlanError)]  # fmt: skip
-    if not plans:
-        raise answers[0]
-    composite, solution, device_map = min(plans, key=lambda found: found[1].simulated_s)
-    bound = tensor_bound(replace(problem, schedule=schedule))
-    gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf
-    return composite, replace(solution, lower_bound_s=bound, gap=gap), device_map
+    jobs, errors = [], []
+    for composite, device_map in degrees:
+        try:
+            found = search_plans(replace(composite, schedule=schedules[0]), RERANK)
+        except InfeasiblePlanError as error:
+            errors.append(error)
+            continue
+        jobs += [(replace(composite, schedule=name), found, device_map) for name in schedules]
+    answers = solve_each([job[0] for job in jobs], RERANK, [job[1] for job in jobs])
+    results = []
+    for name in schedules:
+        plans = [(composite, answer, device_map) for (composite, _, device_map), answer in zip(jobs, answers)
+                 if composite.schedule == name and not isinstance(answer, InfeasiblePlanError)]  # fmt: skip
+        if not plans:  # neither composite fits under this schedule: the first error
+            results.append([*errors, *(a for (c, _, _), a in zip(jobs, answers) if c.schedule == name)][0])
+            continue
+        composite, solution, device_map = min(plans, key=lambda found: found[1].simulated_s)
+        bound = tensor_bound(replace(problem, schedule=name))
+        gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf
+        results.append((composite, replace(solution, lower_bound_s=bound, gap=gap), device_map))
+    return results
 
 
 def _identity(problem: PartitionProblem) -> DeviceMap:

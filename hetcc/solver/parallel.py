@@ -30,14 +30,14 @@ PARALLEL_WORK = 200_000
 
 
 def solve_each(
-    problems: Sequence[PartitionProblem], rerank: int = 0, searched: Searched | None = None
+    problems: Sequence[PartitionProblem], rerank: int = 0, searched: Sequence[Searched | None] | None = None
 ) -> list[PartitionSolution | InfeasiblePlanError]:
     """``solve(problem, rerank)`` of each problem, in order; a problem no plan fits gives its
-    InfeasiblePlanError in its place rather than raising. ``searched``: what ``solve.search_plans``
-    found for every one of them (the same problem under schedules its searches see alike), so each job
-    only re-ranks and refines (``solve.solve_searched``). Where a worker dies, every job is solved
-    again in this process."""
-    jobs = [(problem, rerank, searched) for problem in problems]
+    InfeasiblePlanError in its place rather than raising. ``searched``: per problem, what
+    ``solve.search_plans`` found for it (or for it under a schedule its searches see alike), so that job
+    only re-ranks and refines (``solve.solve_searched``); None: the job searches. Where a worker dies,
+    every job is solved again in this process."""
+    jobs = [(problem, rerank, found) for problem, found in zip(problems, searched or [None] * len(problems))]
     workers = _workers(problems)
     if workers <= 1:
         return [_solve_or_error(job) for job in jobs]
