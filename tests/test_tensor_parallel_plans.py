@@ -24,7 +24,7 @@ from hetcc.passes.partition import PlanSettings, build_problem
 from hetcc.passes.tensor_cost import group_link, tensor_cost, tensor_row, tried_degrees
 from hetcc.plan import Plan, read_plan
 from hetcc.report import load
-from hetcc.solver.problem import ring_allreduce_s
+from hetcc.solver.links import ring_allreduce_s
 
 NVLINK_BPS, NVLINK_S = 300e9, 2e-6  # slow_cards' intra-node link
 LAYERS = (1, 2)  # the transformer blocks of model_zoo's two-layer models (embed, layer 0, layer 1, head)

@@ -41,7 +41,8 @@ from hetcc.passes.memory import memory
 from hetcc.passes.partition import PlanSettings, build_problem
 from hetcc.passes.remat import trainable_values
 from hetcc.passes.tensor_parallel import tensor_parallel
-from hetcc.solver.problem import TensorSplit, ring_allreduce_s
+from hetcc.solver.links import ring_allreduce_s
+from hetcc.solver.problem import TensorSplit
 
 AUTO_DEGREES = (2, 4, 8)  # what tensor_parallel="auto" prices, each up to the most like devices on a node
 HALF_BYTES = 2  # bf16 / fp16

@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hetcc.solver.links import fastest_link
 from hetcc.solver.problem import MEMORY_RTOL, PartitionProblem
 from hetcc.solver.schedules import SPLIT_SCHEDULES
 from hetcc.solver.sharding import least_held_state
@@ -134,9 +135,7 @@ def _tied_sums(problem: PartitionProblem, state: np.ndarray, capacity: np.ndarra
     bytes a device holds; ``capacity``: per row."""
     if not problem.training or not problem.tied_blocks or len(problem.devices) < 2:
         return []
-    pairs = [(a, b) for a in range(len(problem.devices)) for b in range(len(problem.devices)) if a != b]
-    fastest = max(problem.bandwidth_bps[a][b] for a, b in pairs)
-    latency = min(problem.latency_s[a][b] for a, b in pairs)
+    fastest, latency = fastest_link(problem, range(len(problem.devices)))
     prefix = np.concatenate([np.zeros((len(state), 1)), np.cumsum(state, axis=1)], axis=1)
     sums = []
     for users, nbytes in zip(problem.tied_blocks, problem.tied_bytes or []):

@@ -27,7 +27,8 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.problem import PartitionProblem, PartitionSolution, WireCodec, transfer_s
+from hetcc.solver.links import transfer_s
+from hetcc.solver.problem import PartitionProblem, PartitionSolution, WireCodec
 
 NONE = "none"  # the name of the uncoded wire
 Pair = tuple[int, int]  # (device of stage j, device of stage j + 1)
@@ -82,7 +83,7 @@ def direction_s(
 
 def pair_s(problem: PartitionProblem, cut: int, pair: Pair, rows: Rows) -> float:
     """C of one pair over the cut after block ``cut``: its activations forward plus, in training, their
-    gradients back, with ``rows`` (``link_time_s`` when both are None)."""
+    gradients back, with ``rows`` (uncoded where both are None: ``links.transfer_s`` each way)."""
     return direction_s(problem, rows[0], cut, pair, False) + direction_s(problem, rows[1], cut, pair, True)
 
 

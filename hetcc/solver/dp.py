@@ -35,10 +35,10 @@ import numpy as np
 
 from hetcc.solver.bound_rows import BoundRows
 from hetcc.solver.codecs import chosen_cut_s
+from hetcc.solver.links import end_tied_s
 from hetcc.solver.objective import step_terms
 from hetcc.solver.problem import (
     PartitionProblem,
-    end_tied_s,
     inflight_microbatches,
     replica_inflight,
     round_trip_slots,

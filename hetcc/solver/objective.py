@@ -40,12 +40,11 @@ from typing import NamedTuple
 
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.codecs import cut_rows, names, pair_s
+from hetcc.solver.links import device_ring_s, end_tied_s
 from hetcc.solver.problem import (
     PartitionProblem,
     PartitionSolution,
     StageCost,
-    device_ring_s,
-    end_tied_s,
     round_trip_slots,
     route_microbatches,
     steady_share,

@@ -17,13 +17,8 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
-from hetcc.solver.problem import (
-    PartitionProblem,
-    device_ring_s,
-    inflight_microbatches,
-    replica_inflight,
-    slowest_link,
-)
+from hetcc.solver.links import device_ring_s, slowest_link
+from hetcc.solver.problem import PartitionProblem, inflight_microbatches, replica_inflight
 
 # A ring all-gather is the second half of a ring all-reduce: r - 1 of its 2 (r - 1) steps.
 ALLGATHER_SHARE = 0.5

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.codecs import Message, message_s, stage_messages
+from hetcc.solver.links import device_ring_s
 from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, stage_costs, weight_grad_s
-from hetcc.solver.problem import PartitionProblem, device_ring_s
+from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import (
     Action,
     interleaved_actions,
