@@ -1,6 +1,6 @@
 """The collectives of a tensor-parallel stage as graph ops: ``hetcc::all_reduce``, ``hetcc::all_gather``,
 ``hetcc::tensor_enter``, ``hetcc::tensor_slice`` and, for sequence parallelism, ``hetcc::reduce_scatter``
-and ``hetcc::gather_enter``.
+and ``hetcc::gather_enter``; and ``hetcc::dropout_mask``, a sharded tensor's part of a whole dropout mask.
 
 A stage with tensor degree t runs on t devices, each holding a shard of its weights
 (``hetcc.passes.tensor_parallel``). Every tensor in its graph is either *replicated* (the same on every
@@ -255,6 +255,36 @@ def _gather_enter_backward(ctx, grad):
 
 
 gather_enter.register_autograd(_gather_enter_backward, setup_context=_gather_setup)
+
+
+# ---------------------------------------------------------------------------------------- dropout_mask
+
+
+@torch.library.custom_op("hetcc::dropout_mask", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def dropout_mask(like: torch.Tensor, shape: list[int], p: float, dim: int, degree: int) -> torch.Tensor:
+    """This device's part along ``dim`` of a dropout mask for a whole tensor of ``shape``: 0 (dropped,
+    probability ``p``) or 1 / (1 - p), in ``like``'s dtype and on its device. Every device of the group
+    draws the whole mask from the random state they share and keeps its part, so the parts of a sharded
+    tensor are dropped as the whole tensor would be (not alike), and the devices' draws stay in step.
+    The draw is eager PyTorch's on CPU (``bernoulli_(1 - p)`` then ``div_(1 - p)``): a sharded dropout
+    there gives the whole graph's result bit for bit."""
+    group = _group_of("dropout_mask", degree)
+    whole = torch.empty(shape, dtype=like.dtype, device=like.device)
+    whole = whole.zero_() if p >= 1 else whole.bernoulli_(1 - p).div_(1 - p)
+    return own_slice(whole, dim, group.rank, degree).clone(memory_format=torch.contiguous_format)
+
+
+@dropout_mask.register_fake
+def _dropout_mask_fake(like, shape, p, dim, degree):
+    part = list(shape)
+    part[dim] //= degree
+    return like.new_empty(part)
+
+
+# the mask depends on ``like``'s dtype and device, not on its values
+dropout_mask.register_autograd(
+    lambda ctx, grad: (None, None, None, None, None), setup_context=lambda ctx, inputs, output: None
+)
 
 
 def _group_of(op: str, degree: int) -> TensorGroup:

@@ -2,7 +2,8 @@
 
 Hugging Face models are built from configs with random weights (no downloads) and return their own
 loss (``labels`` given); plain torch models take a module-level ``loss_fn`` (picklable, for the spawned
-ranks). Dropout is off everywhere so a pipeline run can equal eager exactly.
+ranks). Dropout is off in the matrix so a pipeline run can equal eager exactly (``gpt2_dropout`` and
+``opt_dropout``, outside it, have theirs on).
 """
 
 from __future__ import annotations
@@ -42,20 +43,20 @@ def _lm_inputs(ids: torch.Tensor, **extra) -> dict[str, Any]:
 
 
 def _seeded(build):
-    def factory():
+    def factory(**options):
         torch.manual_seed(0)
-        return build()
+        return build(**options)
 
     factory.__name__ = build.__name__
     return factory
 
 
 @_seeded
-def gpt2() -> Case:
+def gpt2(dropout: float = 0.0) -> Case:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=64, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)  # fmt: skip
     return Case("gpt2", GPT2LMHeadModel(config), _lm_inputs(token_ids(BATCH, SEQ)), "embed", "head")
 
 
@@ -93,13 +94,24 @@ def bert() -> Case:
 
 
 @_seeded
-def opt() -> Case:
+def opt(dropout: float = 0.0) -> Case:
     """``final_layer_norm`` comes before the layers in parameter order."""
     from transformers import OPTConfig, OPTForCausalLM
 
     config = OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, ffn_dim=128, num_attention_heads=4,
-                       max_position_embeddings=64, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0)  # fmt: skip
+                       max_position_embeddings=64, word_embed_proj_dim=64, dropout=dropout,
+                       attention_dropout=dropout)  # fmt: skip
     return Case("opt", OPTForCausalLM(config), _lm_inputs(token_ids(BATCH, SEQ)), "embed", "head")
+
+
+def gpt2_dropout() -> Case:
+    """GPT-2 with its dropouts on (embeddings, residuals, attention: 0.1); not in ``CASES``."""
+    return gpt2(dropout=0.1)
+
+
+def opt_dropout() -> Case:
+    """OPT with its dropouts on (residuals, attention: 0.1); not in ``CASES``."""
+    return opt(dropout=0.1)
 
 
 @_seeded

@@ -27,7 +27,8 @@ torch's own sharding rules (``torch.distributed.tensor``'s propagator, run on sp
 alone: no devices, no process group): views and reshapes are rewritten to the local shapes, elementwise
 ops and attention keep the heads sharded, and what needs a whole tensor (a layer norm over a sharded
 dim, a loss) gets it gathered first. A partial sum is reduced at once. An op with no rule takes its
-inputs replicated; the plan's notes name the ops that gathered a sharded input this way. The result's
+inputs replicated; the plan's notes name the ops that gathered a sharded input this way. A dropout on a
+sharded tensor keeps this device's part of a whole mask (``passes.tensor_random``). The result's
 outputs are replicated.
 
 Gradients: ``hetcc.collectives`` gives every op a backward that keeps a replicated tensor's gradient the
@@ -48,6 +49,7 @@ from hetcc import collectives  # noqa: F401  (registers the hetcc:: collectives 
 from hetcc.passes.fake_run import FakeInterpreter
 from hetcc.passes.shapes import shapes
 from hetcc.passes.tensor_layout import ParamShard, TensorLayout
+from hetcc.passes.tensor_random import draws, sharded_draw, shards_draw
 from hetcc.passes.tensor_rules import propagate
 
 aten = torch.ops.aten
@@ -312,6 +314,9 @@ class _Rewrite:
             self._copy(node, _tuple_like(node, _R))
             return
         decided = propagate(node, {a: self.place[a] for a in tensors}, _mesh(self.t), self.t)
+        drawn = decided is not None and draws(node) and any(isinstance(p, Shard) for p in _flat(decided[1]))
+        if drawn and not shards_draw(node, decided[1]):
+            decided = None  # its parts would draw alike (``passes.tensor_random``)
         if decided is None:  # no rule (or an uneven result): every input whole
             self.layout.gathered_ops.append(f"%{node.name} ({_op_name(node)})")
             self._copy(node, _tuple_like(node, _R), *self._mapped(node, {a: _R for a in tensors}))
@@ -326,6 +331,10 @@ class _Rewrite:
                 self.place[a] = want
             mapped[a] = want
         new_args, new_kwargs = self._mapped(node, mapped, args, kwargs, enter=sharded_out)
+        if drawn:  # each device keeps its part of what the whole graph draws
+            self.env[node] = sharded_draw(self.graph, node, output, new_args, new_kwargs, self.t)
+            self.place[node] = output
+            return
         partial = isinstance(output, Partial)
         new = self._copy(node, _R if partial else output, new_args, new_kwargs)
         if partial:

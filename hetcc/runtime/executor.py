@@ -348,13 +348,29 @@ class StageExecutor:
 
 
 class without_dropout(TorchFunctionMode):  # noqa: N801 - used as a context manager, like torch.no_grad
-    """Dropout off for an evaluation: an exported graph records ``aten.dropout(x, p, train=True)``
-    whatever the module's mode; under this mode that op returns its input."""
+    """Dropout off for an evaluation: an exported graph records ``aten.dropout(x, p, train=True)``, and
+    attention's ``dropout_p``, as the module ran when traced, whatever its mode now; under this mode the
+    dropouts return their input, attention runs with ``dropout_p`` 0, and a tensor-parallel stage's
+    part of a dropout mask (``hetcc::dropout_mask``) keeps everything."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.dropout.default:
+        kwargs = kwargs or {}
+        if func in _DROPOUTS:
             return args[0]
-        return func(*args, **(kwargs or {}))
+        if func is _ATTENTION:
+            if len(args) > _ATTENTION_P:
+                args = (*args[:_ATTENTION_P], 0.0, *args[_ATTENTION_P + 1 :])
+            kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
+        if func is torch.ops.hetcc.dropout_mask.default:  # (like, whole shape, p, dim, degree): nothing drawn
+            like, shape, _, dim, degree = args
+            return like.new_ones([n // degree if d == dim else n for d, n in enumerate(shape)])
+        return func(*args, **kwargs)
+
+
+_aten = torch.ops.aten
+_DROPOUTS = {_aten.dropout.default, _aten.feature_dropout.default, _aten.alpha_dropout.default,
+             _aten.feature_alpha_dropout.default}  # fmt: skip
+_ATTENTION, _ATTENTION_P = _aten.scaled_dot_product_attention.default, 4  # dropout_p's position
 
 
 def _buffer_snapshot(module: torch.nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:

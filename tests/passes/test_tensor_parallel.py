@@ -17,6 +17,7 @@ import hetcc
 from hetcc.collectives import ProcessTensorGroup, use_tensor_group
 from hetcc.passes.tensor_layout import ParamShard, take_part
 from hetcc.passes.tensor_parallel import tensor_parallel
+from hetcc.runtime.executor import without_dropout
 
 COLUMN, ROW = "column", "row"
 
@@ -117,6 +118,50 @@ def test_weights_kept_whole_are_not_split(graphs):
     assert layout.params["model.layers.0.mlp.gate_proj.weight"] == ParamShard(None)
 
 
+def test_a_dropout_on_a_sharded_tensor_draws_its_part_of_a_whole_mask(graphs):
+    _, gm = graphs("opt_dropout")
+    out, layout = tensor_parallel(gm, 2)
+    masks = [n for n in out.graph.nodes if n.target is torch.ops.hetcc.dropout_mask.default]
+    # per layer: the attention weights (heads split: [batch, heads, queries, keys]) and the residual after
+    # the attention's row-parallel projection (tokens split); the MLP's 2-d output is all-reduced whole
+    wholes = sorted((tuple(n.args[1]), n.args[3]) for n in masks)  # (the whole shape, the split dim)
+    assert wholes == [((4, 4, 16, 16), 1)] * 3 + [((4, 16, 64), 1)] * 3
+    parts = {tuple(n.meta["val"].shape) for n in masks}  # this device's part of each
+    assert parts == {(4, 2, 16, 16), (4, 8, 64)}
+    attention = torch.ops.aten.scaled_dot_product_attention.default
+    assert not any(n.target is attention for n in out.graph.nodes) and layout.gathered_ops == []
+    assert sum(n.target is torch.ops.aten.dropout.default for n in out.graph.nodes) == 3  # on whole tensors
+
+
+class _DrawsOnParts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        hidden = self.up(x)  # column-parallel: split along its features
+        return self.down(hidden + torch.rand_like(hidden)).sum()
+
+
+def test_another_draw_on_a_sharded_tensor_takes_it_whole_and_is_named():
+    gm = hetcc.analyze(_DrawsOnParts(), (torch.randn(4, 8),)).graph
+    out, layout = tensor_parallel(gm, 2)
+    assert [op.split(" ")[1] for op in layout.gathered_ops] == ["(rand_like.default)"]
+    draw = next(n for n in out.graph.nodes if n.target is torch.ops.aten.rand_like.default)
+    assert tuple(draw.meta["val"].shape) == (4, 16)  # drawn whole, alike on every device
+
+
+def test_an_evaluation_runs_without_any_dropout(graphs):
+    case, gm = graphs("gpt2_dropout")  # dropout, and attention's dropout_p, recorded as traced: on
+    with without_dropout():
+        logits = gm(**case.inputs)[1]
+    case.model.eval()
+    torch.testing.assert_close(logits, case.model(**case.inputs).logits)
+    with without_dropout():
+        part = torch.ops.hetcc.dropout_mask.default(torch.zeros(2), [4, 6], 0.5, 1, 2)  # as graphs call it
+    assert torch.equal(part, torch.ones(4, 3))
+
+
 def test_a_weights_parts_make_the_whole_again():
     whole = torch.arange(24.0).reshape(2, 12)
     fused = ParamShard(1, blocks=3)
@@ -148,6 +193,7 @@ def _train_on_ranks(rank: int, degree: int, port: int, names: list[str], out_dir
         module, layout = tensor_parallel(gm, degree)
         take_part(module, layout, rank)
         inputs = [case.inputs[n.target] for n in module.graph.nodes if n.op == "placeholder"]
+        torch.manual_seed(1)  # what a dropout draws: alike on every rank and in ``_eager``
         with use_tensor_group(ProcessTensorGroup()):
             loss = module(*inputs)[0]
             loss.backward()
@@ -167,6 +213,7 @@ def _train_on_ranks(rank: int, degree: int, port: int, names: list[str], out_dir
 def _eager(name: str):
     case = getattr(model_zoo, name)()
     gm = hetcc.analyze(case.model, example_kwargs=case.inputs).graph
+    torch.manual_seed(1)
     loss = gm(**case.inputs)[0]
     loss.backward()
     return loss.detach(), {target: operator.attrgetter(target)(gm).grad for target in _weights(gm)}
@@ -184,7 +231,9 @@ def _weights(gm) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("degree", "names"),
-    [(2, ["gpt2", "llama", "opt"]), (4, ["llama"])],  # at 4 Llama's 2 kv heads cannot split: gathered
+    # at 4 Llama's 2 kv heads cannot split: gathered. With dropout on, each rank keeps its part of the
+    # whole graph's masks (sequence-parallel residuals, split heads' attention): the same draws on CPU
+    [(2, ["gpt2", "llama", "opt", "gpt2_dropout", "opt_dropout"]), (4, ["llama"])],
     ids=["degree2", "degree4-uneven-heads"],
 )
 def test_sharded_graphs_train_like_the_whole_graph(degree, names, tmp_path):
