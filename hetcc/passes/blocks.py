@@ -36,7 +36,7 @@ import torch
 import torch.fx
 
 from hetcc.errors import AnalysisError
-from hetcc.ir import Number, annotate, human, info, nbytes
+from hetcc.ir import Number, annotate, human, info, is_concrete, nbytes
 from hetcc.passes.remat import rematerialisable, trainable_values
 
 _LAYER_PATH = re.compile(r"(^|\.)\d+$")
@@ -164,11 +164,13 @@ def _uniquify_runs(names: list[str]) -> list[str]:
 
 
 def _split_large(compute: list[torch.fx.Node], names: list[str], limit: float) -> list[str]:
-    """Split blocks whose parameters + saved activations exceed ``limit`` by their child modules."""
+    """Split blocks whose parameters + saved activations exceed ``limit`` by their child modules. Under a
+    symbolic batch the sizes are judged at the traced example's (the symbols' hints)."""
     sizes: dict[str, float] = defaultdict(float)
+    hint = _hints(compute)
     for node, name in zip(compute, names):
         record = info(node)
-        sizes[name] += float(record.act_bytes) + sum(info(a).param_bytes for a in node.all_input_nodes)
+        sizes[name] += hint(record.act_bytes) + sum(hint(info(a).param_bytes) for a in node.all_input_nodes)
     result = []
     for node, name in zip(compute, names):
         if sizes[name] <= limit:
@@ -177,6 +179,18 @@ def _split_large(compute: list[torch.fx.Node], names: list[str], limit: float) -
         child = next((p for p in _stack_paths(node) if p.startswith(name + ".")), None)
         result.append(f"{name}/{child.removeprefix(name + '.')}" if child else None)
     return _uniquify_runs(_fill_gaps(result, default=names[0]))
+
+
+def _hints(nodes: list[torch.fx.Node]):
+    """A size as a float: a symbolic one at the value its symbols had in the traced example."""
+    env = next(
+        (d.node.shape_env for n in nodes if isinstance(v := n.meta.get("val"), torch.Tensor)
+         for d in v.shape if isinstance(d, torch.SymInt)),
+        None,
+    )  # fmt: skip
+    return lambda size: float(
+        size if env is None or is_concrete(size) else env.optimization_hint(sympy.sympify(size))
+    )
 
 
 def _holds_parameters(node: torch.fx.Node) -> bool:

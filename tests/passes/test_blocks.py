@@ -63,6 +63,20 @@ def test_a_block_over_the_size_limit_is_split_by_its_children():
     assert analysis.total_flops() == whole.total_flops()
 
 
+def test_under_a_symbolic_batch_the_size_limit_judges_the_traced_example():
+    """The microbatch search's trace (its batch a symbol) splits where the trace of its example does:
+    sizes in the symbol are taken at the example's batch (they failed to convert to a float before)."""
+    kwargs, limit = lm_kwargs(token_ids(4, 16)), 500_000  # a layer: 714 kB at 4 rows, 328 kB at 1
+    batch = torch.export.Dim("batch", min=1, max=4)
+    dims = {"input_ids": {0: batch}, "use_cache": None}
+    symbolic = hetcc.analyze(gpt2(), example_kwargs=kwargs, dynamic_shapes=dims, max_block_bytes=limit)
+    concrete = hetcc.analyze(gpt2(), example_kwargs=kwargs, max_block_bytes=limit)
+    one_row = hetcc.analyze(gpt2(), example_kwargs=lm_kwargs(token_ids(1, 16)), max_block_bytes=limit)
+    names = [b.name for b in concrete.blocks]
+    assert [b.name for b in symbolic.blocks] == names and "transformer.h.0/mlp" in names
+    assert len(one_row.blocks) < len(names)
+
+
 class Residual(torch.nn.Module):
     def __init__(self):
         super().__init__()
