@@ -54,6 +54,12 @@ def balanced_boundaries(weights: list[float], num_stages: int) -> list[int]:
     return min_max_split([part] * num_stages)[1]
 
 
+def span_sums(per_block) -> np.ndarray:
+    """``sums[a, i]``: the sum of ``per_block`` over blocks ``[a, i)`` (a stage's cost for ``min_max_split``)."""
+    prefix = np.concatenate([[0.0], np.cumsum(per_block)])
+    return prefix[None, :] - prefix[:, None]
+
+
 def min_max_split(stage_costs: list[np.ndarray]) -> tuple[float, list[int]]:
     """The contiguous non-empty split of N blocks into ``len(stage_costs)`` stages minimising the
     largest ``stage_costs[j][a, i]`` (stage j holding blocks ``[a, i)``), and that maximum.

@@ -13,10 +13,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 from hetcc.errors import PlanFormatError
-from hetcc.solver.baselines import min_max_split
+from hetcc.solver.baselines import min_max_split, span_sums
 from hetcc.solver.objective import stage_costs
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.simulate import simulate
@@ -58,10 +56,7 @@ def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -
 def _balanced_cuts(problem: PartitionProblem, placed: Sequence[int]) -> list[int]:
     """Cuts of the chain into ``len(placed)`` stages, stage j on device ``placed[j]``, that minimise the
     longest stage's time on its device (``baselines.min_max_split``)."""
-    costs = {}
-    for d in set(placed):
-        prefix = np.concatenate([[0.0], np.cumsum(problem.block_cost_s(problem.devices[d].type))])
-        costs[d] = prefix[None, :] - prefix[:, None]  # [start, stop)
+    costs = {d: span_sums(problem.block_cost_s(problem.devices[d].type)) for d in set(placed)}
     return min_max_split([costs[d] for d in placed])[1]
 
 

@@ -14,10 +14,8 @@ import math
 from dataclasses import replace
 from typing import NamedTuple
 
-import numpy as np
-
 from hetcc.errors import InfeasiblePlanError, format_bytes
-from hetcc.solver.baselines import min_max_split
+from hetcc.solver.baselines import min_max_split, span_sums
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import evaluate
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, inflight_microbatches
@@ -177,11 +175,10 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
 def _min_max_overflow(problem: PartitionProblem, devices: list, inflight: list[int]):
     """The cut of a fixed device sequence minimising max_j (memory_j - cap_j): (overflow, stages)
     with each stage's block range and the bytes it uses (those of its device's type)."""
-    used = []
-    for device, q in zip(devices, inflight):
-        w = np.concatenate([[0.0], np.cumsum(problem.state_for(device.type))])
-        a = np.concatenate([[0.0], np.cumsum(problem.act_for(device.type))])
-        used.append((w[None, :] - w[:, None]) + q * (a[None, :] - a[:, None]))  # [start, stop)
+    used = [
+        span_sums(problem.state_for(device.type)) + q * span_sums(problem.act_for(device.type))
+        for device, q in zip(devices, inflight)
+    ]
     overflow, bounds = min_max_split([u - device.memory_bytes for u, device in zip(used, devices)])
     stages = [((b0, b1), float(u[b0, b1])) for u, b0, b1 in zip(used, bounds, bounds[1:])]
     return overflow, stages
