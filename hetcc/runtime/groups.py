@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -111,20 +110,10 @@ class Links:
     def recv(self, peer: int, shape, dtype: torch.dtype, what: str) -> torch.Tensor:
         """The next message from ``peer``, which must hold ``shape`` x ``dtype`` (nothing on the wire says
         what a message holds: the caller checks that)."""
-        return self.take(self.post_recv(peer, shape, dtype, what))
-
-    def post_recv(self, peer: int, shape, dtype: torch.dtype, what: str) -> PostedRecv:
-        """Start receiving the next message from ``peer`` (as ``recv``); ``take`` waits for it. Posting a
-        receive before it is needed lets the message cross while this rank computes: gloo moves a
-        message only once its receive is posted."""
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self._wire_device(peer))
         work = dist.irecv(buffer, src=peer, group=self.group(peer), tag=_next(self.received_count, peer))
-        return PostedRecv(work, buffer, peer, f"{what} from rank {peer}")
-
-    def take(self, posted: PostedRecv) -> torch.Tensor:
-        """The message of a posted receive, once it has arrived (with the timeout)."""
-        self.wait(posted.work, posted.what, posted.peer)
-        return posted.buffer.to(self.device)
+        self.wait(work, f"{what} from rank {peer}", peer)
+        return buffer.to(self.device)
 
     def _wire_device(self, peer: int) -> torch.device:
         """gloo moves host memory: tensors for a gloo link are staged through the CPU."""
@@ -186,16 +175,6 @@ class Links:
                 hint=f"check that {f'rank {peer}' if peer is not None else 'every peer'} is alive; "
                 f"waits time out after hetcc.config.comm_timeout_s = {self.timeout_s:g} s",
             ) from error
-
-
-@dataclass(frozen=True)
-class PostedRecv:
-    """A receive started by ``Links.post_recv``."""
-
-    work: object
-    buffer: torch.Tensor
-    peer: int
-    what: str
 
 
 def _next(counts: dict[int, int], peer: int) -> int:

@@ -32,14 +32,6 @@ dtype is what that edge carries between those two ranks from then on, and its gr
 An edge with a codec (``hetcc.wire``) carries its uint8 payload; the decoded tensor is in the traced
 dtype, so its gradient comes back in that dtype, or as its gradient codec's payload.
 
-Receives posted ahead (``prepost``): before each action the executor posts the receives of that action
-and of the next one, in the order they will be taken (the forward's in its graph's recv order, the
-gradients' by peer, each in tag order), so a message crosses while this rank still computes (gloo moves
-a message only once its receive is posted; torch.distributed.pipelining posts its receives ahead too).
-Only messages whose shape and dtype are known are posted ahead: an edge's first message between two
-ranks follows its header, and a rank with a receive left to its action gets nothing posted for the next
-one, so posting order stays the order above.
-
 Recomputation (``keep_received``): a stage whose forward runs again during backward
 (``torch.utils.checkpoint``) keeps what it received for each microbatch; while ``replaying``, a
 forward ``recv`` returns the kept tensor and a forward ``send`` sends nothing.
@@ -51,7 +43,7 @@ import torch
 
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.comm import CommEdge, StageGraph
-from hetcc.runtime.groups import Links, PostedRecv
+from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
 from hetcc.sendrecv import count_settled_gradient, describe_spec, fits_spec
 from hetcc.wire import NO_CODEC
@@ -93,8 +85,6 @@ class LinkTransport:
         self.crossed: dict[int, torch.dtype] = {}  # tag -> the dtype its tensor crossed in (its gradient's)
         self.received: dict[tuple[int, int], torch.Tensor] = {}  # (tag, microbatch), kept for replay
         self.replaying = False
-        self.recvs = tuple(stage.recvs)  # in the order the stage's graph receives them
-        self.posted: dict[tuple[str, int, int], PostedRecv] = {}  # (kind, tag, microbatch) -> started early
 
     def carries_gradient(self, tag: int) -> bool:
         return self.edges[tag].requires_grad
@@ -111,46 +101,14 @@ class LinkTransport:
             if p % degree == part
         ]
 
-    def peer_rank(self, peer_stage: int, microbatch: int | None = None) -> int:
-        """The rank of ``peer_stage`` this rank receives from for ``microbatch`` (None: the current one)."""
+    def peer_rank(self, peer_stage: int) -> int:
+        """The rank of ``peer_stage`` this rank receives from for the current microbatch."""
         if self.layout is None:
             return peer_stage
         part, _ = self._part()
-        m = self.microbatch if microbatch is None else microbatch
-        return self.layout.rank_running(peer_stage, m, part % self.layout.tensor_degree(peer_stage))
-
-    def prepost(self, kind: str, m: int, deferred: frozenset[int] = frozenset()) -> frozenset[int]:
-        """Start, in the order it makes them, the receives that ``kind`` (F or B) of microbatch ``m`` will
-        make, so their messages cross while this rank computes what comes before; ``recv`` and the
-        gradients' receive then take them. A message is posted only where its shape and dtype are known
-        (the first message of an edge between two ranks follows its header; a gradient's dtype is the
-        one its tensor crossed in), and nothing from a rank in ``deferred`` (whose receives of an earlier
-        action are not posted yet: messages pair up in posting order). Returns the ranks left to the
-        action itself, with ``deferred``."""
-        lazy = set(deferred)
-        for key, rank, shape, dtype, what in self._expected(kind, m):
-            if key in self.posted:
-                continue
-            if rank in lazy or dtype is None:
-                lazy.add(rank)
-                continue
-            self.posted[key] = self.links.post_recv(rank, shape, dtype, what)
-        return frozenset(lazy)
-
-    def _expected(self, kind: str, m: int):
-        """(key, rank, shape, dtype or None where not known yet, what) of each receive of ``kind`` of ``m``,
-        in order."""
-        if kind == "F":
-            for edge in self.recvs:
-                rank = self.peer_rank(edge.src, m)
-                what = f"F{m} {edge.value} (stage {edge.src})"
-                yield ("F", edge.tag, m), rank, edge.wire[0], self.wire_dtypes.get((edge.tag, rank)), what
-        elif kind == "B":
-            for edge in sorted(self.grads_in, key=lambda e: e.dst):  # by peer, each in tag order
-                known = edge.codec != NO_CODEC or edge.tag in self.crossed
-                shape, dtype = self._grad_wire(edge) if known else (None, None)
-                what = f"B{m} grad of {edge.value} (stage {edge.dst})"
-                yield ("B", edge.tag, m), self.peer_rank(edge.dst, m), shape, dtype, what
+        return self.layout.rank_running(
+            peer_stage, self.microbatch, part % self.layout.tensor_degree(peer_stage)
+        )
 
     def _part(self) -> tuple[int, int]:
         """This rank's part of its stage's replica, and the stage's tensor degree."""
@@ -187,12 +145,6 @@ class LinkTransport:
         m, edge = self.microbatch, self.edges[tag]
         if self.replaying:
             return self.received[(tag, m)].detach()
-        posted = self.posted.pop(("F", tag, m), None)
-        if posted is not None:
-            tensor = self.links.take(posted)
-            if self.keep_received:
-                self.received[(tag, m)] = tensor
-            return tensor
         rank = self.peer_rank(peer)
         what = f"F{m} {edge.value} (stage {peer})"
         if (tag, rank) not in self.wire_dtypes:
@@ -239,10 +191,6 @@ class LinkTransport:
         self.asked.add(peer)
         rank = self.peer_rank(peer)
         for edge in (e for e in self.grads_in if e.dst == peer):
-            posted = self.posted.pop(("B", edge.tag, self.microbatch), None)
-            if posted is not None:
-                self.arrived[edge.tag] = self.links.take(posted)
-                continue
             what = f"B{self.microbatch} grad of {edge.value} (stage {peer})"
             shape, dtype = self._grad_wire(edge)
             self.arrived[edge.tag] = self.links.recv(rank, list(shape), dtype, what)
