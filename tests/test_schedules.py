@@ -11,6 +11,7 @@ from hetcc.solver.schedules import (
     INTERLEAVED,
     Action,
     format_grid,
+    interleavable,
     interleaved_actions,
     max_inflight,
     stage_actions,
@@ -255,6 +256,30 @@ def test_interleaved_1f1b_matches_megatrons_order():
         "rank 0 | F0  F1  F0.1  F1.1  .     .     B0.1  B1.1  B0  B1",
         "rank 1 | .   F0  F1    F0.1  F1.1  B0.1  B1.1  B0    B1  .",
     ])  # fmt: skip
-    for bad in ((2, 2, 3), (2, 0, 4), (0, 2, 4)):
+    for bad in ((2, 2, 1), (4, 2, 9), (2, 0, 4), (0, 2, 4)):  # M < p; 9 in 2 rounds; no chunks; no ranks
         with pytest.raises(PlanFormatError):
             interleaved_actions(*bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 6), st.integers(2, 4), st.integers(0, 12))
+def test_interleaved_1f1b_takes_microbatches_in_rounds_as_torch_does(ranks, chunks, extra):
+    """M not a multiple of p (torch's ``ScheduleInterleaved1F1B`` rounds: M // p rounds of M / (M // p)
+    microbatches, where they divide M): every stage still runs each microbatch's forward then backward
+    once, in order, without deadlock, and the step is never longer than 1F1B's on the same chunks in
+    v-times larger stages, v(2M + 2(p - 1)) unit steps."""
+    microbatches = ranks + extra
+    if not interleavable(ranks, microbatches):
+        with pytest.raises(PlanFormatError, match="rounds of equal size"):
+            interleaved_actions(ranks, chunks, microbatches)
+        return
+    orders = interleaved_actions(ranks, chunks, microbatches)
+    for order in orders:
+        for chunk in range(chunks):
+            mine = [a for a in order if a.chunk == chunk]
+            for kind in "FB":
+                assert [a.microbatch for a in mine if a.kind == kind] == list(range(microbatches))
+    steps = len(unit_step_timeline(orders)[0])
+    assert steps <= chunks * (2 * microbatches + 2 * (ranks - 1))
+    if microbatches % ranks == 0:
+        assert steps == 2 * chunks * microbatches + 2 * (ranks - 1)

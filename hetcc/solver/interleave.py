@@ -17,6 +17,7 @@ from hetcc.errors import PlanFormatError
 from hetcc.solver.baselines import min_max_split, span_sums
 from hetcc.solver.objective import stage_costs
 from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.schedules import interleavable
 from hetcc.solver.simulate import simulate
 
 MOVES = 400  # simulations the cut refinement may spend
@@ -28,10 +29,10 @@ def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -
     time on its device (``_balanced_cuts``), then single cuts moved by one or two blocks while the
     simulated step shortens and memory fits; the step is inf where no plan tried fits."""
     ranks, n = len(devices), len(problem.blocks)
-    if chunks < 1 or n < chunks * ranks or problem.microbatches % ranks:
+    if chunks < 1 or n < chunks * ranks or not interleavable(ranks, problem.microbatches):
         raise PlanFormatError(
             f"interleaving {chunks} chunks over {ranks} devices needs {chunks * ranks} of the {n} blocks and "
-            f"microbatches a multiple of {ranks} (M = {problem.microbatches})",
+            f"at least {ranks} microbatches, in rounds of equal size (M = {problem.microbatches})",
             hint="fewer chunks or devices",
         )
     placed = [devices[j % ranks] for j in range(chunks * ranks)]

@@ -253,41 +253,56 @@ def interleaved_actions(
     """Per rank, its actions under interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language
     Model Training on GPU Clusters", Megatron-LM's order; torch's ``ScheduleInterleaved1F1B``): the model
     is cut into ``chunks * ranks`` stages and rank r holds stages r, r + p, ..., one per chunk, so a
-    microbatch crosses every rank ``chunks`` times. Each rank runs its forwards in groups of p microbatches
-    per chunk (chunk 0 for microbatches 0..p-1, chunk 1 for the same, ..., then the next p), its
-    backwards likewise from the last chunk down; it warms up with 2(p - r - 1) + (v - 1)p forwards (all
-    v*M where M = p), then alternates one forward and one backward, then drains. Its bubble is 1F1B's
-    over v: 2(p - 1) chunk steps at equal F and B (``unit_step_timeline``), against 2v(p - 1) for 1F1B
-    on the same chunks in v-times larger stages. M must be a multiple of p (Megatron's rule); one chunk
-    per rank is 1F1B's order. Without ``training``, each rank's forwards alone, in the same order.
+    microbatch crosses every rank ``chunks`` times. The M microbatches run in rounds of n = M / (M // p)
+    (p where M is a multiple of p, Megatron's rule; torch's rounds otherwise, which take any M >= p that
+    the round count divides): each rank runs its forwards in groups of n microbatches per chunk (chunk 0
+    for microbatches 0..n-1, chunk 1 for the same, ..., then the next n), its backwards likewise from
+    the last chunk down; it warms up with 2(p - r - 1) + (v - 1)n forwards (all v*M where M = p), then
+    alternates one forward and one backward, then drains. Its bubble is 1F1B's over v: 2(p - 1) chunk
+    steps at equal F and B (``unit_step_timeline``) where M is a multiple of p, against 2v(p - 1) for
+    1F1B on the same chunks in v-times larger stages. One chunk per rank is 1F1B's order. Without
+    ``training``, each rank's forwards alone, in the same order.
 
     The simulator replays it (``simulate(..., chunks=v)``); the planner and the runtime do not take it
     yet (a rank runs one stage there). ``format_grid(INTERLEAVED, ...)`` prints it."""
     check_schedule_args("1f1b", ranks, microbatches)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or microbatches % ranks:
+    if (
+        isinstance(chunks, bool)
+        or not isinstance(chunks, int)
+        or chunks < 1
+        or not interleavable(ranks, microbatches)
+    ):
         raise PlanFormatError(
             f"interleaved 1F1B: {chunks!r} chunks per rank and {microbatches} microbatches over {ranks} ranks",
-            hint="give each rank 1 or more chunks, and a multiple of the ranks as microbatches",
+            hint="give each rank 1 or more chunks, and at least as many microbatches as ranks, in rounds of "
+            "equal size (M divisible by M // ranks, as every multiple of the ranks is)",
         )
     if chunks == 1:
         return stage_actions("1f1b", ranks, microbatches, training=training)
-    total, group = chunks * microbatches, ranks * chunks
+    size = microbatches // (microbatches // ranks)  # of a round
+    total, group = chunks * microbatches, size * chunks
 
     def action(kind: str, k: int) -> Action:  # the k-th forward (backward) of a rank
-        chunk = (k % group) // ranks
-        microbatch = (k // group) * ranks + k % ranks
+        chunk = (k % group) // size
+        microbatch = (k // group) * size + k % size
         return Action(kind, microbatch, chunk if kind == "F" else chunks - 1 - chunk)
 
     if not training:
         return [[action("F", k) for k in range(total)] for _ in range(ranks)]
     orders = []
     for rank in range(ranks):
-        warmup = total if microbatches == ranks else min(total, 2 * (ranks - rank - 1) + (chunks - 1) * ranks)
+        warmup = total if microbatches == ranks else min(total, 2 * (ranks - rank - 1) + (chunks - 1) * size)
         order = [action("F", k) for k in range(warmup)]
         for k in range(total - warmup):
             order += [action("F", warmup + k), action("B", k)]
         orders.append(order + [action("B", k) for k in range(total - warmup, total)])
     return orders
+
+
+def interleavable(ranks: int, microbatches: int) -> bool:
+    """Whether interleaved 1F1B takes ``microbatches`` over ``ranks``: at least one round of them, in
+    rounds of equal size (``interleaved_actions``)."""
+    return microbatches >= ranks >= 1 and microbatches % (microbatches // ranks) == 0
 
 
 def max_inflight(actions: list[Action]) -> int:
