@@ -66,10 +66,11 @@ def sharded_draw(graph: fx.Graph, node: fx.Node, output: Shard, args: tuple, kwa
         mask = graph.call_function(torch.ops.hetcc.dropout_mask.default, (x, whole, p, output.dim, degree))
         return graph.call_function(aten.mul.Tensor, (x, mask))
     query, key, value, attn_mask, p, causal, scale, gqa = values
-    q, k = node.args[0].meta["val"], node.args[1].meta["val"]  # whole: the weights are [..., queries, keys]
+    whole = _arguments(node, node.args, node.kwargs)  # the nodes of the whole graph, with their values
+    q, k = whole[0].meta["val"], whole[1].meta["val"]  # the weights are [..., queries, keys]
     weights = [*q.shape[:-1], k.shape[-2]]
     mask = graph.call_function(torch.ops.hetcc.dropout_mask.default, (query, weights, p, output.dim, degree))
-    kind = attn_mask.meta["val"].dtype if isinstance(node.args[3], fx.Node) else None
+    kind = whole[3].meta["val"].dtype if isinstance(whole[3], fx.Node) else None
     return _attention(graph, (query, key, value), (attn_mask, kind), causal, scale, gqa, mask, q, k)
 
 

@@ -151,6 +151,29 @@ def test_another_draw_on_a_sharded_tensor_takes_it_whole_and_is_named():
     assert tuple(draw.meta["val"].shape) == (4, 16)  # drawn whole, alike on every device
 
 
+class _Attention(torch.nn.Module):
+    """Heads split by column-parallel q, k, v; causal attention with dropout and no mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = (f(x).view(2, 8, 4, 4).transpose(1, 2) for f in (self.q, self.k, self.v))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query=q, key=k, value=v, dropout_p=0.25, is_causal=True
+        )
+        return out.sum()
+
+
+def test_causal_attention_with_dropout_gets_its_part_of_a_whole_mask_and_stays_causal():
+    gm = hetcc.analyze(_Attention(), (torch.randn(2, 8, 16),)).graph
+    out, layout = tensor_parallel(gm, 2)
+    (mask,) = [n for n in out.graph.nodes if n.target is torch.ops.hetcc.dropout_mask.default]
+    assert mask.args[1:] == ([2, 4, 8, 8], 0.25, 1, 2) and layout.gathered_ops == []
+    assert any(n.target is torch.ops.aten.tril.default for n in out.graph.nodes)  # is_causal kept
+
+
 def test_an_evaluation_runs_without_any_dropout(graphs):
     case, gm = graphs("gpt2_dropout")  # dropout, and attention's dropout_p, recorded as traced: on
     with without_dropout():
