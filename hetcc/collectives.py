@@ -129,6 +129,13 @@ def _group() -> TensorGroup:
     return _current[-1]
 
 
+def part_shape(shape, dim: int, degree: int) -> list[int]:
+    """The shape of one of ``degree`` equal parts along ``dim`` of a tensor of ``shape``."""
+    part = list(shape)
+    part[dim] //= degree
+    return part
+
+
 def own_slice(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     """Device ``rank``'s equal part of ``tensor`` along ``dim``, of ``size`` parts."""
     return tensor.chunk(size, dim=dim)[rank]
@@ -211,9 +218,7 @@ def tensor_slice(tensor: torch.Tensor, dim: int, degree: int) -> torch.Tensor:
 @tensor_slice.register_fake
 def _part_fake(tensor, dim, degree):
     """A part along ``dim`` (``tensor_slice``'s and ``reduce_scatter``'s result)."""
-    shape = list(tensor.shape)
-    shape[dim] //= degree
-    return tensor.new_empty(shape)
+    return tensor.new_empty(part_shape(tensor.shape, dim, degree))
 
 
 def _gathered_backward(ctx, grad):
@@ -276,9 +281,7 @@ def dropout_mask(like: torch.Tensor, shape: list[int], p: float, dim: int, degre
 
 @dropout_mask.register_fake
 def _dropout_mask_fake(like, shape, p, dim, degree):
-    part = list(shape)
-    part[dim] //= degree
-    return like.new_empty(part)
+    return like.new_empty(part_shape(shape, dim, degree))
 
 
 # the mask depends on ``like``'s dtype and device, not on its values

@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from hetcc import config
-from hetcc.collectives import use_tensor_group
+from hetcc.collectives import part_shape, use_tensor_group
 from hetcc.errors import RuntimeFailure
 from hetcc.passes.codegen import module_for_device
 from hetcc.passes.comm import StageGraph
@@ -363,7 +363,7 @@ class without_dropout(TorchFunctionMode):  # noqa: N801 - used as a context mana
             kwargs = {**kwargs, "dropout_p": 0.0} if "dropout_p" in kwargs else kwargs
         if func is torch.ops.hetcc.dropout_mask.default:  # (like, whole shape, p, dim, degree): nothing drawn
             like, shape, _, dim, degree = args
-            return like.new_ones([n // degree if d == dim else n for d, n in enumerate(shape)])
+            return like.new_ones(part_shape(shape, dim, degree))
         return func(*args, **kwargs)
 
 
