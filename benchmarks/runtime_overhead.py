@@ -8,6 +8,7 @@ map-style dataset, this rank's microbatches and inputs only) against the same st
 split before the clock starts (aim: <= 1.05x).
 
     python benchmarks/runtime_overhead.py --schedule 1f1b --microbatches 4 --steps 30
+    python benchmarks/runtime_overhead.py --schedule interleaved-1f1b --chunks 2   # 4 stages, 2 per rank
 """
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from hetcc.passes.comm import split_stages
-from hetcc.runtime.executor import StageExecutor
+from hetcc.runtime.contract import PipelineMeta
+from hetcc.runtime.executor import StageExecutor, run_chunks
 from hetcc.runtime.groups import Links
 from hetcc.runtime.interop import pipelining_schedule
+from hetcc.runtime.layout import RankLayout
+from hetcc.runtime.placement import interleaved_ranks, ranks_for
 from hetcc.runtime.store import load_stages, save_stages
-from hetcc.solver.schedules import stage_actions
+from hetcc.solver.schedules import INTERLEAVED
 from hetcc.train.data import RankData, RankInputs
 
 
@@ -42,13 +46,14 @@ def build_mlp(width: int, depth: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*layers)
 
 
-def split_two(width: int, depth: int, microbatch: int, directory: str) -> None:
+def split(width: int, depth: int, microbatch: int, num_stages: int, directory: str) -> None:
+    """The MLP in ``num_stages`` stages of equal layer counts (2 ranks: one stage each, or ``--chunks``)."""
     torch.manual_seed(0)
     model = build_mlp(width, depth)
     gm = torch.export.export(model, (torch.randn(microbatch, width),), strict=False).module()
     compute = [n for n in gm.graph.nodes if n.op == "call_function"]
-    stage_of = {n.name: int(i >= len(compute) // 2) for i, n in enumerate(compute)}
-    save_stages(split_stages(gm, stage_of, 2), directory)
+    stage_of = {n.name: i * num_stages // len(compute) for i, n in enumerate(compute)}
+    save_stages(split_stages(gm, stage_of, num_stages), directory)
 
 
 def hetcc_step(stages, rank, x, y, args, data_path: bool = False):
@@ -56,9 +61,12 @@ def hetcc_step(stages, rank, x, y, args, data_path: bool = False):
     the next batch of a shuffled dataset of ``x, y`` rows: drawn through ``hetcc.train.data`` at the step
     (``data_path``: indices, this rank's items fetched and collated, checked), or split beforehand."""
     links = Links(["cpu", "cpu"], [], 60.0)
-    executor = StageExecutor(stages[rank], links, args.microbatches, F.mse_loss)
-    optimizer = torch.optim.SGD(executor.params, lr=1e-3)
-    actions = stage_actions(args.schedule, 2, args.microbatches)[rank]
+    meta = PipelineMeta(len(stages), args.schedule, args.microbatches, placement=placement_for(args))
+    layout = RankLayout.from_meta(meta)
+    executors = [StageExecutor(stages[k], links, args.microbatches, F.mse_loss, layout=layout)
+                 for k in layout.ranks[rank].stages]  # fmt: skip
+    optimizer = torch.optim.SGD([p for executor in executors for p in executor.params], lr=1e-3)
+    actions = layout.actions(args.schedule, rank)
     name, rows = stages[0].inputs[0], x.shape[0] // args.microbatches
     needs = RankInputs(stages[rank].inputs, args.microbatches, rows, tuple(range(args.microbatches)),
                        dict(stages[rank].input_shapes), model_inputs=(name,), target=rank == 1)  # fmt: skip
@@ -70,7 +78,7 @@ def hetcc_step(stages, rank, x, y, args, data_path: bool = False):
 
     def step():
         batch = next(batches)
-        executor.run(batch.inputs, batch.targets, actions)
+        run_chunks(executors, batch.inputs, batch.targets, actions)
         optimizer.step()
 
     return step
@@ -78,9 +86,9 @@ def hetcc_step(stages, rank, x, y, args, data_path: bool = False):
 
 def pipelining_step(stages, rank, x, y, args):
     """One training step of torch.distributed.pipelining on this rank, as a closure."""
-    schedule = pipelining_schedule(stages, rank, args.microbatches, args.schedule, F.mse_loss)
-    stage = schedule._stages[0] if hasattr(schedule, "_stages") else schedule._stage
-    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=1e-3)
+    schedule = pipelining_schedule(stages, rank, args.microbatches, args.schedule, F.mse_loss, ranks=2)
+    held = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
+    optimizer = torch.optim.SGD([p for stage in held for p in stage.submod.parameters()], lr=1e-3)
 
     def step():
         optimizer.zero_grad()
@@ -91,6 +99,15 @@ def pipelining_step(stages, rank, x, y, args):
         optimizer.step()
 
     return step
+
+
+def stage_count(args) -> int:
+    return 2 * args.chunks if args.schedule == INTERLEAVED else 2
+
+
+def placement_for(args):
+    """Two ranks: one stage each, or ``--chunks`` stages each under interleaved 1F1B."""
+    return interleaved_ranks(2, args.chunks) if args.schedule == INTERLEAVED else ranks_for([1, 1])
 
 
 def timed(step, steps: int) -> list[float]:
@@ -130,7 +147,8 @@ def worker(rank: int, port: int, directory: str, args) -> None:
     if rank == 1:
         med = {k: statistics.median(v) for k, v in results.items()}
         print(
-            f"schedule {args.schedule}, microbatches {args.microbatches}, MLP {args.depth}x{args.width}, "
+            f"schedule {args.schedule}, {stage_count(args)} stages, microbatches {args.microbatches}, "
+            f"MLP {args.depth}x{args.width}, "
             f"microbatch {args.microbatch}, 2 ranks gloo, median of {args.rounds}x{args.steps} steps"
         )
         for name, seconds in med.items():
@@ -142,7 +160,8 @@ def worker(rank: int, port: int, directory: str, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zb-h1"))
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zb-h1", INTERLEAVED))
+    parser.add_argument("--chunks", type=int, default=2, help="stages per rank under interleaved-1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch", type=int, default=16)
     parser.add_argument("--width", type=int, default=256)
@@ -152,7 +171,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
-        split_two(args.width, args.depth, args.microbatch, directory)
+        split(args.width, args.depth, args.microbatch, stage_count(args), directory)
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]

@@ -42,7 +42,15 @@ from hetcc.hardware.schema import (
 from hetcc.plan import PRECISIONS, RECOMPILE, Plan
 from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
-from hetcc.solver.schedules import SCHEDULES, recorded_warmup, warmup_fault, warmup_forwards, zb_deferrals
+from hetcc.solver.schedules import (
+    INTERLEAVED,
+    PIPELINE_SCHEDULES,
+    interleavable,
+    recorded_warmup,
+    warmup_fault,
+    warmup_forwards,
+    zb_deferrals,
+)
 
 VERSION = 2  # of pipeline.json, whose ``meta`` this record is
 READABLE_VERSIONS = (1, 2)
@@ -98,7 +106,7 @@ class PipelineMeta:
             "shard": tuple(self.shard) or (False,) * len(stages),
             "inputs": tuple(self.inputs),
         }
-        replicas = [len({p.replica for p in filled["placement"] if p.stage == k}) for k in stages]
+        replicas = _replicas(filled["placement"], len(stages))
         if not self.deferred:
             filled["deferred"] = tuple(zb_deferrals(replicas))
         if not self.warmup:
@@ -159,7 +167,8 @@ _RANK = Record(
     {"rank": Count(minimum=0), "stage": Count(minimum=0), "replica": Count(minimum=0), "vendor": Text(),
      "device": Nullable(Text()), "node": Nullable(Text()), "local_index": Nullable(Count(minimum=0)),
      "type": Nullable(Text()), "memory_bytes": Count(minimum=0), "node_rank": Nullable(Count(minimum=0)),
-     "local_rank": Nullable(Count(minimum=0)), "tensor": Count(minimum=0)},
+     "local_rank": Nullable(Count(minimum=0)), "tensor": Count(minimum=0),
+     "chunks": _tuple(ListOf(Count(minimum=0)))},
     required=("stage",), missing_hint=RECOMPILE,
 )  # fmt: skip
 
@@ -168,7 +177,7 @@ def _fields(nonempty: bool) -> dict[str, Callable[[object, Where], Any]]:
     """The kinds of the record's fields; ``nonempty``: its lists are written out (version 2), so an empty
     one is an error, not the default it meant in version 1."""
     return {
-        "schedule": Choice(SCHEDULES, "schedule"),
+        "schedule": Choice(PIPELINE_SCHEDULES, "schedule"),
         "microbatches": Count(),
         "optimizer": Nullable(Record({"name": Text()}, required=("name",), open=True)),
         "loss": Text(),
@@ -234,7 +243,7 @@ def read_placement_file(path: str) -> tuple[RankPlacement, ...]:
     where = Where(path, error=PlanFormatError, hint=RECOMPILE)
     ranks = _ranks(ListOf(_RANK, nonempty=True)(load_file(path, "placement file", error=PlanFormatError,
                                                            suffixes=(".json",)), where))  # fmt: skip
-    _check_placement(ranks, max(rank.stage for rank in ranks) + 1, where)
+    _check_placement(ranks, max(max(rank.stages) for rank in ranks) + 1, where)
     return ranks
 
 
@@ -269,9 +278,9 @@ def _check(meta: PipelineMeta, where: Where) -> None:
     """The record agrees with itself (the schema layer has checked each field's type when read)."""
     if not _count(meta.num_stages):
         where.fail(f"num_stages: expected a positive integer; got {short_repr(meta.num_stages)}")
-    if meta.schedule not in SCHEDULES:
+    if meta.schedule not in PIPELINE_SCHEDULES:
         where.at("schedule").fail(
-            f"unknown schedule {short_repr(meta.schedule)}", f"use {', '.join(SCHEDULES)}"
+            f"unknown schedule {short_repr(meta.schedule)}", f"use {', '.join(PIPELINE_SCHEDULES)}"
         )
     if not _count(meta.microbatches):
         where.at("microbatches").fail(f"expected a positive integer; got {short_repr(meta.microbatches)}")
@@ -279,9 +288,8 @@ def _check(meta: PipelineMeta, where: Where) -> None:
         where.at("precision").fail(f"unknown precision {short_repr(meta.precision)}",
                                    f"use one of {', '.join(PRECISIONS)}")  # fmt: skip
     _check_placement(meta.placement, meta.num_stages, where.at("placement"))
-    replicas = [
-        len({rank.replica for rank in meta.placement if rank.stage == k}) for k in range(meta.num_stages)
-    ]
+    _check_chunks(meta, where)
+    replicas = _replicas(meta.placement, meta.num_stages)
     _check_per_stage(meta.routing, meta.num_stages, where.at("routing"))
     for k, row in enumerate(meta.routing):
         if len(row) != meta.microbatches:
@@ -296,12 +304,62 @@ def _check(meta: PipelineMeta, where: Where) -> None:
     _check_per_stage(meta.shard, meta.num_stages, where.at("shard"))
     _check_per_stage(meta.deferred, meta.num_stages, where.at("deferred"))
     _check_per_stage(meta.warmup, meta.num_stages, where.at("warmup"))
-    fault = warmup_fault(meta.schedule, replicas, meta.microbatches, meta.warmup) if meta.training else None
+    interleaved = meta.schedule == INTERLEAVED  # its order fixes each stage's warm-up and keeps every W whole
+    fault = (
+        warmup_fault(meta.schedule, replicas, meta.microbatches, meta.warmup)
+        if meta.training and not interleaved
+        else None
+    )
     if fault is not None:
         where.at("warmup", fault[0]).fail(fault[1])
     unknown = sorted(set(meta.loss_scale) - set(LOSS_SCALE_OPTIONS))
     if unknown:
         where.at("loss_scale").fail(f"unknown options {unknown}", f"use {', '.join(LOSS_SCALE_OPTIONS)}")
+
+
+def _replicas(ranks: Sequence[RankPlacement], num_stages: int) -> list[int]:
+    """Per stage, how many replicas run it."""
+    return [len({rank.replica for rank in ranks if k in rank.stages}) for k in range(num_stages)]
+
+
+def _check_chunks(meta: PipelineMeta, where: Where) -> None:
+    """Interleaved 1F1B (``schedules.interleaved_actions``): rank r of p runs stages r, r + p, ..., the same
+    count v on every rank, one replica each, whole (not tensor parallel), with M in rounds of p or more;
+    under any other schedule a rank runs one stage."""
+    ranks = meta.placement
+    if meta.schedule != INTERLEAVED:
+        holder = next((rank for rank in ranks if rank.chunks and len(rank.chunks) > 1), None)
+        if holder is not None:
+            where.at("placement", holder.rank, "chunks").fail(
+                f"rank {holder.rank} runs stages {list(holder.chunks)}, but a rank runs several stages only "
+                f"under {INTERLEAVED!r}; this pipeline's schedule is {meta.schedule!r}"
+            )
+        return
+    shared = next((rank for rank in ranks if rank.replica or rank.tensor), None)
+    if shared is not None:
+        where.at("placement", shared.rank).fail(
+            f"rank {shared.rank} runs stage {shared.stage} as replica {shared.replica}, tensor part {shared.tensor}; "
+            f"{INTERLEAVED} runs one replica of each stage, whole, so far",
+            "run replicated or tensor-parallel stages under another schedule",
+        )
+    p, chunks = len(ranks), meta.num_stages // len(ranks)
+    for rank in ranks:
+        if (
+            p < 2
+            or chunks * p != meta.num_stages
+            or rank.stages != tuple(rank.rank + c * p for c in range(chunks))
+        ):
+            where.at("placement", rank.rank).fail(
+                f"rank {rank.rank} runs stages {list(rank.stages)}; {INTERLEAVED} over {p} ranks runs rank r's "
+                f"chunks as stages r, r + {p}, ... (the same number on every rank, 2 ranks or more)",
+                "place it with hetcc.runtime.placement.interleaved_ranks(ranks, chunks), or run another schedule",
+            )
+    if meta.training and not interleavable(p, meta.microbatches):
+        where.at("microbatches").fail(
+            f"{meta.microbatches} microbatches over {p} ranks: {INTERLEAVED} runs them in rounds of equal size, "
+            f"at least {p} each",
+            f"use a multiple of {p}",
+        )
 
 
 def _check_per_stage(values: Sequence[object], num_stages: int, where: Where) -> None:
@@ -318,8 +376,14 @@ def _check_placement(ranks: Sequence[RankPlacement], num_stages: int, where: Whe
             where.at(i, "rank").fail(f"rank {short_repr(rank.rank)} at position {i}, but ranks are in order")
         if not _count(rank.stage, 0) or rank.stage >= num_stages:
             where.at(i, "stage").fail(f"stage {short_repr(rank.stage)} of a {num_stages}-stage pipeline")
+        if rank.chunks and (rank.chunks[0] != rank.stage or len(set(rank.chunks)) < len(rank.chunks)
+                            or not all(_count(k, 0) and k < num_stages for k in rank.chunks)):  # fmt: skip
+            where.at(i, "chunks").fail(
+                f"stages {short_repr(list(rank.chunks))}; expected distinct stages of the {num_stages}-stage "
+                f"pipeline, its stage ({rank.stage}) first"
+            )
     for k in range(num_stages):
-        cells = sorted((rank.replica, rank.tensor) for rank in ranks if rank.stage == k)
+        cells = sorted((rank.replica, rank.tensor) for rank in ranks if k in rank.stages)
         replicas, parts = len({r for r, _ in cells}), len({t for _, t in cells})
         if cells != [(r, t) for r in range(replicas) for t in range(parts)] or not cells:
             if parts <= 1:

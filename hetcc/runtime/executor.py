@@ -34,7 +34,7 @@ the first; ``cuda_graphs`` says whether they are on, and why not where they are 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -122,56 +122,26 @@ class StageExecutor:
         found an inf or nan, every rank drops its gradients (an optimizer step then changes nothing).
         ``keep_outputs``: the last stage keeps each microbatch's outputs (detached, where they are: a
         language model's logits are the largest tensors of a step) in ``outputs``."""
-        _maybe_inject_fault(self.links.rank, step)
-        if self.graphs is not None:  # before any transfer of the step: none is in flight on this rank
-            self.graphs.begin_step(actions)
-        for param in self.params:
-            param.grad = None
-        result = StepResult()
-        split = any(action.kind == "W" for action in actions)  # a zero-bubble schedule splits the backward
-        with use_transport(self.transport), use_tensor_group(self.links.tensor):
-            for action in actions:
-                m = self.transport.microbatch = action.microbatch
-                with self.recorder.record(action.kind, m, result):
-                    if action.kind == "F":
-                        target = targets[m] if targets is not None else None
-                        self._forward(m, inputs[m], target, result, keep_outputs)
-                    elif action.kind == "B":
-                        self._backward(m, split)
-                    else:
-                        self._weights(m)
-        self.links.wait_sends()
-        self._reduce_replica_grads()
-        self._reduce_tied_grads()
-        result.skipped = self._unscale()
-        if self.stage.is_last:
-            result.mean_loss = self._mean_loss(result.losses, self.microbatches)
-        self.recorder.end_step()
-        return result
+        return run_chunks([self], inputs, targets, actions, step, keep_outputs=keep_outputs)
 
     def forward_only(self, inputs: Mapping[int, dict], targets: Mapping[int, object] | None,
                      actions: list[Action]) -> StepResult:  # fmt: skip
         """Forwards of ``microbatches`` without gradients and without dropout (an evaluation); buffers a
         forward updates (train-mode BatchNorm statistics) are restored after it."""
-        result = StepResult()
-        buffers = _buffer_snapshot(self.module)
-        with (
-            use_transport(self.transport),
-            use_tensor_group(self.links.tensor),
-            torch.no_grad(),
-            without_dropout(),
-        ):
-            for m in (action.microbatch for action in actions if action.kind == "F"):
-                self.transport.microbatch = m
-                with self.recorder.record("F", m, result):
-                    self._forward(m, inputs[m], targets[m] if targets is not None else None, result)
-            self.links.wait_sends()
-            for buffer, before in buffers:
-                buffer.copy_(before)
-        if self.stage.is_last:  # a model that returns no loss (and no loss_fn) gives none
-            mean = self._mean_loss(result.losses, self.microbatches)
-            result.mean_loss = mean if result.losses or not result.microbatches else None
-        return result
+        return forward_chunks([self], inputs, targets, actions)
+
+    def act(self, action: Action, inputs: Mapping[int, dict], targets: Mapping[int, object] | None,
+            result: StepResult, split: bool, keep_outputs: bool = True) -> None:  # fmt: skip
+        """Run one action of a training step (``run_chunks``); ``split``: the schedule splits backwards."""
+        m = self.transport.microbatch = action.microbatch
+        with use_transport(self.transport), use_tensor_group(self.links.tensor):
+            if action.kind == "F":
+                target = targets[m] if targets is not None else None
+                self._forward(m, inputs[m], target, result, keep_outputs)
+            elif action.kind == "B":
+                self._backward(m, split)
+            else:
+                self._weights(m)
 
     def named_grads(self) -> dict[str, torch.Tensor]:
         """Gradients keyed by the model's parameter names (a tied parameter once); whole, on every part
@@ -314,19 +284,6 @@ class StageExecutor:
             param.grad = grad.clone() if reached else None
             offset += param.numel()
 
-    def _unscale(self) -> bool:
-        """fp16: unscale the gradients; if any rank found an inf or nan (the ranks agree on it), drop
-        them all, so the step changes nothing, and adjust the scale. Whether the step is skipped."""
-        if self.scaler is None:
-            return False
-        found_inf = self.scaler.unscale(p.grad for p in self.params)
-        found_inf = self.links.any_rank(found_inf, "the ranks' agreement on skipping an fp16 step")
-        if found_inf:
-            for param in self.params:
-                param.grad = None
-        self.scaler.update(found_inf)
-        return found_inf
-
     def _mean_loss(self, losses: list[torch.Tensor], count: int) -> float | None:
         """The mean over ``count`` microbatches, whichever replica ran them (None: no loss, as a model
         that returns only outputs gives when run forward only)."""
@@ -334,17 +291,99 @@ class StageExecutor:
         self.links.sum_over_replicas(total, "loss sum over the replicas of the last stage")
         return float(total) / count
 
-    def _reduce_tied_grads(self) -> None:
-        for index, group in enumerate(self.stage.tied):
-            if self.stage.index not in group.stages:
-                continue
-            local = next(name for stage, name in group.members if stage == self.stage.index)
-            param = self.module.get_parameter(local)
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            if self.links.tensor.size > 1:  # each part of the replica holds the same whole gradient
-                param.grad /= self.links.tensor.size
-            self.links.all_reduce(param.grad, index, f"gradient sum of tied parameter {group.name}")
+
+def run_chunks(executors: Sequence[StageExecutor], inputs: Mapping[int, dict],
+               targets: Mapping[int, object] | None, actions: list[Action], step: int = 0, *,
+               keep_outputs: bool = True) -> StepResult:  # fmt: skip
+    """One training step of a rank's stages (``executors[c]``: its chunk c's; one stage but under
+    interleaved 1F1B): each action runs on its chunk's stage, then the sends are waited for once, each
+    stage's replicas sum its gradients, the holders of each tied weight sum its gradient, and under fp16
+    every rank agrees once whether to skip the step (``StageExecutor.run``)."""
+    first = executors[0]
+    _maybe_inject_fault(first.links.rank, step)
+    for chunk, executor in enumerate(executors):
+        if executor.graphs is not None:  # before any transfer of the step: none is in flight on this rank
+            executor.graphs.begin_step([action for action in actions if action.chunk == chunk])
+        for param in executor.params:
+            param.grad = None
+    result = StepResult()
+    split = any(action.kind == "W" for action in actions)  # a zero-bubble schedule splits the backward
+    for action in actions:
+        with first.recorder.record(action.kind, action.microbatch, result):
+            executors[action.chunk].act(action, inputs, targets, result, split, keep_outputs)
+    first.links.wait_sends()
+    for executor in executors:
+        executor._reduce_replica_grads()
+    _reduce_tied_grads(executors)
+    result.skipped = _unscale(executors)
+    _mean_loss_of_last(executors, result)
+    first.recorder.end_step()
+    return result
+
+
+def forward_chunks(executors: Sequence[StageExecutor], inputs: Mapping[int, dict],
+                   targets: Mapping[int, object] | None, actions: list[Action]) -> StepResult:  # fmt: skip
+    """The forwards of ``actions`` on a rank's stages (``StageExecutor.forward_only``)."""
+    result, first = StepResult(), executors[0]
+    buffers = [pair for executor in executors for pair in _buffer_snapshot(executor.module)]
+    with torch.no_grad(), without_dropout():
+        for action in (action for action in actions if action.kind == "F"):
+            executor, m = executors[action.chunk], action.microbatch
+            executor.transport.microbatch = m
+            with use_transport(executor.transport), use_tensor_group(executor.links.tensor):
+                with first.recorder.record("F", m, result):
+                    executor._forward(m, inputs[m], targets[m] if targets is not None else None, result)
+        first.links.wait_sends()
+        for buffer, before in buffers:
+            buffer.copy_(before)
+    if any(executor.stage.is_last for executor in executors):  # a model without a loss gives none
+        _mean_loss_of_last(executors, result)
+        result.mean_loss = result.mean_loss if result.losses or not result.microbatches else None
+    return result
+
+
+def _mean_loss_of_last(executors: Sequence[StageExecutor], result: StepResult) -> None:
+    last = next((executor for executor in executors if executor.stage.is_last), None)
+    if last is not None:
+        result.mean_loss = last._mean_loss(result.losses, last.microbatches)
+
+
+def _reduce_tied_grads(executors: Sequence[StageExecutor]) -> None:
+    """Sum each tied weight's gradient over every rank holding it (each of its ranks once, its stages on
+    that rank summed first): each holder then has the sum."""
+    links = executors[0].links
+    for index, group in enumerate(executors[0].stage.tied):
+        params = [
+            executor.module.get_parameter(local)
+            for executor in executors
+            for stage, local in group.members
+            if stage == executor.stage.index
+        ]
+        if not params:
+            continue
+        total = sum((p.grad if p.grad is not None else torch.zeros_like(p) for p in params[1:]),
+                    params[0].grad if params[0].grad is not None else torch.zeros_like(params[0]))  # fmt: skip
+        if links.tensor.size > 1:  # each part of the replica holds the same whole gradient
+            total = total / links.tensor.size
+        links.all_reduce(total, index, f"gradient sum of tied parameter {group.name}")
+        for param in params:
+            param.grad = total if param is params[0] else total.clone()
+
+
+def _unscale(executors: Sequence[StageExecutor]) -> bool:
+    """fp16: unscale the gradients; if any rank found an inf or nan (the ranks agree on it, once per
+    step), drop them all, so the step changes nothing, and adjust the scales. Whether it is skipped."""
+    scaled = [executor for executor in executors if executor.scaler is not None]
+    if not scaled:
+        return False
+    found_inf = [executor.scaler.unscale(p.grad for p in executor.params) for executor in scaled]
+    found = scaled[0].links.any_rank(any(found_inf), "the ranks' agreement on skipping an fp16 step")
+    for executor in scaled:
+        if found:
+            for param in executor.params:
+                param.grad = None
+        executor.scaler.update(found)
+    return found
 
 
 class without_dropout(TorchFunctionMode):  # noqa: N801 - used as a context manager, like torch.no_grad

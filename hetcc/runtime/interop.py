@@ -16,11 +16,15 @@ import torch
 from hetcc.errors import PlanFormatError
 from hetcc.passes.codegen import compute_module
 from hetcc.passes.comm import StageGraph
+from hetcc.solver.schedules import INTERLEAVED
 
 # hetcc's schedules and torch.distributed.pipelining's: ZB-H1 is torch's interleaved zero-bubble
 # schedule with one stage per rank (a schedule of several stages per rank: it takes a list of them).
-_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble"}
-_MULTI_STAGE = ("zb-h1",)
+_SCHEDULES = {
+    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
+    INTERLEAVED: "ScheduleInterleaved1F1B",
+}  # fmt: skip
+_MULTI_STAGE = ("zb-h1", INTERLEAVED)
 
 
 class PipeliningModule(torch.nn.Module):
@@ -48,20 +52,29 @@ def pipelining_schedule(
     schedule: str = "1f1b",
     loss_fn: Callable | None = None,
     device: torch.device | str = "cpu",
+    ranks: int | None = None,
 ):
-    """This rank's ``torch.distributed.pipelining`` schedule for a chain-shaped split."""
+    """This rank's ``torch.distributed.pipelining`` schedule for a chain-shaped split: of its one stage,
+    or under interleaved 1F1B over ``ranks`` ranks of its stages rank, rank + ranks, ... (hetcc's
+    placement, ``placement.interleaved_ranks``)."""
     if schedule not in _SCHEDULES:
         raise PlanFormatError(
             f"hetcc hands torch.distributed.pipelining its {', '.join(_SCHEDULES)} schedules, not {schedule!r}",
             hint="run this plan with hetcc's runtime, or compile it with schedule='1f1b' for torch",
         )
     _check_chain(stages)
-    previous = stages[rank - 1] if rank > 0 else None
-    module = PipeliningModule(stages[rank], previous).to(device)
     from torch.distributed import pipelining  # 0.4-4 s to import: only where a schedule is built
 
-    stage = pipelining.PipelineStage(module, rank, len(stages), torch.device(device))
-    stages_here = [stage] if schedule in _MULTI_STAGE else stage
+    held = [
+        pipelining.PipelineStage(
+            PipeliningModule(stages[k], stages[k - 1] if k else None).to(device),
+            k,
+            len(stages),
+            torch.device(device),
+        )
+        for k in range(rank, len(stages), ranks or len(stages))
+    ]
+    stages_here = held if schedule in _MULTI_STAGE else held[0]
     return getattr(pipelining, _SCHEDULES[schedule])(stages_here, microbatches, loss_fn=loss_fn)
 
 

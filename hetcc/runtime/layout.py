@@ -5,7 +5,8 @@ A stage runs on one or more ranks (its replicas; every replica holds the same st
 same initial weights); microbatch m of stage k runs on replica ``routing[k][m]``. A tensor-parallel
 stage's replica is t ranks (its parts 0..t-1), which run every microbatch of the replica together. A replica runs the
 subsequence of its stage's schedule whose microbatches it owns: that only removes waits, so the pipeline
-stays deadlock-free.
+stays deadlock-free. Under interleaved 1F1B a rank runs several stages, one per chunk
+(``RankPlacement.chunks``), in the order ``schedules.interleaved_actions`` gives its rank.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.placement import RankPlacement
-from hetcc.solver.schedules import Action, stage_actions
+from hetcc.solver.schedules import INTERLEAVED, Action, interleaved_actions, stage_actions
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class RankLayout:
         return [
             rank
             for _, rank in sorted(
-                (p.replica, i) for i, p in enumerate(self.ranks) if p.stage == stage and p.tensor == tensor
+                (p.replica, i) for i, p in enumerate(self.ranks) if stage in p.stages and p.tensor == tensor
             )
         ]
 
@@ -58,12 +59,16 @@ class RankLayout:
 
     def tensor_degree(self, stage: int) -> int:
         """How many ranks each replica of ``stage`` is (1 unless it is tensor parallel)."""
-        return 1 + max(p.tensor for p in self.ranks if p.stage == stage)
+        return 1 + max(p.tensor for p in self.ranks if stage in p.stages)
 
     def actions(self, schedule: str, rank: int, training: bool = True) -> list[Action]:
         """``rank``'s part of its stage's schedule (forwards only unless ``training``): the actions of
-        the microbatches routed to it."""
+        the microbatches routed to it; under interleaved 1F1B its row of the interleaved order, each
+        action's ``chunk`` naming which of its stages runs it."""
         placement = self.ranks[rank]
+        if schedule == INTERLEAVED:  # one replica of each stage (``contract``)
+            chunks = len(placement.stages)
+            return interleaved_actions(self.num_ranks, chunks, len(self.routing[0]), training=training)[rank]
         replicas = [len(self.stage_ranks(k)) for k in range(len(self.routing))]
         every = stage_actions(
             schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas,
@@ -93,7 +98,7 @@ class RankLayout:
 
     def holders(self, stages: Sequence[int]) -> list[int]:
         """Every rank running one of ``stages`` (e.g. all replicas of the stages of a tied group)."""
-        return sorted(rank for rank, p in enumerate(self.ranks) if p.stage in stages)
+        return sorted(rank for rank, p in enumerate(self.ranks) if set(p.stages) & set(stages))
 
     def vendors(self) -> list[str]:
         return [p.vendor for p in self.ranks]

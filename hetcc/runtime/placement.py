@@ -43,6 +43,13 @@ class RankPlacement:
     node_rank: int | None = None  # torchrun's GROUP_RANK of the node
     local_rank: int | None = None  # torchrun's LOCAL_RANK on that node
     tensor: int = 0  # its part of a tensor-parallel replica: 0..t-1 (``hetcc.passes.tensor_parallel``)
+    # under interleaved 1F1B: every stage it runs, by chunk (``stage`` first; ``schedules.interleaved_actions``)
+    chunks: tuple[int, ...] = ()
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages this rank runs, by chunk: ``chunks``, or ``stage`` alone."""
+        return self.chunks or (self.stage,)
 
 
 def placement(
@@ -87,6 +94,15 @@ def ranks_for(
     )
 
 
+def interleaved_ranks(ranks: int, chunks: int, vendor: str = "cpu") -> tuple[RankPlacement, ...]:
+    """A placement without devices for interleaved 1F1B: ``ranks`` ranks, rank r running the ``chunks``
+    stages r, r + ranks, ... (``schedules.interleaved_actions``), on ``vendor``."""
+    return tuple(
+        RankPlacement(rank, rank, vendor=vendor, chunks=tuple(rank + c * ranks for c in range(chunks)))
+        for rank in range(ranks)
+    )
+
+
 def _rank(
     rank: int, stage: int, replica: int, device: Any, node_rank: int, local_rank: int, part: int
 ) -> RankPlacement:
@@ -124,7 +140,7 @@ def torchrun_commands(
             "-m", "hetcc.launch", directory, *extra,
         ]  # fmt: skip
         layout = ", ".join(
-            f"rank {e.rank} = stage {e.stage}{_replica(e, ranks)} on {e.device} ({e.type}{_gpu_index(e)})"
+            f"rank {e.rank} = {_stages(e)}{_replica(e, ranks)} on {e.device} ({e.type}{_gpu_index(e)})"
             for e in entries
         )
         commands.append((node, f"# node {node_rank} ({node}): {layout}\n{shlex.join(words)}"))
@@ -133,6 +149,10 @@ def torchrun_commands(
 
 def _gpu_index(entry: RankPlacement) -> str:
     return "" if entry.vendor == "cpu" else f", GPU {entry.local_index}"
+
+
+def _stages(entry: RankPlacement) -> str:
+    return f"stage {entry.stage}" if not entry.chunks else f"stages {', '.join(map(str, entry.chunks))}"
 
 
 def _replica(entry: RankPlacement, ranks: Sequence[RankPlacement]) -> str:

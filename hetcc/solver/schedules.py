@@ -42,8 +42,9 @@ by simulation: on unequal devices the best warm-up differs per stage.
 With ``training=False`` every schedule reduces to forwards only, in microbatch order.
 
 ``interleaved-1f1b`` (``INTERLEAVED``, ``interleaved_actions``): v stages per rank, 1F1B's bubble over v.
-The simulator replays it (``simulate(..., chunks=v)``) and ``solver.interleave`` prices it on a
-pipeline's devices; the planner does not choose it and the runtime does not run it yet.
+The simulator replays it (``simulate(..., chunks=v)``), ``solver.interleave`` prices it on a
+pipeline's devices, and the runtime runs a pipeline saved with it (``PIPELINE_SCHEDULES``: each rank holds
+its v stages, ``RankPlacement.chunks``); the planner does not choose it yet.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from hetcc.errors import PlanFormatError
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SPLIT_SCHEDULES = ("zb-h1", "zb-h2")  # the schedules that run input and weight gradients apart
 INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actions``): not planned yet
+PIPELINE_SCHEDULES = (*SCHEDULES, INTERLEAVED)  # what a saved pipeline runs (``runtime.contract``)
 
 
 @dataclass(frozen=True)
@@ -263,8 +265,8 @@ def interleaved_actions(
     1F1B on the same chunks in v-times larger stages. One chunk per rank is 1F1B's order. Without
     ``training``, each rank's forwards alone, in the same order.
 
-    The simulator replays it (``simulate(..., chunks=v)``); the planner and the runtime do not take it
-    yet (a rank runs one stage there). ``format_grid(INTERLEAVED, ...)`` prints it."""
+    The simulator replays it (``simulate(..., chunks=v)``) and the runtime runs it (``RankLayout.actions``);
+    the planner does not take it yet. ``format_grid(INTERLEAVED, ...)`` prints it."""
     check_schedule_args("1f1b", ranks, microbatches)
     if (
         isinstance(chunks, bool)

@@ -103,6 +103,36 @@ def _split_state(state: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dic
     return tensors, document
 
 
+def stage_optimizer_state(state: Mapping[str, Any], positions: list[int]) -> dict[str, Any]:
+    """The part of an optimizer's ``state_dict()`` ``state`` for the parameters at ``positions`` (in its
+    numbering), numbered from 0 in that order: one stage's, where a rank runs several (interleaved 1F1B)."""
+    local = {position: index for index, position in enumerate(positions)}
+    return {
+        **state,
+        "state": {local[i]: entry for i, entry in state["state"].items() if i in local},
+        "param_groups": [
+            {**group, "params": [local[i] for i in group["params"] if i in local]}
+            for group in state["param_groups"]
+        ],
+    }
+
+
+def merged_optimizer_state(parts: list[tuple[Mapping[str, Any], list[int]]], optimizer) -> Mapping[str, Any]:
+    """``optimizer``'s state dict from its stages' parts (``stage_optimizer_state``'s, each with its
+    positions): the saved state and hyper-parameters in ``optimizer``'s numbering. A rank of one stage
+    saved its optimizer's state dict whole: that is returned as it is."""
+    if len(parts) == 1:
+        return parts[0][0]
+    state = {positions[int(i)]: entry for saved, positions in parts for i, entry in saved["state"].items()}
+    groups = [
+        {**saved, "params": group["params"]}
+        for group, saved in zip(
+            optimizer.state_dict()["param_groups"], parts[0][0]["param_groups"], strict=True
+        )
+    ]
+    return {"state": state, "param_groups": groups}
+
+
 def _unaliased(module_state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A tensor held under several names (tied weights) once, under its first name."""
     seen: set[tuple] = set()

@@ -92,10 +92,10 @@ def train(rank: PipelineRank, data: Any, settings: TrainSettings, eval_data: Any
     return {
         "losses": [r["loss"] for r in records], "records": records, "eval_losses": evals, "first_step": first_step,
         "notes": notes, "outputs": _outputs_on_cpu(last),
-        "grads": rank.executor.named_grads(),
-        "stats": {**transfer_stats(), **launch_stats(), "cuda_graphs": rank.executor.cuda_graphs,
+        "grads": rank.named_grads(),
+        "stats": {**transfer_stats(), **launch_stats(), "cuda_graphs": rank.cuda_graphs,
                   "optimizer_state_bytes": optimizer_state_bytes(optimizer),
-                  "parameter_bytes": sum(p.numel() * p.element_size() for p in rank.executor.module.parameters())},
+                  "parameter_bytes": rank.parameter_bytes},
         "summary": _summary(rank, figures, step_times, busy), "metrics": str(log.path) if log is not None else None,
     }  # fmt: skip
 

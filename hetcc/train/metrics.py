@@ -58,7 +58,8 @@ class RunFigures:
         """From the build's ``plan.json`` (absent: no FLOPs and no simulated figures); ``types``: each
         rank's planned device type where the placement records it (a replica group may mix types)."""
         plan = _read_plan(directory)
-        if plan is None or len(plan.stages) != len(layout.routing):  # no plan, or another split's
+        # no plan, or another split's (plans do not interleave: a rank of several stages was split by hand)
+        if plan is None or len(plan.stages) != len(layout.routing) or any(p.chunks for p in layout.ranks):
             return cls((), None, tokens, samples)
         key = PRECISIONS[plan.precision] or "fp32"  # the FLOP/s peak of the run's matmuls
         work = []

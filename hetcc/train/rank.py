@@ -34,7 +34,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from hetcc import config
 from hetcc.errors import HetccError, RuntimeFailure
 from hetcc.passes.comm import StageGraph
-from hetcc.runtime.executor import StageExecutor, StepResult
+from hetcc.runtime.executor import StageExecutor, StepResult, forward_chunks, run_chunks
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.store import PipelineOutline, load_stage, read_outline
@@ -69,7 +69,7 @@ class PipelineRank:
     ):
         self.directory = os.fspath(directory)
         try:  # what this rank reads: pipeline.json and its own stage's files
-            self.outline, self.stage = load_rank(self.directory, rank)
+            self.outline, self.stages = load_rank(self.directory, rank)
             meta = self.outline.meta
             self.microbatches, self.schedule = meta.microbatches, schedule or meta.schedule
             self.layout = RankLayout.from_meta(meta)
@@ -86,9 +86,10 @@ class PipelineRank:
         # draw alike, as they compute the replicated tensors alike
         torch.manual_seed(seed + rank - self.placement.tensor)
         self.links = self._links(timeout_s)
-        self.executor = StageExecutor(
-            self.stage, self.links, self.microbatches, loss_fn, self.device, self.layout
-        )
+        self.executors = [  # one per stage it runs: several only under interleaved 1F1B, by chunk
+            StageExecutor(stage, self.links, self.microbatches, loss_fn, self.device, self.layout)
+            for stage in self.stages
+        ]
         self.loss_fn, self.steps_done = loss_fn, 0
         self.needs = rank_inputs(self.outline, self.layout, rank, loss_fn is not None)
 
@@ -129,7 +130,7 @@ class PipelineRank:
 
     @property
     def is_last(self) -> bool:
-        return self.stage.is_last
+        return any(stage.is_last for stage in self.stages)
 
     @property
     def seq_len(self) -> int:
@@ -148,15 +149,30 @@ class PipelineRank:
         return self.is_last and self.replica == 0 and self.part == 0
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """This stage's trainable parameters by the model's names (a tied weight once)."""
-        names = self.stage.param_names
+        """This rank's trainable parameters by the model's names (a tied weight once), stage by stage."""
         seen: set[int] = set()
         named = []
-        for local, param in self.executor.module.named_parameters():
-            if param.requires_grad and id(param) not in seen:
-                seen.add(id(param))
-                named.append((names.get(local, local), param))
+        for executor in self.executors:
+            names = executor.stage.param_names
+            for local, param in executor.module.named_parameters():
+                if param.requires_grad and id(param) not in seen:
+                    seen.add(id(param))
+                    named.append((names.get(local, local), param))
         return named
+
+    def named_grads(self) -> dict[str, torch.Tensor]:
+        """Every gradient this rank holds, by the model's parameter names (``StageExecutor.named_grads``)."""
+        return {name: grad for executor in self.executors for name, grad in executor.named_grads().items()}
+
+    @property
+    def cuda_graphs(self) -> str:
+        """Whether its stages' forwards run as CUDA graphs, and why not (``StageExecutor.cuda_graphs``)."""
+        return "; ".join(dict.fromkeys(executor.cuda_graphs for executor in self.executors))
+
+    @property
+    def parameter_bytes(self) -> int:
+        """The weights this rank holds (on a tensor-parallel stage its parts of the split ones)."""
+        return sum(p.numel() * p.element_size() for e in self.executors for p in e.module.parameters())
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [param for _, param in self.named_parameters()]
@@ -193,8 +209,13 @@ class PipelineRank:
             )
         share = self._share(batch)
         actions = self.layout.actions(self.schedule, self.rank)
-        result = self.executor.run(
-            share.inputs, share.targets, actions, step=self.steps_done, keep_outputs=keep_outputs
+        result = run_chunks(
+            self.executors,
+            share.inputs,
+            share.targets,
+            actions,
+            step=self.steps_done,
+            keep_outputs=keep_outputs,
         )
         self.steps_done += 1
         return result
@@ -204,7 +225,7 @@ class PipelineRank:
         model returns no loss), ``outputs`` per microbatch there."""
         share = self._share(batch)
         actions = self.layout.actions(self.schedule, self.rank, training=False)
-        return self.executor.forward_only(share.inputs, share.targets, actions)
+        return forward_chunks(self.executors, share.inputs, share.targets, actions)
 
     def grad_norm(self, norm_type: float = 2.0) -> float:
         """The norm of the whole model's gradient, each parameter counted once (its first replica; a tied
@@ -224,7 +245,7 @@ class PipelineRank:
         returns the norm before clipping, the same on every rank."""
         total = self.grad_norm(norm_type)
         coefficient = torch.clamp(max_norm / (torch.tensor(total, dtype=torch.float32) + 1e-6), max=1.0)
-        grads = [p.grad for p in self.executor.params if p.grad is not None]
+        grads = [p.grad for executor in self.executors for p in executor.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coefficient.to(grads[0].device))
         return total
@@ -234,51 +255,60 @@ class PipelineRank:
     def save(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
              train: Mapping[str, Any] | None = None) -> None:  # fmt: skip
         """Checkpoint this rank at ``steps_done`` (``hetcc.train.checkpoint``): replica 0 writes the
-        stage (weights, optimizer state, loss scale, RNG, ``train``: the loop's JSON-able record),
-        another replica only its RNG; the parts of a tensor-parallel replica 0 first gather its weights
-        and optimizer state whole to part 0, which writes them."""
-        directory, stage, step = os.fspath(directory), self.stage_index, self.steps_done
+        stage (weights, optimizer state, loss scale, RNG, ``train``: the loop's JSON-able record), each
+        stage it runs to its own files; another replica only its RNG; the parts of a tensor-parallel
+        replica 0 first gather its weights and optimizer state whole to part 0, which writes them."""
+        directory, step = os.fspath(directory), self.steps_done
         rng = ckpt.rng_state(self.device)
         if isinstance(optimizer, ZeroRedundancyOptimizer):  # every replica sends replica 0 its shard
             optimizer.consolidate_state_dict(to=0)
         if self.replica:
             if not self.part:
-                ckpt.save_replica_rng(directory, stage, self.replica, step, rng)
+                ckpt.save_replica_rng(directory, self.stage_index, self.replica, step, rng)
             return
-        state = {**self.executor.state_dict(), "rng": rng, "train": dict(train or {})}
-        state["optimizer"] = (
-            self._optimizer_state(optimizer.state_dict(), optimizer, self.executor.whole)
-            if optimizer
-            else None
-        )
-        if self.part:
-            return
-        ckpt.save_checkpoint(directory, stage, step, state)
-        ckpt.prune(directory, stage)
+        whole = optimizer.state_dict() if optimizer else None
+        for executor in self.executors:
+            state = {**executor.state_dict(), "rng": rng, "train": dict(train or {})}
+            if optimizer is not None and len(self.executors) > 1:  # each stage's files keep its own part
+                mine = ckpt.stage_optimizer_state(whole, self._positions(optimizer, executor))
+            else:
+                mine = whole
+            state["optimizer"] = (
+                self._optimizer_state(mine, optimizer, executor, executor.whole) if mine else None
+            )
+            if not self.part:
+                ckpt.save_checkpoint(directory, executor.stage.index, step, state)
+                ckpt.prune(directory, executor.stage.index)
 
     def load(self, directory: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> Resumed:
         """Continue from the newest step every rank has complete (the ranks agree on it): weights, the
         optimizer's state (its hyper-parameters too: set the run's own after, see ``optim.apply_settings``),
         loss scale and RNG. Returns that step and the loop's record."""
         directory = os.fspath(directory)
-        mine = ckpt.latest_stage_step(directory, self.stage_index)
-        step = int(self.links.reduce_world(-1 if mine is None else mine, "min", "the ranks' agreement on "
-                                           "the checkpoint to resume from"))  # fmt: skip
+        steps = [ckpt.latest_stage_step(directory, executor.stage.index) for executor in self.executors]
+        mine = -1 if None in steps else min(steps)
+        step = int(
+            self.links.reduce_world(mine, "min", "the ranks' agreement on the checkpoint to resume from")
+        )
         if step < 0:
             raise RuntimeFailure(
                 f"{directory}: no complete checkpoint of every stage to resume from",
                 hint="run with a checkpoint folder first; a step folder without a stage's manifest is incomplete",
             )
-        state = ckpt.load_checkpoint(directory, self.stage_index, step)
-        self.executor.load_state_dict(state)
-        if optimizer is not None and state.get("optimizer") is not None:
-            optimizer.load_state_dict(
-                self._optimizer_state(state["optimizer"], optimizer, self.executor.part_of)
-            )
+        states = [ckpt.load_checkpoint(directory, executor.stage.index, step) for executor in self.executors]
+        for executor, state in zip(self.executors, states):
+            executor.load_state_dict(state)
+        if optimizer is not None and states[0].get("optimizer") is not None:
+            parts = [
+                (self._optimizer_state(state["optimizer"], optimizer, executor, executor.part_of),
+                 self._positions(optimizer, executor))
+                for executor, state in zip(self.executors, states)
+            ]  # fmt: skip
+            optimizer.load_state_dict(ckpt.merged_optimizer_state(parts, optimizer))
         rng = ckpt.load_replica_rng(directory, self.stage_index, self.replica, step) if self.replica else None
-        ckpt.set_rng_state(rng or state["rng"], self.device)
+        ckpt.set_rng_state(rng or states[0]["rng"], self.device)
         self.steps_done = step
-        return Resumed(step, dict(state.get("train") or {}))
+        return Resumed(step, dict(states[0].get("train") or {}))
 
     def close(self, *, finished: bool = True) -> None:
         """Leave the process group if ``join`` started it. ``finished`` (every rank got here): first wait
@@ -296,7 +326,7 @@ class PipelineRank:
         vendors = self.layout.vendors()
         if self.device.type == "cpu":  # a GPU plan checked on CPU ranks: every link is gloo
             vendors = ["cpu"] * self.layout.num_ranks
-        tied_ranks = [self.layout.holders(group.stages) for group in self.stage.tied]
+        tied_ranks = [self.layout.holders(group.stages) for group in self.stages[0].tied]
         timeout_s = config.comm_timeout_s if timeout_s is None else timeout_s
         return Links(
             vendors, tied_ranks, timeout_s, self.device,
@@ -314,15 +344,18 @@ class PipelineRank:
         self,
         state: dict,
         optimizer: torch.optim.Optimizer,
+        executor: StageExecutor,
         convert: Callable[[str, torch.Tensor], torch.Tensor],
     ) -> dict:
-        """``optimizer``'s state dict ``state`` with every tensor shaped like its parameter passed through
-        ``convert(local name, tensor)``: whole from this rank's parts (``StageExecutor.whole``) or back
-        (``part_of``); unchanged unless the stage is tensor parallel."""
-        if self.executor.stage.tensor is None:
+        """One stage's optimizer state ``state`` (its parameters numbered in the optimizer's order) with
+        every tensor shaped like its parameter passed through ``convert(local name, tensor)``: whole from
+        this rank's parts (``StageExecutor.whole``) or back (``part_of``); unchanged unless the stage is
+        tensor parallel."""
+        if executor.stage.tensor is None:
             return state
-        local = {id(p): name for name, p in self.executor.module.named_parameters(remove_duplicate=False)}
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        local = {id(p): name for name, p in executor.module.named_parameters(remove_duplicate=False)}
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [every[index] for index in self._positions(optimizer, executor)]
         converted = {}
         for index, values in state["state"].items():
             name = local[id(params[index])]
@@ -332,23 +365,34 @@ class PipelineRank:
             }
         return {**state, "state": converted}
 
+    @staticmethod
+    def _positions(optimizer: torch.optim.Optimizer, executor: StageExecutor) -> list[int]:
+        """Where ``executor``'s parameters are in ``optimizer``'s numbering (its state dict's), in order."""
+        mine = {id(p) for p in executor.params}
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        return [index for index, param in enumerate(every) if id(param) in mine]
+
     def _counted_grads(self) -> list[torch.Tensor]:
         """The gradients this rank counts in the global norm: none on a replica other than the first; a
         tied weight only on the first stage that holds it; on a tensor-parallel replica's other parts
         only their parts of split weights (the others are the same on every part)."""
         if self.replica:
             return []
-        module = self.executor.module
-        if self.part:
-            grads = (module.get_parameter(name).grad for name in self.executor.stage.tensor.sharded_params)
-            return [grad for grad in grads if grad is not None]
-        not_mine = {
-            id(module.get_parameter(local))
-            for group in self.stage.tied
-            for stage, local in group.members
-            if stage == self.stage_index and min(group.stages) != self.stage_index
-        }
-        return [p.grad for p in self.executor.params if p.grad is not None and id(p) not in not_mine]
+        grads = []
+        for executor in self.executors:
+            module, index = executor.module, executor.stage.index
+            if self.part:
+                named = (module.get_parameter(name).grad for name in executor.stage.tensor.sharded_params)
+                grads += [grad for grad in named if grad is not None]
+                continue
+            not_mine = {
+                id(module.get_parameter(local))
+                for group in executor.stage.tied
+                for stage, local in group.members
+                if stage == index and min(group.stages) != index
+            }
+            grads += [p.grad for p in executor.params if p.grad is not None and id(p) not in not_mine]
+        return grads
 
 
 def _agree_on_start(rank: int, failure: HetccError | None) -> None:
@@ -397,20 +441,21 @@ def _gather_texts(text: str | None) -> list[str | None]:
     ]
 
 
-def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, StageGraph]:
-    """What ``rank`` runs: the folder's outline (pipeline.json) and its own stage, the only graph and
-    weights it reads (a damaged file of another stage fails that stage's ranks, not this one)."""
+def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, list[StageGraph]]:
+    """What ``rank`` runs: the folder's outline (pipeline.json) and its own stages (one, or one per chunk
+    under interleaved 1F1B), the only graphs and weights it reads (a damaged file of another stage fails
+    that stage's ranks, not this one)."""
     outline = read_outline(directory)
     ranks = outline.meta.placement
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(ranks):
         raise HetccError(f"{directory}: no rank {rank!r}; the pipeline has ranks 0..{len(ranks) - 1}")
-    return outline, load_stage(directory, ranks[rank].stage)
+    return outline, [load_stage(directory, stage) for stage in ranks[rank].stages]
 
 
 def rank_inputs(outline: PipelineOutline, layout: RankLayout, rank: int, loss_fn: bool) -> RankInputs:
     """What ``rank`` reads of each global batch (``hetcc.train.data.RankInputs``), from pipeline.json."""
     placement = layout.ranks[rank]
-    stage = outline.stages[placement.stage]
+    stages = [outline.stages[k] for k in placement.stages]  # under interleaved 1F1B: what its chunks read
     model_inputs = tuple(dict.fromkeys(name for s in outline.stages for name in s.inputs))
     rows = next(
         (
@@ -425,6 +470,8 @@ def rank_inputs(outline: PipelineOutline, layout: RankLayout, rank: int, loss_fn
         m for m, replica in enumerate(layout.routing[placement.stage]) if replica == placement.replica
     )
     return RankInputs(
-        stage.inputs, len(layout.routing[0]), rows, mine, dict(stage.input_shapes), dict(stage.input_dtypes),
-        model_inputs, target=stage.is_last and loss_fn,
+        tuple(dict.fromkeys(name for stage in stages for name in stage.inputs)), len(layout.routing[0]), rows,
+        mine, {k: v for stage in stages for k, v in stage.input_shapes.items()},
+        {k: v for stage in stages for k, v in stage.input_dtypes.items()}, model_inputs,
+        target=any(stage.is_last for stage in stages) and loss_fn,
     )  # fmt: skip

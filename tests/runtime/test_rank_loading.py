@@ -38,7 +38,7 @@ def test_a_rank_reads_only_its_own_stage(tmp_path):
     weights.write_bytes(weights.read_bytes()[:100])  # cut short
     (tmp_path / "stage1.graph.json").unlink()
     for rank in (0, 2):
-        outline, stage = load_rank(str(tmp_path), rank)
+        outline, (stage,) = load_rank(str(tmp_path), rank)
         assert stage.index == rank and stage.is_last == (rank == 2)
         assert [s.inputs for s in outline.stages] == [("x",), (), ()]  # the others, from pipeline.json
         assert outline.stages[0].input_shapes == {"x": (4, 8)} and outline.meta.optimizer == SGD

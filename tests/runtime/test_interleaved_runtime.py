@@ -1,0 +1,197 @@
+"""Interleaved 1F1B on the runtime: a rank runs several stages (one per chunk, ``RankPlacement.chunks``)
+in the order ``schedules.interleaved_actions`` gives it, and trains exactly like eager PyTorch, with
+recomputation, tied weights (on one rank and across ranks), mixed precision, evaluations and checkpoints.
+
+Runs compare with eager training in one process (``models.eager_training``): fp32 to 1e-5 relative in
+the loss and 1e-4 in every gradient, bf16-mixed to 1e-2 relative in the loss against eager under the same
+``torch.autocast``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import eager_training
+from runtime_models import export, stages_by_module, tiny_gpt2
+
+import hetcc
+from hetcc.errors import PlanFormatError
+from hetcc.passes.comm import split_stages
+from hetcc.runtime.contract import PipelineMeta
+from hetcc.runtime.layout import RankLayout
+from hetcc.runtime.placement import RankPlacement, interleaved_ranks, ranks_for
+from hetcc.runtime.store import Pipeline
+from hetcc.solver.schedules import INTERLEAVED, interleaved_actions
+from hetcc.train import checkpoint as ckpt
+from hetcc.train.local import run_local
+
+ADAM = {"name": "adam", "lr": 0.01}
+
+
+class SharedDeep(torch.nn.Module):
+    """Four layers; the first and the third are one module (a weight tied between stages 0 and 2, which
+    interleaving over two ranks puts on one rank)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.l0, self.l1, self.l3 = (torch.nn.Linear(width, width) for _ in range(3))
+        self.l2 = self.l0
+
+    def forward(self, x):
+        for layer in (self.l0, self.l1, self.l2, self.l3):
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _deep_pipeline(microbatch: torch.Tensor, **meta) -> tuple[torch.nn.Module, Pipeline]:
+    torch.manual_seed(0)
+    model = SharedDeep()
+    gm = export(model, kwargs={"x": microbatch})
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # a linear and a tanh per layer
+    assert len(calls) == 8
+    stages = split_stages(gm, {node.name: i // 2 for i, node in enumerate(calls)}, 4)
+    return model, Pipeline(
+        stages, PipelineMeta(4, schedule=INTERLEAVED, placement=interleaved_ranks(2, 2), **meta)
+    )
+
+
+def _check_fp32(result, reference, aliases: set[str]) -> None:
+    """Losses and gradients equal eager's; a tied weight is reported once (eager has it under ``aliases``
+    too)."""
+    losses, grads = reference
+    error = max(abs(got - want) / abs(want) for got, want in zip(result.losses, losses, strict=True))
+    assert error <= 1e-5, (result.losses, losses)
+    assert set(grads) - set(result.grads) == aliases and set(result.grads) <= set(grads)
+    for name, grad in result.grads.items():
+        torch.testing.assert_close(grad, grads[name], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_interleaved_with_a_tied_weight_on_one_rank_and_recompute_trains_like_eager():
+    """Rank 0 runs stages 0 and 2, which hold one tied weight: its two copies get the sum of their
+    gradients and stay equal; stage 1 recomputes its forward. Evaluations run the interleaved forwards."""
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
+    model, pipeline = _deep_pipeline(x[:2], microbatches=4, recompute=[False, True, False, False])
+    assert [group.stages for group in pipeline.stages[0].tied] == [(0, 2), (0, 2)]  # weight, bias
+    result = run_local(
+        pipeline,
+        {"x": x},
+        y,
+        F.mse_loss,
+        steps=3,
+        optimizer=ADAM,
+        eval_data=[{"x": x, "targets": y}],
+        eval_every=3,
+    )
+    _check_fp32(result, eager_training(model, {"x": x}, y, F.mse_loss, 3, 4, ADAM), {"l2.weight", "l2.bias"})
+    assert result.stats[1]["replayed"] > 0 and result.stats[0]["replayed"] == 0
+    ((step, loss),) = result.eval_losses
+    assert step == 2  # after the third step
+    assert loss == pytest.approx(float(F.mse_loss(_trained(model, x, y, 3), y)), rel=1e-5)
+
+
+def _trained(model, x, y, steps: int) -> torch.Tensor:
+    """The outputs on ``x`` after ``steps`` eager Adam steps of 4 microbatches."""
+    import copy
+
+    model = copy.deepcopy(model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=ADAM["lr"])
+    for _ in range(steps):
+        optimizer.zero_grad()
+        sum(F.mse_loss(model(a), b) / 4 for a, b in zip(x.chunk(4), y.chunk(4))).backward()
+        optimizer.step()
+    return model(x).detach()
+
+
+@pytest.mark.slow
+def test_interleaved_gpt2_with_a_weight_tied_across_ranks_trains_like_eager():
+    """wte (stage 0, rank 0) and lm_head (stage 3, rank 1) are one parameter; each transformer block is a
+    stage, and M = 6 runs in two rounds of three (torch's rounds)."""
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (12, 8), generator=torch.Generator().manual_seed(1))
+    gm = export(model, kwargs={"input_ids": ids[:2], "labels": ids[:2].clone(), "use_cache": False})
+    rules = [("transformer.wte", 0), ("transformer.wpe", 0), ("transformer.drop", 0), ("transformer.h.0", 1),
+             ("transformer.h.1", 2), ("transformer.ln_f", 3), ("lm_head", 3)]  # fmt: skip
+    stages = split_stages(gm, stages_by_module(gm, rules), 4)
+    meta = PipelineMeta(4, schedule=INTERLEAVED, microbatches=6, placement=interleaved_ranks(2, 2))
+    inputs = {"input_ids": ids, "labels": ids}
+    result = run_local(Pipeline(stages, meta), inputs, steps=2, optimizer=ADAM)
+    assert "transformer.wte.weight" in result.grads
+    _check_fp32(
+        result,
+        eager_training(model, {**inputs, "use_cache": False}, None, None, 2, 6, ADAM),
+        {"lm_head.weight"},
+    )
+
+
+class Autocast(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        with torch.autocast("cpu", torch.bfloat16):
+            return self.model(x)
+
+
+@pytest.mark.slow
+def test_interleaved_bf16_mixed_and_checkpoints_resume_bit_identically(tmp_path):
+    """bf16-mixed equals eager under the same autocast; a run stopped after two steps and resumed from its
+    checkpoint (each stage's weights and its part of its rank's optimizer state in its own files) ends
+    where an uninterrupted run does, and ``hetcc.export`` merges the stages' weights."""
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
+    model, pipeline = _deep_pipeline(x[:4], microbatches=2, precision="bf16-mixed")
+
+    def run(folder, steps, **options):
+        return run_local(pipeline, {"x": x}, y, F.mse_loss, steps=steps, optimizer=ADAM,
+                         checkpoint_dir=tmp_path / folder, checkpoint_every=1, **options)  # fmt: skip
+
+    straight = run("straight", 3)
+    losses, _ = eager_training(Autocast(model), {"x": x}, y, F.mse_loss, 3, 2, ADAM)
+    error = max(abs(got - want) / abs(want) for got, want in zip(straight.losses, losses, strict=True))
+    assert error <= 1e-2, (straight.losses, losses)
+    run("stopped", 2)
+    resumed = run("stopped", 1, resume=True)
+    assert resumed.first_step == 2 and resumed.losses == straight.losses[2:]
+    want, got = hetcc.export(tmp_path / "straight"), hetcc.export(tmp_path / "stopped")
+    assert set(got) == set(want) >= {"l0.weight", "l1.weight", "l3.bias"}
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    for stage in range(4):  # each stage's file holds the optimizer state of its own parameters
+        a = ckpt.load_checkpoint(tmp_path / "straight", stage, 3)["optimizer"]
+        b = ckpt.load_checkpoint(tmp_path / "stopped", stage, 3)["optimizer"]
+        assert len(a["state"]) == len(pipeline.stages[stage].param_names) == 2
+        assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
+
+
+def test_each_rank_runs_its_row_of_the_interleaved_order_on_its_chunks_stages():
+    meta = PipelineMeta(6, schedule=INTERLEAVED, microbatches=4, placement=interleaved_ranks(2, 3))
+    layout = RankLayout.from_meta(meta)
+    assert [p.stages for p in layout.ranks] == [(0, 2, 4), (1, 3, 5)]
+    assert layout.actions(INTERLEAVED, 1) == interleaved_actions(2, 3, 4)[1]
+    assert layout.actions(INTERLEAVED, 0, training=False) == interleaved_actions(2, 3, 4, training=False)[0]
+    assert [layout.rank_running(k, 3) for k in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert layout.holders([2, 5]) == [0, 1] and layout.holders([4]) == [0]
+
+
+@pytest.mark.parametrize(
+    ("stages", "changes", "message"),
+    [
+        (4, {"placement": interleaved_ranks(2, 2), "microbatches": 1}, "1 microbatches over 2 ranks"),
+        (4, {"placement": (RankPlacement(0, 0, chunks=(0, 1)), RankPlacement(1, 2, chunks=(2, 3)))},
+         r"rank 0 runs stages \[0, 1\]"),
+        (3, {"placement": interleaved_ranks(1, 3)}, "2 ranks or more"),
+        (4, {"placement": (*interleaved_ranks(2, 2), RankPlacement(2, 3, replica=1))}, "stage 3 as replica 1"),
+    ],
+)  # fmt: skip
+def test_an_interleaved_record_that_does_not_run_is_refused(stages, changes, message):
+    with pytest.raises(PlanFormatError, match=message):
+        PipelineMeta(stages, schedule=INTERLEAVED, **{"microbatches": 4, **changes})
+
+
+def test_a_rank_of_several_stages_needs_the_interleaved_schedule():
+    with pytest.raises(PlanFormatError, match="only under 'interleaved-1f1b'"):
+        PipelineMeta(4, schedule="1f1b", microbatches=4, placement=interleaved_ranks(2, 2))
+    with pytest.raises(PlanFormatError, match="its stage \\(1\\) first"):
+        PipelineMeta(2, placement=(RankPlacement(0, 1, chunks=(0, 1)),), schedule=INTERLEAVED)
+    assert PipelineMeta(2, placement=ranks_for([1, 1])).placement[1].stages == (1,)
