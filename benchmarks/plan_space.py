@@ -5,7 +5,7 @@ clusters, print hetcc's plan (``microbatches="auto"``, replicas and recomputatio
 pure pipeline (``replicate=False``) and the Metis-style peer plan of the issue expressed as replica
 groups and simulated by hetcc's simulator at the peer's M = 8; an OPT-1.3B shape on the three-node
 cluster under 1F1B and ``schedule="auto"``; for each, what interleaved 1F1B (v = 2, 3 chunks per device,
-``solver.interleave``; not planned or run yet) would give on the pure pipeline's devices. Then plan a Llama-2-70B-shaped model
+``solver.interleave``; what ``schedule="interleaved-1f1b"`` plans) would give on the pure pipeline's devices. Then plan a Llama-2-70B-shaped model
 (batch 64 x seq 4096, bf16-mixed, Adam) on 64 GPUs (32 H100, 16 MI250X, 16 A100-40GB), and time the
 solver on a 96-block x 64-device synthetic chain. Every figure is a simulated step from the same run.
 

@@ -11,7 +11,8 @@ from pathlib import Path
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.hardware.schema import finite, read_text
 from hetcc.solver.schedules import (
-    SCHEDULES,
+    INTERLEAVED,
+    PIPELINE_SCHEDULES,
     SPLIT_SCHEDULES,
     recorded_warmup,
     splits_backward,
@@ -110,6 +111,17 @@ class Plan:
     def stage_of(self) -> dict[str, int]:
         """Node name -> the stage that runs it."""
         return {name: s.index for s in self.stages for name in s.nodes}
+
+    @property
+    def ranks(self) -> int:
+        """The ranks the plan runs on unless stages are replicated or tensor parallel: one per stage, or
+        under interleaved 1F1B one per device, each running its stages j, j + ranks, ..."""
+        return len({s.device for s in self.stages}) if self.schedule == INTERLEAVED else len(self.stages)
+
+    @property
+    def chunks(self) -> int:
+        """Stages per rank: 1, or under interleaved 1F1B v (``schedules.interleaved_actions``)."""
+        return len(self.stages) // self.ranks
 
     def speedup(self, baseline: str) -> float:
         return self.baselines[baseline] / self.step_time_s
@@ -221,8 +233,15 @@ def _check_plan(plan: Plan) -> None:
     every time, FLOP count and byte count is a finite number >= 0 (a baseline may be inf: does not fit)."""
     if not _count(plan.microbatches, 1):
         raise _fail("microbatches", f"must be a positive integer, got {plan.microbatches!r}")
-    if plan.schedule not in SCHEDULES:
-        raise _fail("schedule", f"unknown schedule {plan.schedule!r}; use one of {', '.join(SCHEDULES)}")
+    if plan.schedule not in PIPELINE_SCHEDULES:
+        raise _fail(
+            "schedule", f"unknown schedule {plan.schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)}"
+        )
+    if plan.schedule == INTERLEAVED and len(plan.stages) % plan.ranks:
+        raise _fail(
+            "stages",
+            f"{len(plan.stages)} interleaved stages on {plan.ranks} devices, not the same count each",
+        )
     if plan.precision not in PRECISIONS:
         raise _fail("precision", f"unknown precision {plan.precision!r}; use one of {', '.join(PRECISIONS)}")
     for name in ("step_time_s", "lower_bound_s"):
@@ -340,8 +359,10 @@ def explain(plan: Plan) -> str:
         header += f" {'zero-1':>6}"
     if coded:
         header += f" {'codecs':>13} {'MiB/mb out, before -> on the wire':>34}"
+    devices = plan.ranks if plan.chunks > 1 else sum(len(s.devices) for s in plan.stages)
+    chunks = f" ({plan.chunks} stages each)" if plan.chunks > 1 else ""
     lines = [
-        f"hetcc plan: {len(plan.stages)} stages on {sum(len(s.devices) for s in plan.stages)} devices, "
+        f"hetcc plan: {len(plan.stages)} stages on {devices} devices{chunks}, "
         f"{plan.precision}, {plan.schedule}, {plan.microbatches} microbatches{rows}",
         header,
     ]
@@ -358,6 +379,10 @@ def explain(plan: Plan) -> str:
             + (f" {'/'.join(s.codecs):>13} {_wire(s):>34}" if coded else "")
         )
     lines.append("ms/mb: per microbatch on one replica; memory: the fullest replica's device")
+    if plan.chunks > 1:
+        lines.append(
+            f"{INTERLEAVED}: device of stage j runs stages j, j + {plan.ranks}, ...; memory: all its stages hold"
+        )
     if split:
         lines.append(
             "tp: tensor degree: each replica is tp devices of one node, each with 1/tp of the weights"

@@ -31,7 +31,9 @@ from hetcc.api.compiled import Compiled
 from hetcc.api.microbatches import batch_rows, first_microbatch, search_microbatches
 from hetcc.api.replanning import newest_checkpoint, plan_space_options, run_options, save_replanned
 from hetcc.dump import Dumper
+from hetcc.errors import HetccError
 from hetcc.hardware.cluster import Cluster
+from hetcc.hardware.schema import short_repr
 from hetcc.kernels import FUSION_META_KEY, write_kernel
 from hetcc.passes.blocks import blocks, collect_blocks
 from hetcc.passes.codegen import codegen, stage_source
@@ -53,7 +55,7 @@ from hetcc.runtime.contract import PlanSpace, pipeline_meta_for
 from hetcc.runtime.cudagraphs import graphs_note
 from hetcc.runtime.store import Pipeline, pipeline_meta
 from hetcc.sendrecv import ANCHOR_NAME, attach_anchor
-from hetcc.solver.schedules import splits_backward
+from hetcc.solver.schedules import INTERLEAVED, splits_backward
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.export import export
 from hetcc.train.local import run_local as run_pipeline
@@ -167,6 +169,12 @@ def compile(  # noqa: A001 - the public API name
     tensor = False if tensor_parallel == 1 else tensor_parallel  # degree 1: no split
     if tensor:
         tried_degrees(cluster, tensor)  # a degree no node has room for fails before tracing
+    if tensor and schedule == INTERLEAVED:
+        raise HetccError(
+            f"schedule={INTERLEAVED!r} plans each stage whole on one device (its ranks run one replica of each "
+            f"of their stages), so it takes no tensor_parallel={short_repr(tensor_parallel)}",
+            hint="use tensor_parallel=False with it, or another schedule",
+        )
     settings = PlanSettings(
         1, schedule, training, optimizer, precision, recompute, replicate, rows, compress, shard, tensor
     )

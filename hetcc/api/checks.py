@@ -14,7 +14,7 @@ from hetcc.errors import HetccError, did_you_mean
 from hetcc.hardware.cluster import Cluster
 from hetcc.hardware.schema import check_path, finite, short_repr
 from hetcc.plan import PRECISIONS
-from hetcc.solver.schedules import SCHEDULES
+from hetcc.solver.schedules import PIPELINE_SCHEDULES
 
 
 def check_plan_space(
@@ -84,9 +84,9 @@ def check_compile_args(model, cluster, example_inputs, example_kwargs, schedule,
             hint="hetcc.Cluster.from_file('cluster.yaml')",
         )
     check_examples(example_inputs, example_kwargs)  # microbatches: split_microbatches names the input
-    if schedule not in (*SCHEDULES, "auto"):
+    if schedule not in (*PIPELINE_SCHEDULES, "auto"):
         raise HetccError(
-            f"schedule must be 'auto' or one of {', '.join(SCHEDULES)}, got {short_repr(schedule)}"
+            f"schedule must be 'auto' or one of {', '.join(PIPELINE_SCHEDULES)}, got {short_repr(schedule)}"
         )
     _check_flag(training, "training")
     _check_dump_dir(dump_dir)

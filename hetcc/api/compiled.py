@@ -70,5 +70,10 @@ class Compiled:
         """This rank's ``torch.distributed.pipelining`` stage and schedule for the same split (for users
         already on it; chain-shaped splits only)."""
         return pipelining_schedule(
-            self.pipeline.stages, rank, self.plan.microbatches, self.plan.schedule, loss_fn
+            self.pipeline.stages,
+            rank,
+            self.plan.microbatches,
+            self.plan.schedule,
+            loss_fn,
+            ranks=self.plan.ranks,
         )

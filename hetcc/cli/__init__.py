@@ -21,7 +21,7 @@ from pathlib import Path
 from hetcc.cli import train as cli_train
 from hetcc.errors import HetccError
 from hetcc.plan import PRECISIONS
-from hetcc.solver.schedules import SCHEDULES
+from hetcc.solver.schedules import PIPELINE_SCHEDULES
 
 FACTORY_FORM = "pkg.module:factory or path/to/file.py:factory"  # as hetcc.train.sources reads it
 
@@ -113,14 +113,15 @@ def _simulate(args: argparse.Namespace) -> None:
         print(f"  stage {k} on {devices[k]}: busy {busy * 1e3:.2f} ms, bubble {bubble:.0%}")
     print(
         format_grid(
-            problem.schedule,
-            len(devices),
+            saved.plan.schedule,
+            saved.plan.ranks,
             problem.microbatches,
             training=problem.training,
             comm=False,
             recompute=[s.recompute for s in saved.stages],
             deferred=[s.deferred for s in saved.stages],
             warmup=recorded_warmup(saved.stages),
+            chunks=saved.plan.chunks,
         )  # fmt: skip
     )
     if args.trace:
@@ -236,11 +237,12 @@ def _add_compile(commands) -> None:
     compile_cmd.add_argument(
         "--no-replicate", action="store_true", help="one device per stage (no replicated stages)"
     )
-    compile_cmd.add_argument("--schedule", choices=(*SCHEDULES, "auto"), default="1f1b",
+    compile_cmd.add_argument("--schedule", choices=(*PIPELINE_SCHEDULES, "auto"), default="1f1b",
                              help="pipeline schedule: 1f1b holds fewer activations, gpipe runs all "
                              "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles, zb-h2 "
-                             "also warms up with more forwards, auto plans 1f1b, zb-h1 and zb-h2 and keeps "
-                             "the fastest (default 1f1b)")  # fmt: skip
+                             "also warms up with more forwards, interleaved-1f1b runs 2-4 stages per device "
+                             "of the best 1F1B pipeline (its bubble over that count), auto plans 1f1b, "
+                             "zb-h1 and zb-h2 and keeps the fastest (default 1f1b)")  # fmt: skip
     compile_cmd.add_argument("--shard", type=lambda t: t if t == "auto" else int(t), choices=("auto", 0, 1),
                              default="auto", help="ZeRO-1 of replicated stages (optimizer state split over the "
                              "replicas): auto where it pays (default), 1 always, 0 never")  # fmt: skip

@@ -31,6 +31,7 @@ from hetcc.passes.schedule_search import AUTO_SCHEDULES, RERANK, solve_each_sche
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, TensorSplit
+from hetcc.solver.schedules import INTERLEAVED
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
 from hetcc.solver.tensor import megatron_baseline
@@ -110,10 +111,14 @@ def partition(
         whole, settings.schedule, settings.tensor_parallel
     )
     bound = solution.lower_bound_s  # with tensor parallelism: valid for every degree (``tensor_bound``)
-    solution, codec_notes = _codecs_that_pay(problem, solution, settings)
+    interleaved = settings.schedule == INTERLEAVED  # stage j on the device of rank j mod p, v per device
+    chunks = len(solution.stages) // len(set(solution.devices)) if interleaved else 1
+    solution, codec_notes = (
+        _codecs_that_pay(problem, solution, settings) if not interleaved else (solution, [])
+    )
     if tensor and solution.lower_bound_s != bound:  # a plan without codecs kept: still the tensor bound
         solution = replace(solution, lower_bound_s=bound, gap=solution.simulated_s / bound - 1)
-    plan = _plan(problem, solution, chain, settings, whole, device_map)
+    plan = _plan(problem, solution, chain, settings, whole, device_map, chunks)
     plan = replace(plan, notes=(*plan.notes, *([note] if note else []), *codec_notes))
     stage_of = plan.stage_of
     for node in gm.graph.nodes:
@@ -185,7 +190,8 @@ def build_problem(
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
         latency_s=cluster.latency_matrix_s(),
         microbatches=settings.microbatches,
-        schedule=AUTO_SCHEDULES[0] if settings.schedule == "auto" else settings.schedule,
+        # interleaved 1F1B is planned and simulated on a 1F1B problem (``solver.interleave``)
+        schedule=AUTO_SCHEDULES[0] if settings.schedule in ("auto", INTERLEAVED) else settings.schedule,
         training=training,
         replicate=bool(settings.replicate),
         recompute=settings.recompute is not False and training,
@@ -246,9 +252,11 @@ def _parameter(node: torch.fx.Node, depth: int = 3) -> bool:
     return depth > 0 and view and any(_parameter(a, depth - 1) for a in node.all_input_nodes)
 
 
-def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, whole, device_map) -> Plan:
+def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, whole, device_map,
+          chunks: int = 1) -> Plan:  # fmt: skip
     """The plan of ``solution`` on ``problem`` (the composite problem under tensor parallelism), its stages
-    on the real devices of ``whole`` (``device_map``), the baselines priced on ``whole``."""
+    on the real devices of ``whole`` (``device_map``), the baselines priced on ``whole``; ``chunks`` > 1:
+    an interleaved 1F1B plan of that many stages per device."""
     simulation = simulate(
         problem,
         solution.boundaries,
@@ -256,6 +264,7 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, who
         solution.recompute,
         events=False,
         stages=solution.stages,
+        chunks=chunks,
     )
     stages = tuple(
         _stage(k, stage_plan, whole, device_map, chain, settings, simulation.bubble_fraction[k], wire)
@@ -278,7 +287,7 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, who
         gap=solution.gap,  # simulated step / bound, as solve replayed this same plan
         baselines=base,
         microbatches=problem.microbatches,
-        schedule=problem.schedule,
+        schedule=INTERLEAVED if chunks > 1 else problem.schedule,
         training=problem.training,
         simulated_step_s=simulation.step_time_s,
         exact=solution.exact,

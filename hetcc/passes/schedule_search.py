@@ -15,8 +15,10 @@ import math
 from dataclasses import replace
 
 from hetcc.errors import InfeasiblePlanError
+from hetcc.solver.interleave import solve_interleaved
 from hetcc.solver.parallel import solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
+from hetcc.solver.schedules import INTERLEAVED
 from hetcc.solver.solve import search_plans, solve
 from hetcc.solver.tensor import DeviceMap, composite_problem, solve_tensor, tensor_bound
 
@@ -44,6 +46,9 @@ def solve_each_schedule(
     the first schedule (every assignment tried costs a ``solve``: a search per schedule would double the
     compile), and each other schedule is planned on the degrees it chose and on degree 1
     (``_on_searched_degrees``)."""
+    if schedule == INTERLEAVED:  # one replica per stage, whole: what an interleaved rank runs
+        solved, solution, note = solve_interleaved(problem, RERANK)
+        return solved, solution, note, _identity(solved)
     if schedule != "auto":
         solved, solution, device_map = solve_one(problem, tensor)
         return solved, solution, "", device_map

@@ -82,8 +82,9 @@ def simulate_plan(plan: Plan, problem: PartitionProblem):
     codecs = [s.codecs for s in plan.stages] if problem.codecs is not None else None
     solved = solved_problem(plan.stages, problem)
     return simulate(
-        solved, *plan_layout(plan.stages, solved), codecs=codecs, warmup=recorded_warmup(plan.stages)
-    )
+        solved, *plan_layout(plan.stages, solved), codecs=codecs, warmup=recorded_warmup(plan.stages),
+        chunks=plan.chunks,
+    )  # fmt: skip
 
 
 def solved_problem(stages: Sequence[PlanStage], problem: PartitionProblem) -> PartitionProblem:

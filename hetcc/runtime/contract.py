@@ -19,7 +19,7 @@ with the advice to compile again.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import InitVar, asdict, dataclass, field
+from dataclasses import InitVar, asdict, dataclass, field, replace
 from typing import Any
 
 from hetcc.errors import PlanFormatError
@@ -138,9 +138,14 @@ def pipeline_meta_for(
     """The record of a compiled plan: its ranks on the cluster's devices, the solution's routing, the
     plan's schedule, microbatches, recompute, sharding, deferred weight gradients and precision."""
     stage_devices = [[cluster.device(name) for name in stage.devices] for stage in plan.stages]
+    ranks = placement(stage_devices[: plan.ranks], [s.tensor for s in plan.stages[: plan.ranks]])
+    if plan.chunks > 1:  # interleaved 1F1B: rank r runs stages r, r + p, ... on its device
+        ranks = tuple(
+            replace(r, chunks=tuple(r.stage + c * plan.ranks for c in range(plan.chunks))) for r in ranks
+        )
     return PipelineMeta(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),
-        placement(stage_devices, [s.tensor for s in plan.stages]), tuple(tuple(s.route) for s in solution.stages),
+        ranks, tuple(tuple(s.route) for s in solution.stages),
         tuple(s.recompute for s in plan.stages), tuple(s.shard for s in plan.stages),
         tuple(s.deferred for s in plan.stages), tuple(recorded_warmup(plan.stages) or ()), plan.precision, {}, plan_space, dict(state_dict), plan.training,
     )  # fmt: skip

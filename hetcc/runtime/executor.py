@@ -21,7 +21,10 @@ parts. A replicated stage runs on several ranks, each with the actions of the mi
 (``RankLayout.actions``). After the last action the sends are waited for, the replicas' gradients are
 summed (all-reduce over the stage's replicas), tied parameters' gradients are summed over every rank
 holding them (all replicas of their stages): each parameter then holds its full-batch gradient, for
-the caller's optimizer (``hetcc.train``). The layout's ``recompute`` runs the forward under
+the caller's optimizer (``hetcc.train``). Under interleaved 1F1B a rank runs several stages, one
+executor each over the rank's one ``Links``: ``run_chunks`` runs each action on its chunk's stage, then
+the sums once for the rank (a tied weight two of its stages hold is summed on the rank first). The
+layout's ``recompute`` runs the forward under
 ``torch.utils.checkpoint`` (the transport replays what was received), its ``precision`` under autocast,
 with loss scaling agreed by every rank for fp16 (``runtime.precision``). ``forward_only`` runs the
 forwards alone, without gradients or dropout: an evaluation, or a build compiled for inference.

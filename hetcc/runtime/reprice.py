@@ -84,6 +84,9 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
     if split:  # a device of a tensor group prices the group's composite row, not its own
         why = f"stages {split} are tensor parallel: a plan with tensor-parallel stages is not re-priced"
         return Repricing(plan.step_time_s, math.nan, not_repriced=why)
+    if plan.chunks > 1:
+        why = f"{plan.schedule} runs {plan.chunks} stages per rank: an interleaved plan is not re-priced"
+        return Repricing(plan.step_time_s, math.nan, not_repriced=why)
     ranks = [(s.index, r, name) for s in plan.stages for r, name in enumerate(s.devices)]
     if any(not 0 <= rank < len(ranks) for rank in found):
         raise PlanFormatError(f"ranks {sorted(found)}: the plan has ranks 0..{len(ranks) - 1}")

@@ -13,7 +13,9 @@ for its recv, and 1F1B would deadlock. Receives block with the timeout; a failur
 
 Order: messages between two ranks pair up in the order they are posted (``Links``; nccl ignores tags),
 so both ends post them in one order derived from the plan. Every stage runs its forwards, and its
-backwards, in microbatch order. Within a forward, the stage's graph posts its sends to a peer and its
+backwards, in microbatch order; under interleaved 1F1B two ranks exchange the messages of several stage
+pairs, and Megatron's order (``schedules.interleaved_actions``) posts and takes each rank pair's in one
+order on both ends, so each rank's stages use one transport each over the same links. Within a forward, the stage's graph posts its sends to a peer and its
 recvs from it in ascending tag order (``passes.comm``). A backward runs the ops' backwards in whatever
 order autograd picks on each side, so they do not touch the wire: ``recv``'s backward hands its gradient
 to the transport, which sends the microbatch's gradients after the backward (``settle_gradients``), in

@@ -18,7 +18,10 @@ ROUNDS = 300
 
 
 def lower_bound(
-    problem: PartitionProblem, ways: Mapping[tuple[str, float], Sequence[Way]] | None = None
+    problem: PartitionProblem,
+    ways: Mapping[tuple[str, float], Sequence[Way]] | None = None,
+    *,
+    contiguous: bool = True,
 ) -> float:
     """A simulated step time no plan (replicated, recomputing or not) can beat: the larger of
 
@@ -63,6 +66,11 @@ def lower_bound(
     spends w * c[i] device-seconds and holds w * s[i] bytes per block i, so the constraints of class t
     become ``M sum_(i, way) x * w * c <= n_t * step`` and ``sum_(i, way) x * w * s <= n_t K_t``, and
     the minimum over t runs over the ways of each class: a bound for every plan using any of them.
+
+    The fill and the tied sums suppose each device runs one stage, contiguous blocks. Under interleaved
+    1F1B a device runs several (its chunks): it can be fed before the blocks before its last chunk have
+    run, and hold a tied weight's two users without the blocks between them. ``contiguous=False`` leaves
+    both terms out: a bound for those plans too.
     """
     classes = sorted({(d.type, d.memory_bytes) for d in problem.devices})
     rows = [(k, way) for k, c in enumerate(classes) for way in (ways or {}).get(c, [Way(c[0], 1)])]
@@ -74,8 +82,8 @@ def lower_bound(
     state = np.array([least_held_state(problem, kind) for kind in kinds], dtype=float)
     owner = np.array([k for k, _ in rows])
     width = np.array([way.devices for _, way in rows], dtype=float)[:, None]
-    idle = _fill_idle_s(problem, kinds, state, capacity[owner])
-    sums = _tied_sums(problem, state, capacity[owner])
+    idle = _fill_idle_s(problem, kinds, state, capacity[owner]) if contiguous else np.zeros_like(costs)
+    sums = _tied_sums(problem, state, capacity[owner]) if contiguous else []
     for (first, last), seconds in sums:
         idle[:, first] += seconds
         idle[:, last] += seconds

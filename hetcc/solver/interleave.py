@@ -4,23 +4,73 @@ An interleaved plan (``schedules.interleaved_actions``) cuts the chain into v * 
 j on device j mod p, so each device holds v chunks and the pipeline's fill and drain shrink v times.
 On unequal devices each device's chunks are sized to its speed: ``interleave`` cuts the chain so that
 the longest chunk on its device is shortest, then moves single cuts while the simulator says the step
-gets shorter and memory still fits. The planner does not choose it yet and the runtime does
-not run it (a rank runs one stage there): this prices the option (``benchmarks/plan_space.py``).
+gets shorter and memory still fits. ``solve_interleaved`` plans it for ``hetcc.compile(...,
+schedule="interleaved-1f1b")``: on the devices of the best 1F1B pure pipeline, each v from 2 to
+``MAX_CHUNKS`` tried, the fastest simulated kept; the runtime runs it with rank r holding stages
+r, r + p, ... (``runtime.placement.interleaved_ranks``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
-from hetcc.errors import PlanFormatError
+from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.baselines import min_max_split, span_sums
+from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import stage_costs
-from hetcc.solver.problem import PartitionProblem
-from hetcc.solver.schedules import interleavable
+from hetcc.solver.problem import PartitionProblem, PartitionSolution
+from hetcc.solver.schedules import INTERLEAVED, interleavable
 from hetcc.solver.simulate import simulate
+from hetcc.solver.solve import solve
 
 MOVES = 400  # simulations the cut refinement may spend
+MAX_CHUNKS = 4  # stages per device ``solve_interleaved`` tries at most (Megatron-LM's runs use 2-4)
+
+
+def solve_interleaved(
+    problem: PartitionProblem, rerank: int = 0
+) -> tuple[PartitionProblem, PartitionSolution, str]:
+    """(the problem it was planned on, the plan, a note) of interleaved 1F1B for ``problem``: the devices
+    of its best 1F1B pure pipeline (``solve(..., rerank)`` without replicas, recomputation, sharding or
+    codecs: one stage per device, what an interleaved rank runs per chunk), cut into v chunks per device
+    by ``interleave`` for each v from 2 to ``MAX_CHUNKS`` the blocks allow, the fastest simulated kept.
+    The solution's stage j runs on the device of rank j mod p; its bound leaves out the fill and the tied
+    sums, which suppose one stage per device (``lower_bound(..., contiguous=False)``)."""
+    plain = replace(problem, schedule="1f1b", replicate=False, recompute=False, recompute_all=False,
+                    shard=False, shard_all=False, codecs=None, tensor_splits=None)  # fmt: skip
+    pipeline = solve(plain, rerank=rerank)
+    devices, ranks = pipeline.devices, len(pipeline.stages)
+    chunks = range(2, min(MAX_CHUNKS, len(problem.blocks) // max(ranks, 1)) + 1)
+    if ranks < 2 or not chunks or not interleavable(ranks, problem.microbatches):
+        raise InfeasiblePlanError(
+            f"{INTERLEAVED}: the best 1F1B pipeline runs {ranks} stage(s) on {ranks} device(s) over "
+            f"{len(problem.blocks)} blocks at M = {problem.microbatches}; interleaving needs 2 devices or more, "
+            "2 blocks per device and at least one microbatch per device, in rounds of equal size",
+            hint="use schedule='1f1b' (or 'auto'), more microbatches, or a cluster whose plan spans 2+ devices",
+        )
+    tried = {v: interleave(plain, devices, v) for v in chunks}
+    v = min(tried, key=lambda c: (tried[c][1], c))
+    cuts, step_s = tried[v]
+    if math.isinf(step_s):
+        raise InfeasiblePlanError(
+            f"{INTERLEAVED}: no plan of {', '.join(map(str, chunks))} chunks per device on the {ranks} devices of "
+            f"the best 1F1B pipeline fits in memory (each device holds every chunk's weights, and more "
+            "microbatches' activations than under 1F1B)",
+            hint="use schedule='1f1b' (or 'auto'), which may also recompute or replicate",
+        )
+    stages = stage_costs(plain, cuts, [(devices[j % ranks],) for j in range(v * ranks)], chunks=v)
+    bound = lower_bound(problem, contiguous=False)
+    per_device = [sum(s.compute_s for s in stages[r::ranks]) for r in range(ranks)]
+    solution = PartitionSolution(stages, step_s, max(per_device), bound, step_s / bound - 1, exact=False,
+                                 simulated_s=step_s)  # fmt: skip
+    figures = ", ".join(f"v = {c}: {tried[c][1] * 1e3:.2f} ms" for c in chunks)
+    note = (
+        f"schedule: {INTERLEAVED} with {v} chunks on each of the {ranks} devices of the best 1F1B pipeline "
+        f"({pipeline.simulated_s * 1e3:.2f} ms under 1F1B; {figures})"
+    )
+    return plain, solution, note
 
 
 def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -> tuple[list[int], float]:

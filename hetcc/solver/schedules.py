@@ -44,7 +44,8 @@ With ``training=False`` every schedule reduces to forwards only, in microbatch o
 ``interleaved-1f1b`` (``INTERLEAVED``, ``interleaved_actions``): v stages per rank, 1F1B's bubble over v.
 The simulator replays it (``simulate(..., chunks=v)``), ``solver.interleave`` prices it on a
 pipeline's devices, and the runtime runs a pipeline saved with it (``PIPELINE_SCHEDULES``: each rank holds
-its v stages, ``RankPlacement.chunks``); the planner does not choose it yet.
+its v stages, ``RankPlacement.chunks``); the planner plans it where the user pins it
+(``solver.interleave.solve_interleaved``), not under ``"auto"``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ from hetcc.errors import PlanFormatError
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SPLIT_SCHEDULES = ("zb-h1", "zb-h2")  # the schedules that run input and weight gradients apart
-INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actions``): not planned yet
+INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actions``): planned when pinned
 PIPELINE_SCHEDULES = (*SCHEDULES, INTERLEAVED)  # what a saved pipeline runs (``runtime.contract``)
 
 
@@ -266,7 +267,8 @@ def interleaved_actions(
     ``training``, each rank's forwards alone, in the same order.
 
     The simulator replays it (``simulate(..., chunks=v)``) and the runtime runs it (``RankLayout.actions``);
-    the planner does not take it yet. ``format_grid(INTERLEAVED, ...)`` prints it."""
+    the planner plans it when pinned (``solver.interleave.solve_interleaved``). ``format_grid(INTERLEAVED,
+    ...)`` prints it."""
     check_schedule_args("1f1b", ranks, microbatches)
     if (
         isinstance(chunks, bool)

@@ -41,6 +41,7 @@ class RankWork:
     flops: float  # per step
     peak_flops: float | None  # of the device it runs on, at the run's precision (None: unknown type)
     planned_busy_s: float  # the simulator's busy time of its stage per step
+    chunks: tuple[int, ...] = ()  # under interleaved 1F1B: every stage it runs (its busy time: theirs)
 
 
 @dataclass(frozen=True)
@@ -58,24 +59,29 @@ class RunFigures:
         """From the build's ``plan.json`` (absent: no FLOPs and no simulated figures); ``types``: each
         rank's planned device type where the placement records it (a replica group may mix types)."""
         plan = _read_plan(directory)
-        # no plan, or another split's (plans do not interleave: a rank of several stages was split by hand)
-        if plan is None or len(plan.stages) != len(layout.routing) or any(p.chunks for p in layout.ranks):
+        if plan is None or len(plan.stages) != len(layout.routing):  # no plan, or another split's
             return cls((), None, tokens, samples)
         key = PRECISIONS[plan.precision] or "fp32"  # the FLOP/s peak of the run's matmuls
         work = []
         for rank, placement in enumerate(layout.ranks):
+            flops = 0.0
+            for k in placement.stages:  # one stage, or its chunks' under interleaved 1F1B
+                stage = plan.stages[k]
+                runs = sum(1 for replica in layout.routing[k] if replica == placement.replica)
+                forwards = 1 + (stage.recompute and training)
+                # a tensor-parallel replica's t ranks share its model FLOPs
+                flops += (
+                    runs
+                    * (forwards * stage.fwd_flops + (stage.bwd_flops if training else 0.0))
+                    / stage.tensor
+                )
             stage = plan.stages[placement.stage]
-            runs = sum(1 for replica in layout.routing[placement.stage] if replica == placement.replica)
-            forwards = 1 + (stage.recompute and training)
-            # a tensor-parallel replica's t ranks share its model FLOPs
-            flops = (
-                runs * (forwards * stage.fwd_flops + (stage.bwd_flops if training else 0.0)) / stage.tensor
-            )
             planned = types[rank] if rank < len(types) and types[rank] else stage.device_type
             ran_on = "cpu" if on_cpu else planned
-            busy = plan.step_time_s * (1.0 - stage.bubble) if training else None
+            idle = sum(plan.stages[k].bubble for k in placement.stages) - (len(placement.stages) - 1)
+            busy = plan.step_time_s * (1.0 - idle) if training else None
             work.append(RankWork(placement.stage, placement.replica, planned, ran_on, flops, _peak(ran_on, key),
-                                 busy if busy is not None else float("nan")))  # fmt: skip
+                                 busy if busy is not None else float("nan"), placement.chunks))  # fmt: skip
         return cls(tuple(work), plan.step_time_s if training else None, tokens, samples)
 
     def step_record(self, step_s: float) -> dict[str, Any]:
@@ -129,7 +135,9 @@ def summary_lines(
         busy = statistics.mean(b for _, b in entries)
         planned = entries[0][0].planned_busy_s
         kind = entries[0][0].planned_type
-        line = f"  stage {stage} ({len(entries)} x {kind}): busy {busy * 1e3:.2f} ms"
+        chunks = entries[0][0].chunks
+        named = f"stages {', '.join(map(str, chunks))}" if chunks else f"stage {stage}"
+        line = f"  {named} ({len(entries)} x {kind}): busy {busy * 1e3:.2f} ms"
         if planned == planned:  # not NaN
             line += f", simulated {planned * 1e3:.2f} ms: ratio {busy / planned:.2f}x"
         lines.append(line)

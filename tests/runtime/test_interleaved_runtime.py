@@ -22,7 +22,7 @@ from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.placement import RankPlacement, interleaved_ranks, ranks_for
 from hetcc.runtime.store import Pipeline
-from hetcc.solver.schedules import INTERLEAVED, interleaved_actions
+from hetcc.solver.schedules import INTERLEAVED, interleavable, interleaved_actions
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.local import run_local
 
@@ -195,3 +195,29 @@ def test_a_rank_of_several_stages_needs_the_interleaved_schedule():
     with pytest.raises(PlanFormatError, match="its stage \\(1\\) first"):
         PipelineMeta(2, placement=(RankPlacement(0, 1, chunks=(0, 1)),), schedule=INTERLEAVED)
     assert PipelineMeta(2, placement=ranks_for([1, 1])).placement[1].stages == (1,)
+
+
+def _messages(rows: list, ranks: int, chunks: int) -> tuple[dict, dict]:
+    """Per directed rank pair, the messages its sender posts and its receiver takes, in order: a forward
+    takes its input at its start and sends its output at its end, a backward likewise with gradients."""
+    last, posted, taken = ranks * chunks - 1, {}, {}
+    for rank, row in enumerate(rows):
+        for action in row:
+            k, step = action.chunk * ranks + rank, 1 if action.kind == "F" else -1
+            if 0 <= k - step <= last:  # what it takes from the stage before it (after, for a backward)
+                taken.setdefault(((k - step) % ranks, rank), []).append(
+                    (action.kind, action.microbatch, k - step)
+                )
+            if 0 <= k + step <= last:
+                posted.setdefault((rank, (k + step) % ranks), []).append((action.kind, action.microbatch, k))
+    return posted, taken
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+def test_every_rank_pair_posts_and_takes_its_messages_in_one_order(ranks):
+    """Messages between two ranks pair up by their order (``runtime.groups``): under the interleaved order
+    the several stage pairs two ranks share still post and take them alike, for any M it takes."""
+    for chunks in (2, 3, 4):
+        for microbatches in (m for m in range(ranks, 3 * ranks + 1) if interleavable(ranks, m)):
+            posted, taken = _messages(interleaved_actions(ranks, chunks, microbatches), ranks, chunks)
+            assert posted == taken, (chunks, microbatches)

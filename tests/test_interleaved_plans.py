@@ -1,0 +1,94 @@
+"""``hetcc.compile(..., schedule="interleaved-1f1b")``: v chunks on each device of the best 1F1B pipeline
+(``solver.interleave.solve_interleaved``), saved with rank r running stages r, r + p, ..., replayed by the
+report, and trained by the runtime equal to eager PyTorch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import eager_training
+
+import hetcc
+from hetcc.cli import main
+from hetcc.errors import HetccError, InfeasiblePlanError
+from hetcc.report.data import load, simulate_plan
+from hetcc.solver.schedules import INTERLEAVED
+
+ADAM = {"name": "adam", "lr": 0.01}
+
+
+def _cluster(count: int) -> hetcc.Cluster:
+    link = {"kind": "nvlink", "bandwidth": "300 GB/s", "latency": "5 us"}
+    return hetcc.Cluster.from_spec(
+        {"nodes": [{"name": "n0", "intra_link": link, "devices": [{"type": "A100-80GB", "count": count}]}]}
+    )
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=6, n_embd=64, n_head=2, vocab_size=128, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+@pytest.fixture(scope="module")
+def interleaved():
+    model, inputs = _gpt2()
+    compiled = hetcc.compile(model, _cluster(2), example_kwargs=inputs, microbatches=4, schedule=INTERLEAVED)
+    return model, inputs, compiled
+
+
+def test_each_device_runs_every_pth_stage_and_the_plan_replays(interleaved, tmp_path):
+    _, _, compiled = interleaved
+    plan = compiled.plan
+    k, p = len(plan.stages), plan.ranks
+    assert plan.schedule == INTERLEAVED and p == 2 and plan.chunks == k // p >= 2
+    assert [s.device for s in plan.stages] == [plan.stages[j % p].device for j in range(k)]
+    assert [r.stages for r in compiled.pipeline.meta.placement] == [tuple(range(r, k, p)) for r in range(p)]
+    assert 0 < plan.lower_bound_s <= plan.step_time_s
+    assert f"{k} stages on {p} devices ({plan.chunks} stages each)" in plan.explain()
+    assert any(note.startswith(f"schedule: {INTERLEAVED} with {plan.chunks} chunks") for note in plan.notes)
+    assert simulate_plan(plan, compiled.problem).step_time_s == pytest.approx(plan.step_time_s)
+    saved = load(compiled.save_plan(tmp_path))  # what `hetcc simulate` and the report replay
+    assert saved.simulation.step_time_s == pytest.approx(plan.step_time_s)
+
+
+def test_hetcc_simulate_prints_the_interleaved_grid(interleaved, tmp_path, capsys):
+    _, _, compiled = interleaved
+    assert main(["simulate", str(compiled.save_plan(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    grid = [line for line in out.splitlines() if line.startswith("rank")]
+    assert len(grid) == 2  # one row per device, each running its chunks' stages
+    assert f"F0.{compiled.plan.chunks - 1}" in out  # the last chunk's forward of microbatch 0
+
+
+@pytest.mark.slow
+def test_an_interleaved_build_trains_like_eager(interleaved, tmp_path):
+    model, inputs, compiled = interleaved
+    build = compiled.save(tmp_path / "build")
+    result = hetcc.run_local(build, {k: v for k, v in inputs.items() if k != "use_cache"}, steps=2,
+                             optimizer=ADAM)  # fmt: skip
+    losses, grads = eager_training(model, inputs, None, None, 2, 4, ADAM)
+    error = max(abs(got - want) / abs(want) for got, want in zip(result.losses, losses, strict=True))
+    assert error <= 1e-5, (result.losses, losses)
+    assert set(grads) - set(result.grads) == {"lm_head.weight"}  # tied to wte, reported once
+    for name, grad in result.grads.items():
+        torch.testing.assert_close(grad, grads[name], rtol=0, atol=1e-4, msg=name)
+    # measured against the plan's simulation: the step, and each rank's busy time over its chunks
+    assert "plan simulated" in result.summary[0]
+    stages = ", ".join(map(str, range(0, len(compiled.plan.stages), 2)))
+    rank0 = [line for line in result.summary if line.startswith(f"  stages {stages} (1 x A100-80GB): busy ")]
+    assert len(rank0) == 1 and "simulated" in rank0[0], result.summary
+
+
+def test_interleaving_needs_two_devices_and_whole_stages():
+    model, inputs = _gpt2()
+    with pytest.raises(HetccError, match="takes no tensor_parallel=2"):
+        hetcc.compile(model, _cluster(2), example_kwargs=inputs, microbatches=4, schedule=INTERLEAVED,
+                      tensor_parallel=2)  # fmt: skip
+    with pytest.raises(InfeasiblePlanError, match="interleaving needs 2 devices or more"):
+        hetcc.compile(model, _cluster(1), example_kwargs=inputs, microbatches=4, schedule=INTERLEAVED)
