@@ -1,10 +1,11 @@
-"""ZB-H1 and ZB-H2 against 1F1B on the same split, measured on CPU ranks and simulated.
+"""ZB-H1, ZB-H2 and interleaved 1F1B against 1F1B, measured on CPU ranks and simulated.
 
 A GPT-2 (random weights) is planned with 1F1B for two or more CPU devices calibrated on this machine,
 then run through ``hetcc.run_local`` (one process per rank, gloo) under 1F1B, ZB-H1 and ZB-H2 (each
-schedule's own warm-up and deferral) on that same split, the runs interleaved; each run's step is the
-median after its warm-up steps. Prints each zero-bubble schedule's measured ratio to 1F1B (one run) and
-each schedule's measured step against what the simulator predicts for it on that split.
+schedule's own warm-up and deferral) on that same split, and planned with ``schedule="interleaved-1f1b"``
+(its own cuts, v stages on each of the same devices) and run too; the runs alternate, and each run's
+step is the median after its warm-up steps. Prints each schedule's measured ratio to 1F1B (one run)
+and each schedule's measured step against what the simulator predicts for its plan.
 
     python benchmarks/schedules_measured.py                      # 2 ranks (this machine has 2 cores)
     python benchmarks/schedules_measured.py --ranks 4 --microbatches 8
@@ -27,7 +28,7 @@ import hetcc  # noqa: E402
 from hetcc.solver.simulate import simulate  # noqa: E402
 from hetcc.train.local import run_local  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b")
 
 
 def _cluster(ranks: int, calibration) -> hetcc.Cluster:
@@ -66,28 +67,36 @@ def main(argv: list[str] | None = None) -> int:
     model = _model(args.layers, args.hidden)
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
-    compiled = hetcc.compile(model, _cluster(args.ranks, calibration), example_kwargs=inputs,
-                             microbatches=args.microbatches, schedule="1f1b", replicate=False)  # fmt: skip
+    cluster = _cluster(args.ranks, calibration)
+    compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=args.microbatches,
+                             schedule="1f1b", replicate=False)  # fmt: skip
+    interleaved = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=args.microbatches,
+                                schedule="interleaved-1f1b")  # fmt: skip
     plan, problem, solution = compiled.plan, compiled.problem, compiled.solution
-    print(plan.explain())
+    print(plan.explain(), interleaved.plan.explain(), sep="\n\n")
     simulated = {
         name: simulate(replace(problem, schedule=name), solution.boundaries, solution.groups, solution.recompute,
                        events=False).step_time_s
-        for name in SCHEDULES
+        for name in SCHEDULES[:-1]
     }  # fmt: skip
+    simulated[SCHEDULES[-1]] = interleaved.plan.step_time_s
     measured: dict[str, list[float]] = {name: [] for name in SCHEDULES}
     for _ in range(args.rounds):
         for name in SCHEDULES:
-            result = run_local(compiled.pipeline, inputs, steps=args.steps, schedule=name,
+            pipeline, schedule = (
+                (interleaved.pipeline, None) if name == SCHEDULES[-1] else (compiled.pipeline, name)
+            )
+            result = run_local(pipeline, inputs, steps=args.steps, schedule=schedule,
                                optimizer={"name": "sgd", "lr": 1e-3})  # fmt: skip
             measured[name].append(_step_s(result, warmup=2))
     step = {name: min(times) for name, times in measured.items()}
     print(
-        f"\n{args.ranks} CPU ranks, {len(plan.stages)} stages, M = {args.microbatches}, the 1F1B plan's split:"
+        f"\n{args.ranks} CPU ranks, {len(plan.stages)} stages, M = {args.microbatches}, the 1F1B plan's split "
+        f"(interleaved: {len(interleaved.plan.stages)} stages, its own):"
     )
     for name in SCHEDULES:
         error = step[name] / simulated[name] - 1
-        print(f"  {name:6s} measured {step[name] * 1e3:8.2f} ms (runs: "
+        print(f"  {name:16s} measured {step[name] * 1e3:8.2f} ms (runs: "
               f"{', '.join(f'{t * 1e3:.2f}' for t in measured[name])}), simulated {simulated[name] * 1e3:8.2f} ms "
               f"({error:+.1%})")  # fmt: skip
     for name in SCHEDULES[1:]:
