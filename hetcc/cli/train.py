@@ -117,7 +117,7 @@ def _write_measured_trace(build: Path, scratch: str, out: str) -> None:
     from hetcc.runtime.store import pipeline_meta
 
     placement = pipeline_meta(str(build)).placement
-    ranks = [(p.stage, p.replica, p.device or f"rank {p.rank}") for p in placement]
+    ranks = [(p.stages, p.replica, p.device or f"rank {p.rank}") for p in placement]
     path = write_trace(measured_trace(scratch, ranks), out)
     print(f"trace: {path} (measured on this machine; open in https://ui.perfetto.dev or chrome://tracing)")
 

@@ -53,20 +53,32 @@ def simulated_trace(simulation, rows: Mapping[Row, str]) -> dict[str, Any]:
     return chrome_trace(events, named, "simulated")
 
 
-def measured_trace(folder: str | Path, ranks: Sequence[tuple[int, int, str]]) -> dict[str, Any]:
+def measured_trace(
+    folder: str | Path, ranks: Sequence[tuple[int | tuple[int, ...], int, str]]
+) -> dict[str, Any]:
     """The trace of a run's ``rank<k>.json`` files (``hetcc.runtime.recorder``); ``ranks[k]`` is rank k's
-    (stage, replica, device). Every step is kept; time 0 is the first action of any rank."""
+    (stage, or its stages by chunk under interleaved 1F1B; replica; device). Every step is kept; time 0 is
+    the first action of any rank; an action on a rank's chunk c shows on that chunk's stage."""
     per_rank = []
     for rank in range(len(ranks)):
         path = Path(folder) / f"rank{rank}.json"
         per_rank.append(json.loads(path.read_text()) if path.exists() else [])
     origin = min((e[3] for events in per_rank for e in events), default=0.0)
+    stages = [(stage,) if isinstance(stage, int) else tuple(stage) for stage, _, _ in ranks]
     events = [
-        (ranks[rank][0], ranks[rank][1], kind, microbatch, start - origin, end - origin)
+        (
+            stages[rank][chunk[0] if chunk else 0],
+            ranks[rank][1],
+            kind,
+            microbatch,
+            start - origin,
+            end - origin,
+        )
         for rank, rows in enumerate(per_rank)
-        for _step, kind, microbatch, start, end in rows
+        for _step, kind, microbatch, start, end, *chunk in rows
     ]
-    return chrome_trace(events, {(stage, replica): device for stage, replica, device in ranks}, "measured")
+    named = {(stage, replica): device for held, (_, replica, device) in zip(stages, ranks) for stage in held}
+    return chrome_trace(events, named, "measured")
 
 
 def write_trace(trace: dict[str, Any], path: str | Path) -> Path:

@@ -312,7 +312,7 @@ def run_chunks(executors: Sequence[StageExecutor], inputs: Mapping[int, dict],
     result = StepResult()
     split = any(action.kind == "W" for action in actions)  # a zero-bubble schedule splits the backward
     for action in actions:
-        with first.recorder.record(action.kind, action.microbatch, result):
+        with first.recorder.record(action.kind, action.microbatch, result, action.chunk):
             executors[action.chunk].act(action, inputs, targets, result, split, keep_outputs)
     first.links.wait_sends()
     for executor in executors:
@@ -334,7 +334,7 @@ def forward_chunks(executors: Sequence[StageExecutor], inputs: Mapping[int, dict
             executor, m = executors[action.chunk], action.microbatch
             executor.transport.microbatch = m
             with use_transport(executor.transport), use_tensor_group(executor.links.tensor):
-                with first.recorder.record("F", m, result):
+                with first.recorder.record("F", m, result, action.chunk):
                     executor._forward(m, inputs[m], targets[m] if targets is not None else None, result)
         first.links.wait_sends()
         for buffer, before in buffers:

@@ -1,8 +1,9 @@
 """Wall-clock start and end of every F/B action a rank runs, for ``hetcc run --trace`` (measured timeline).
 
 Off unless ``HETCC_TRACE_DIR`` names a folder (spawned ranks inherit it); then each rank rewrites
-``rank<k>.json`` there after every step: ``[[step, kind, microbatch, start_s, end_s], ...]`` in
-``time.time()`` seconds, which ranks on one host share. ``hetcc.report.timeline`` merges the files.
+``rank<k>.json`` there after every step: ``[[step, kind, microbatch, start_s, end_s, chunk], ...]`` in
+``time.time()`` seconds, which ranks on one host share (``chunk``: which of the rank's stages ran it,
+under interleaved 1F1B; 0 otherwise). ``hetcc.report.timeline`` merges the files.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class ActionRecorder:
         self.events: list[list] = []
 
     @contextmanager
-    def record(self, kind: str, microbatch: int, result) -> Iterator[None]:
+    def record(self, kind: str, microbatch: int, result, chunk: int = 0) -> Iterator[None]:
         """Time one action: its wall time is added to ``result.busy_s`` (always: two clock reads), and
         its start and end are kept for the trace when tracing is on."""
         start, begun = time.perf_counter(), time.time() if self.folder is not None else 0.0
@@ -35,7 +36,7 @@ class ActionRecorder:
         finally:
             result.busy_s += time.perf_counter() - start
             if self.folder is not None:
-                self.events.append([self.step, kind, microbatch, begun, time.time()])
+                self.events.append([self.step, kind, microbatch, begun, time.time(), chunk])
 
     def end_step(self) -> None:
         if self.folder is not None:

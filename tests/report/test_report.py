@@ -122,6 +122,16 @@ def test_the_recorder_writes_nothing_unless_asked_and_its_files_merge_into_one_t
     spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert sorted((e["pid"], e["name"]) for e in spans) == [(0, "B0"), (0, "F0"), (1, "B0"), (1, "F0")]
     assert min(e["ts"] for e in spans) == 0.0
+    recorder = ActionRecorder(0)  # interleaved: rank 0 runs stages 0 and 2; its chunk 1 is stage 2
+    for chunk in (0, 1):
+        with recorder.record("F", 3, StepResult(), chunk):
+            pass
+    recorder.end_step()
+    trace = measured_trace(tmp_path, [((0, 2), 0, "cpu-0"), ((1, 3), 0, "cpu-1")])
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == "F3"]
+    assert sorted(e["pid"] for e in spans) == [0, 2]
+    names = {(e["pid"], e["args"]["name"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert (2, "cpu-0 compute") in names and (3, "cpu-1 compute") in names
 
 
 def _chromium() -> str | None:
