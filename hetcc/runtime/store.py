@@ -156,7 +156,7 @@ def read_outline(directory: str) -> PipelineOutline:
 def load_stage(directory: str, index: int) -> StageGraph:
     """Stage ``index`` alone: only pipeline.json, the kernels and that stage's own graph and weights are
     read, so a damaged file of another stage does not fail it. Each rank loads its stage this way
-    (``hetcc.train.rank.load_rank``); ``read_outline`` tells it what it needs of the others."""
+    (``hetcc.train.startup.load_rank``); ``read_outline`` tells it what it needs of the others."""
     document = read_document(directory)
     if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < document["num_stages"]:
         raise PlanFormatError(f"{directory}: no stage {index!r}; the pipeline has {document['num_stages']}")

@@ -33,15 +33,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hetcc import config
 from hetcc.errors import HetccError, RuntimeFailure
-from hetcc.passes.comm import StageGraph
 from hetcc.runtime.executor import StageExecutor, StepResult, forward_chunks, run_chunks
 from hetcc.runtime.groups import Links
 from hetcc.runtime.layout import RankLayout
-from hetcc.runtime.store import PipelineOutline, load_stage, read_outline
+from hetcc.runtime.store import read_outline
 from hetcc.runtime.torchrun import start_process_group
 from hetcc.train import checkpoint as ckpt
-from hetcc.train.data import RankBatch, RankData, RankInputs, share_of
+from hetcc.train.data import RankBatch, RankData, share_of
 from hetcc.train.optim import build_optimizer
+from hetcc.train.startup import agree_on_start, load_rank, rank_inputs
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class PipelineRank:
             failure = None
         except HetccError as error:
             failure = error
-        _agree_on_start(rank, failure)  # a rank that cannot start stops every rank, now, with its cause
+        agree_on_start(rank, failure)  # a rank that cannot start stops every rank, now, with its cause
         self.rank, self.placement = rank, self.layout.ranks[rank]
         self.device = torch.device(device)
         self.training = self.outline.meta.training  # False: compiled for inference
@@ -393,85 +393,3 @@ class PipelineRank:
             }
             grads += [p.grad for p in executor.params if p.grad is not None and id(p) not in not_mine]
         return grads
-
-
-def _agree_on_start(rank: int, failure: HetccError | None) -> None:
-    """Every rank says whether it could load what it runs (a collective, before any process group of
-    the pipeline is made): one that could not would leave its peers waiting for it until the timeout;
-    instead every rank raises at once, naming the ranks that failed and why. The messages travel as
-    bytes in a plain tensor all-reduce, and on a failure every rank leaves the process group together
-    (ranks tearing it down at different times have ended in "terminate called without an active
-    exception")."""
-    causes = [
-        f"rank {r}: {cause}"
-        for r, cause in enumerate(
-            _gather_texts(None if failure is None else f"{type(failure).__name__}: {failure}")
-        )
-        if cause is not None
-    ]
-    if not causes:
-        return
-    dist.barrier()
-    dist.destroy_process_group()
-    error = RuntimeFailure(
-        "the pipeline cannot start: " + "; ".join(causes),
-        hint="fix the files named (or save the pipeline again); every rank stopped before training",
-    )
-    raise error from failure
-
-
-_TEXT_BYTES = 4096  # of each rank's start-up error that every rank sees
-
-
-def _gather_texts(text: str | None) -> list[str | None]:
-    """Every rank's ``text`` (None: nothing to say), by rank: each fills its own row of a byte tensor,
-    and the sum of the rows is all of them."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    rows = torch.zeros(world, _TEXT_BYTES + 1, dtype=torch.uint8)
-    if text is not None:
-        data = text.encode()[:_TEXT_BYTES]
-        rows[rank, 0] = 1
-        rows[rank, 1 : 1 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    rows = rows.to(device)
-    dist.all_reduce(rows)
-    return [
-        bytes(row[1:].cpu().tolist()).rstrip(b"\0").decode(errors="replace") if row[0] else None
-        for row in rows
-    ]
-
-
-def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, list[StageGraph]]:
-    """What ``rank`` runs: the folder's outline (pipeline.json) and its own stages (one, or one per chunk
-    under interleaved 1F1B), the only graphs and weights it reads (a damaged file of another stage fails
-    that stage's ranks, not this one)."""
-    outline = read_outline(directory)
-    ranks = outline.meta.placement
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < len(ranks):
-        raise HetccError(f"{directory}: no rank {rank!r}; the pipeline has ranks 0..{len(ranks) - 1}")
-    return outline, [load_stage(directory, stage) for stage in ranks[rank].stages]
-
-
-def rank_inputs(outline: PipelineOutline, layout: RankLayout, rank: int, loss_fn: bool) -> RankInputs:
-    """What ``rank`` reads of each global batch (``hetcc.train.data.RankInputs``), from pipeline.json."""
-    placement = layout.ranks[rank]
-    stages = [outline.stages[k] for k in placement.stages]  # under interleaved 1F1B: what its chunks read
-    model_inputs = tuple(dict.fromkeys(name for s in outline.stages for name in s.inputs))
-    rows = next(
-        (
-            int(shape[0])
-            for s in outline.stages
-            for shape in s.input_shapes.values()
-            if shape and isinstance(shape[0], int)
-        ),
-        1,
-    )
-    mine = tuple(
-        m for m, replica in enumerate(layout.routing[placement.stage]) if replica == placement.replica
-    )
-    return RankInputs(
-        tuple(dict.fromkeys(name for stage in stages for name in stage.inputs)), len(layout.routing[0]), rows,
-        mine, {k: v for stage in stages for k, v in stage.input_shapes.items()},
-        {k: v for stage in stages for k, v in stage.input_dtypes.items()}, model_inputs,
-        target=any(stage.is_last for stage in stages) and loss_fn,
-    )  # fmt: skip

@@ -16,7 +16,7 @@ from hetcc.passes.comm import split_stages
 from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.store import save_stages
 from hetcc.train.local import run_local
-from hetcc.train.rank import load_rank
+from hetcc.train.startup import load_rank
 
 SGD = {"name": "sgd", "lr": 0.1}
 
