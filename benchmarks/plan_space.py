@@ -61,7 +61,7 @@ def _interleaved_line(problem) -> str:
     figures = []
     for chunks in (2, 3):
         try:
-            figures.append(f"v={chunks} {interleave(problem, devices, chunks)[1] * 1e3:.1f} ms")
+            figures.append(f"v={chunks} {interleave(problem, devices, chunks).step_s * 1e3:.1f} ms")
         except PlanFormatError:
             figures.append(f"v={chunks} -")
     return (

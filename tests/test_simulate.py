@@ -363,8 +363,8 @@ def test_interleave_sizes_chunks_to_their_devices_and_respects_memory():
     memory is short, the plan returned fits; too few blocks or microbatches are named."""
     ranks, chunks, microbatches = 2, 2, 4
     problem = _on_devices(homogeneous(8, microbatches, "1f1b"), ranks)
-    cuts, step_s = interleave(problem, [0, 1], chunks)
-    assert cuts == [0, 2, 4, 6, 8]
+    cuts, step_s, recompute = interleave(problem, [0, 1], chunks)
+    assert cuts == [0, 2, 4, 6, 8] and recompute == (False,) * 4
     assert step_s == pytest.approx(2 * (3 * chunks * microbatches + 3 * (ranks - 1)))
     twelve = _on_devices(homogeneous(12, microbatches, "1f1b"), ranks)
     fast = dataclasses.replace(
@@ -374,12 +374,30 @@ def test_interleave_sizes_chunks_to_their_devices_and_respects_memory():
         bwd_s={**twelve.bwd_s, "fast": [1.0] * 12},
         state_bytes=[1.0] * 12,
     )
-    cuts, roomy_s = interleave(fast, [0, 1], chunks)
+    cuts, roomy_s, _ = interleave(fast, [0, 1], chunks)
     assert cuts == [0, 2, 6, 8, 12]  # device 1, twice as fast, holds twice the blocks in each chunk
     short = [dataclasses.replace(d, memory_bytes=6.5) for d in fast.devices]  # 8 blocks' state do not fit
     tight = dataclasses.replace(fast, devices=short)
-    cuts, step_s = interleave(tight, [0, 1], chunks)
+    cuts, step_s, _ = interleave(tight, [0, 1], chunks)
     assert all(s.fits for s in stage_costs(tight, cuts, [0, 1, 0, 1], chunks=chunks)) and step_s > roomy_s
     for count, m in ((5, 4), (2, 1)):  # 10 chunks of 8 blocks; 1 microbatch over 2 devices
         with pytest.raises(PlanFormatError, match="interleaving"):
             interleave(dataclasses.replace(problem, microbatches=m), [0, 1], count)
+
+
+def test_interleave_recomputes_the_chunks_of_a_device_whose_memory_needs_it():
+    """Eight one-unit blocks in two chunks on each of two devices; device 0 holds 3 bytes, too few for the
+    activations its order keeps, so its chunks recompute (keeping only their inputs) and device 1's do
+    not; without recomputation nothing fits, and recomputing everywhere costs more."""
+    problem = _on_devices(homogeneous(8, 4, "1f1b"), 2)
+    devices = [dataclasses.replace(problem.devices[0], memory_bytes=3.0), problem.devices[1]]
+    problem = dataclasses.replace(problem, act_bytes=[1.0] * 8, cut_bytes=[0.01] * 7, recompute=True,
+                                  devices=devices)  # fmt: skip
+    cuts, step_s, recompute = interleave(problem, [0, 1], 2)
+    assert recompute == (True, False, True, False)
+    assert all(s.fits for s in stage_costs(problem, cuts, [0, 1, 0, 1], list(recompute), chunks=2))
+    roomy = [dataclasses.replace(d, memory_bytes=1e12) for d in devices]
+    roomy_s = interleave(dataclasses.replace(problem, devices=roomy), [0, 1], 2).step_s
+    everywhere = interleave(dataclasses.replace(problem, recompute_all=True), [0, 1], 2)
+    assert roomy_s < step_s < everywhere.step_s and everywhere.recompute == (True,) * 4
+    assert interleave(dataclasses.replace(problem, recompute=False), [0, 1], 2).step_s == math.inf

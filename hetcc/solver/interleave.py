@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import NamedTuple
 
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.baselines import min_max_split, span_sums
@@ -33,13 +34,14 @@ def solve_interleaved(
     problem: PartitionProblem, rerank: int = 0
 ) -> tuple[PartitionProblem, PartitionSolution, str]:
     """(the problem it was planned on, the plan, a note) of interleaved 1F1B for ``problem``: the devices
-    of its best 1F1B pure pipeline (``solve(..., rerank)`` without replicas, recomputation, sharding or
-    codecs: one stage per device, what an interleaved rank runs per chunk), cut into v chunks per device
-    by ``interleave`` for each v from 2 to ``MAX_CHUNKS`` the blocks allow, the fastest simulated kept.
+    of its best 1F1B pure pipeline (``solve(..., rerank)`` without replicas, sharding or codecs: one stage
+    per device, what an interleaved rank runs per chunk), cut into v chunks per device by ``interleave``
+    (recomputing on a device whose chunks do not fit otherwise, where the problem allows it) for each v
+    from 2 to ``MAX_CHUNKS`` the blocks allow, the fastest simulated kept.
     The solution's stage j runs on the device of rank j mod p; its bound leaves out the fill and the tied
     sums, which suppose one stage per device (``lower_bound(..., contiguous=False)``)."""
-    plain = replace(problem, schedule="1f1b", replicate=False, recompute=False, recompute_all=False,
-                    shard=False, shard_all=False, codecs=None, tensor_splits=None)  # fmt: skip
+    plain = replace(problem, schedule="1f1b", replicate=False, shard=False, shard_all=False, codecs=None,
+                    tensor_splits=None)  # fmt: skip
     pipeline = solve(plain, rerank=rerank)
     devices, ranks = pipeline.devices, len(pipeline.stages)
     chunks = range(2, min(MAX_CHUNKS, len(problem.blocks) // max(ranks, 1)) + 1)
@@ -51,21 +53,24 @@ def solve_interleaved(
             hint="use schedule='1f1b' (or 'auto'), more microbatches, or a cluster whose plan spans 2+ devices",
         )
     tried = {v: interleave(plain, devices, v) for v in chunks}
-    v = min(tried, key=lambda c: (tried[c][1], c))
-    cuts, step_s = tried[v]
+    v = min(tried, key=lambda c: (tried[c].step_s, c))
+    cuts, step_s, recompute = tried[v]
     if math.isinf(step_s):
         raise InfeasiblePlanError(
             f"{INTERLEAVED}: no plan of {', '.join(map(str, chunks))} chunks per device on the {ranks} devices of "
             f"the best 1F1B pipeline fits in memory (each device holds every chunk's weights, and more "
-            "microbatches' activations than under 1F1B)",
-            hint="use schedule='1f1b' (or 'auto'), which may also recompute or replicate",
+            f"microbatches' activations than under 1F1B{'' if problem.recompute else '; recompute=False'})",
+            hint="use schedule='1f1b' (or 'auto'), which may also replicate"
+            + ("" if problem.recompute else ", or allow recomputation"),
         )
-    stages = stage_costs(plain, cuts, [(devices[j % ranks],) for j in range(v * ranks)], chunks=v)
+    stages = stage_costs(
+        plain, cuts, [(devices[j % ranks],) for j in range(v * ranks)], list(recompute), chunks=v
+    )
     bound = lower_bound(problem, contiguous=False)
     per_device = [sum(s.compute_s for s in stages[r::ranks]) for r in range(ranks)]
     solution = PartitionSolution(stages, step_s, max(per_device), bound, step_s / bound - 1, exact=False,
                                  simulated_s=step_s)  # fmt: skip
-    figures = ", ".join(f"v = {c}: {tried[c][1] * 1e3:.2f} ms" for c in chunks)
+    figures = ", ".join(f"v = {c}: {tried[c].step_s * 1e3:.2f} ms" for c in chunks)
     note = (
         f"schedule: {INTERLEAVED} with {v} chunks on each of the {ranks} devices of the best 1F1B pipeline "
         f"({pipeline.simulated_s * 1e3:.2f} ms under 1F1B; {figures})"
@@ -73,11 +78,21 @@ def solve_interleaved(
     return plain, solution, note
 
 
-def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -> tuple[list[int], float]:
-    """(the boundaries of the v * p stages, the simulated step) of an interleaved 1F1B plan over the p
-    ``devices`` (in pipeline order) with ``chunks`` per device: the cuts that minimise the longest chunk's
-    time on its device (``_balanced_cuts``), then single cuts moved by one or two blocks while the
-    simulated step shortens and memory fits; the step is inf where no plan tried fits."""
+class Interleaved(NamedTuple):
+    """An interleaved 1F1B plan: the boundaries of its v * p stages, its simulated step (inf: no plan
+    tried fits), and per stage whether it recomputes its forward in backward."""
+
+    cuts: list[int]
+    step_s: float
+    recompute: tuple[bool, ...]
+
+
+def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -> Interleaved:
+    """The interleaved 1F1B plan over the p ``devices`` (in pipeline order) with ``chunks`` per device: the
+    cuts that minimise the longest chunk's time on its device (``_balanced_cuts``), then single cuts moved
+    by one or two blocks while the simulated step shortens and memory fits. Where the problem allows
+    recomputation and a device's chunks do not fit, every chunk of that device recomputes
+    (``_evaluated``; all of them under ``recompute_all``)."""
     ranks, n = len(devices), len(problem.blocks)
     if chunks < 1 or n < chunks * ranks or not interleavable(ranks, problem.microbatches):
         raise PlanFormatError(
@@ -87,7 +102,7 @@ def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -
         )
     placed = [devices[j % ranks] for j in range(chunks * ranks)]
     cuts = _balanced_cuts(problem, placed)
-    best_s = _step_s(problem, cuts, placed, chunks)
+    best_s, recompute = _evaluated(problem, cuts, placed, chunks)
     budget, improved = MOVES, True
     while improved and budget > 0:
         improved = False
@@ -98,10 +113,10 @@ def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -
                     continue
                 budget -= 1
                 trial = [*cuts[:index], moved, *cuts[index + 1 :]]
-                step_s = _step_s(problem, trial, placed, chunks)
+                step_s, flags = _evaluated(problem, trial, placed, chunks)
                 if step_s < best_s * (1 - 1e-12):
-                    cuts, best_s, improved = trial, step_s, True
-    return cuts, best_s
+                    cuts, best_s, recompute, improved = trial, step_s, flags, True
+    return Interleaved(cuts, best_s, recompute)
 
 
 def _balanced_cuts(problem: PartitionProblem, placed: Sequence[int]) -> list[int]:
@@ -111,8 +126,19 @@ def _balanced_cuts(problem: PartitionProblem, placed: Sequence[int]) -> list[int
     return min_max_split([costs[d] for d in placed])[1]
 
 
-def _step_s(problem: PartitionProblem, cuts: list[int], devices: list[int], chunks: int) -> float:
-    stages = stage_costs(problem, cuts, devices, chunks=chunks)
+def _evaluated(
+    problem: PartitionProblem, cuts: list[int], devices: list[int], chunks: int
+) -> tuple[float, tuple[bool, ...]]:
+    """(the simulated step, per stage whether it recomputes) of the plan: no stage recomputes, or where
+    the problem allows it and a device's chunks do not fit, each of its chunks (every stage under
+    ``recompute_all``); the step is inf where memory still does not hold it."""
+    recompute = (problem.training and problem.recompute_all,) * len(devices)
+    stages = stage_costs(problem, cuts, devices, list(recompute), chunks=chunks)
+    if not all(stage.fits for stage in stages) and problem.training and problem.recompute:
+        short = {devices[j] for j, stage in enumerate(stages) if not stage.fits}
+        recompute = tuple(r or d in short for r, d in zip(recompute, devices))
+        stages = stage_costs(problem, cuts, devices, list(recompute), chunks=chunks)
     if not all(stage.fits for stage in stages):
-        return math.inf
-    return simulate(problem, cuts, devices, stages=stages, events=False, chunks=chunks).step_time_s
+        return math.inf, recompute
+    simulated = simulate(problem, cuts, devices, list(recompute), stages=stages, events=False, chunks=chunks)
+    return simulated.step_time_s, recompute
