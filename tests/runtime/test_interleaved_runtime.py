@@ -164,6 +164,37 @@ def test_interleaved_bf16_mixed_and_checkpoints_resume_bit_identically(tmp_path)
         assert all(torch.equal(a["state"][i][k], b["state"][i][k]) for i in a["state"] for k in a["state"][i])
 
 
+class Deep(torch.nn.Module):
+    """Eight layers; the first and the last are one module (a weight tied across ranks 0 and 3)."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(7))
+
+    def forward(self, x):
+        for layer in (*self.layers, self.layers[0]):
+            x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.slow
+def test_interleaved_over_four_ranks_trains_like_eager():
+    """Four ranks of two stages each (every rank pair exchanging several stages' messages), M = 4 in one
+    round, stage 5 recomputing, the first layer's weight tied to the last's."""
+    torch.manual_seed(0)
+    model, x, y = Deep(), torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
+    gm = export(model, kwargs={"x": x[:2]})
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # a linear and a tanh per layer
+    stages = split_stages(gm, {node.name: i // 2 for i, node in enumerate(calls)}, 8)
+    recompute = [k == 5 for k in range(8)]
+    meta = PipelineMeta(
+        8, schedule=INTERLEAVED, microbatches=4, placement=interleaved_ranks(4, 2), recompute=recompute
+    )
+    result = run_local(Pipeline(stages, meta), {"x": x}, y, F.mse_loss, steps=2, optimizer=ADAM)
+    _check_fp32(result, eager_training(model, {"x": x}, y, F.mse_loss, 2, 4, ADAM), set())
+    assert result.stats[1]["replayed"] > 0  # rank 1 runs stage 5
+
+
 def test_each_rank_runs_its_row_of_the_interleaved_order_on_its_chunks_stages():
     meta = PipelineMeta(6, schedule=INTERLEAVED, microbatches=4, placement=interleaved_ranks(2, 3))
     layout = RankLayout.from_meta(meta)
