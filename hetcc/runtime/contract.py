@@ -359,7 +359,7 @@ def _check_chunks(meta: PipelineMeta, where: Where) -> None:
                 f"chunks as stages r, r + {p}, ... (the same number on every rank, 2 ranks or more)",
                 "place it with hetcc.runtime.placement.interleaved_ranks(ranks, chunks), or run another schedule",
             )
-    if meta.training and not interleavable(p, meta.microbatches):
+    if not interleavable(p, meta.microbatches):  # forwards alone run in the same rounds
         where.at("microbatches").fail(
             f"{meta.microbatches} microbatches over {p} ranks: {INTERLEAVED} runs them in rounds of equal size, "
             f"at least {p} each",

@@ -149,7 +149,9 @@ class PipelineRank:
         return self.is_last and self.replica == 0 and self.part == 0
 
     def named_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """This rank's trainable parameters by the model's names (a tied weight once), stage by stage."""
+        """This rank's trainable parameters by the model's names, stage by stage: a tied weight once per
+        stage holding it (two stages of one rank under interleaved 1F1B hold a copy each, which their
+        equal gradients keep equal)."""
         seen: set[int] = set()
         named = []
         for executor in self.executors:
