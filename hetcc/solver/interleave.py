@@ -74,6 +74,7 @@ def solve_interleaved(
     note = (
         f"schedule: {INTERLEAVED} with {v} chunks on each of the {ranks} devices of the best 1F1B pipeline "
         f"({pipeline.simulated_s * 1e3:.2f} ms under 1F1B; {figures})"
+        + ("; no codecs: they are not planned with it" if problem.codecs is not None else "")
     )
     return plain, solution, note
 
