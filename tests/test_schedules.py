@@ -9,13 +9,16 @@ from hypothesis import strategies as st
 from hetcc.errors import PlanFormatError
 from hetcc.solver.schedules import (
     INTERLEAVED,
+    ZBV,
     Action,
+    chunk_stage,
     format_grid,
     interleavable,
     interleaved_actions,
     max_inflight,
     stage_actions,
     unit_step_timeline,
+    zbv_actions,
 )
 
 shapes = st.tuples(st.sampled_from(["gpipe", "1f1b"]), st.integers(1, 6), st.integers(1, 9))
@@ -283,3 +286,42 @@ def test_interleaved_1f1b_takes_microbatches_in_rounds_as_torch_does(ranks, chun
     assert steps <= chunks * (2 * microbatches + 2 * (ranks - 1))
     if microbatches % ranks == 0:
         assert steps == 2 * chunks * microbatches + 2 * (ranks - 1)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+def test_zbv_runs_each_stage_of_its_v_in_order_and_leaves_p_minus_1_idle_steps(ranks):
+    """ZB-V (torch's ``ScheduleZBVZeroBubble``'s order): rank r holds stages r and 2p - 1 - r; every stage
+    runs each microbatch's F, B and W once, in microbatch order; at F = B = W = 1 the step is the 6M of
+    each rank's work and p - 1 more once M >= 2p - 1 (1F1B on the same two-chunk stages idles 6(p - 1)),
+    4(p - 1) - 2(M - 1) more below that. Its ranks do not post and take each rank pair's messages in one
+    order, which is why the runtime does not run it (messages pair up by their order there)."""
+    for microbatches in range(1, 4 * ranks):
+        orders = zbv_actions(ranks, microbatches)
+        for rank, order in enumerate(orders):
+            for chunk in (0, 1):
+                for kind in "FBW":
+                    done = [a.microbatch for a in order if a.chunk == chunk and a.kind == kind]
+                    assert done == list(range(microbatches)), (rank, chunk, kind)
+                seen = [a.kind for a in order if a.chunk == chunk and a.microbatch == microbatches - 1]
+                assert seen == ["F", "B", "W"]
+        assert [chunk_stage(ZBV, ranks, r, c) for r in range(ranks) for c in (0, 1)] == [
+            s for r in range(ranks) for s in (r, 2 * ranks - 1 - r)
+        ]
+        steps = len(unit_step_timeline(orders, ZBV)[0])  # raises on deadlock
+        assert steps == 6 * microbatches + max(ranks - 1, 4 * (ranks - 1) - 2 * (microbatches - 1))
+    assert zbv_actions(ranks, 3, training=False)[0] == [Action("F", m, c) for c in (0, 1) for m in range(3)]
+    grid = format_grid(ZBV, ranks, 2 * ranks, comm=False).splitlines()
+    assert len(grid) == 2 + ranks and "F0.1" in grid[2]
+    posted, taken = {}, {}  # per directed rank pair: (kind, microbatch, sending stage) in order
+    place = lambda stage: min(stage, 2 * ranks - 1 - stage)  # noqa: E731 - the rank of a stage of the V
+    for rank, order in enumerate(zbv_actions(ranks, 2 * ranks)):
+        for action in (a for a in order if a.kind != "W"):
+            stage = chunk_stage(ZBV, ranks, rank, action.chunk)
+            ahead = stage + 1 if action.kind == "F" else stage - 1  # where it sends; it takes from behind
+            behind = 2 * stage - ahead
+            if 0 <= behind < 2 * ranks:
+                taken.setdefault((place(behind), rank), []).append((action.kind, action.microbatch, behind))
+            if 0 <= ahead < 2 * ranks:
+                posted.setdefault((rank, place(ahead)), []).append((action.kind, action.microbatch, stage))
+    assert posted.keys() == taken.keys() and all(sorted(posted[k]) == sorted(taken[k]) for k in posted)
+    assert posted != taken  # the same messages, but some rank pair takes them in another order

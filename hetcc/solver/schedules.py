@@ -59,6 +59,10 @@ SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SPLIT_SCHEDULES = ("zb-h1", "zb-h2")  # the schedules that run input and weight gradients apart
 INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actions``): planned when pinned
 PIPELINE_SCHEDULES = (*SCHEDULES, INTERLEAVED)  # what a saved pipeline runs (``runtime.contract``)
+# ZB-V: two stages per rank in a V, each backward split (``zbv_actions``): its order is data here, for the
+# grid and the unit-step replay; neither planned nor run, as its ranks do not send and receive each
+# rank pair's messages in one order, which the runtime's pairing of messages by order needs
+ZBV = "zbv"
 
 
 @dataclass(frozen=True)
@@ -303,6 +307,57 @@ def interleaved_actions(
     return orders
 
 
+def zbv_actions(ranks: int, microbatches: int, training: bool = True) -> list[list[Action]]:
+    """Per rank, its actions under ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", section 6; torch's
+    ``ScheduleZBVZeroBubble``): the model is cut into 2p stages laid out in a V, rank r holding stage r
+    (chunk 0) and stage 2p - 1 - r (chunk 1), so a microbatch goes down the ranks and back up, and rank 0
+    holds the first and the last stage. Every backward splits into B (input gradient) and W (weight
+    gradient). Rank r warms up with 2(p - r) - 1 forwards of chunk 0, then r pairs of a chunk-1 and a
+    chunk-0 forward, then p - r rounds of chunk 1's F, B and W; in the steady state it runs F, B, W of
+    chunk 0 then of chunk 1; it drains with r pairs of B (chunk 0, then 1), p - r pairs of B and W of
+    chunk 0, then the weight gradients left. The order is made for max(M, 2p - 1) microbatches and the
+    actions of those beyond M dropped, which only removes waits. Without ``training``, each rank's chunk-0
+    forwards, then its chunk-1 forwards."""
+    check_schedule_args("1f1b", ranks, microbatches)
+    if not training:
+        return [[Action("F", m, c) for c in (0, 1) for m in range(microbatches)] for _ in range(ranks)]
+    total = max(microbatches, 2 * ranks - 1)
+    return [[a for a in _zbv_row(ranks, rank, total) if a.microbatch < microbatches] for rank in range(ranks)]
+
+
+def _zbv_row(ranks: int, rank: int, total: int) -> list[Action]:
+    """Rank ``rank``'s ZB-V order for ``total`` microbatches (``zbv_actions``)."""
+    done = {(kind, chunk): 0 for kind in "FBW" for chunk in (0, 1)}
+    order: list[Action] = []
+
+    def run(*steps: tuple[str, int]) -> None:  # each (kind, chunk): its next microbatch
+        for kind, chunk in steps:
+            order.append(Action(kind, done[kind, chunk], chunk))
+            done[kind, chunk] += 1
+
+    run(*[("F", 0)] * (2 * (ranks - rank) - 1))
+    for _ in range(rank):
+        run(("F", 1), ("F", 0))
+    for _ in range(ranks - rank):
+        run(("F", 1), ("B", 1), ("W", 1))
+    while done["F", 1] < done["F", 0] or done["F", 0] < total:
+        run(*([("F", 0)] if done["F", 0] < total else []), ("B", 0), ("W", 0), ("F", 1), ("B", 1), ("W", 1))
+    for _ in range(rank):
+        run(("B", 0), ("B", 1))
+    for _ in range(ranks - rank):
+        run(("B", 0), ("W", 0))
+    run(*[("W", 1)] * (done["B", 1] - done["W", 1]), *[("W", 0)] * (done["B", 0] - done["W", 0]))
+    return order
+
+
+def chunk_stage(schedule: str, ranks: int, rank: int, chunk: int) -> int:
+    """The stage rank ``rank`` of ``ranks`` runs as its chunk ``chunk``: under ZB-V's V stage r and
+    2p - 1 - r; under interleaved 1F1B (and one stage per rank) stage chunk * p + rank."""
+    if schedule == ZBV:
+        return rank if chunk == 0 else 2 * ranks - 1 - rank
+    return chunk * ranks + rank
+
+
 def interleavable(ranks: int, microbatches: int) -> bool:
     """Whether interleaved 1F1B takes ``microbatches`` over ``ranks``: at least one round of them, in
     rounds of equal size (``interleaved_actions``)."""
@@ -320,14 +375,14 @@ def max_inflight(actions: list[Action]) -> int:
     return peak
 
 
-def unit_step_timeline(actions: list[list[Action]]) -> list[list[Action | None]]:
+def unit_step_timeline(actions: list[list[Action]], schedule: str = INTERLEAVED) -> list[list[Action | None]]:
     """Replay ``actions`` (per rank) with every compute taking one step and transfers taking none.
 
     A rank runs its next action at the first step after its inputs exist: F(m) after F(m) on the
     stage before, B(m) after B(m) on the stage after (the last stage's B(m) after its own F(m), and
-    W(m) after its own B(m), which its order already guarantees); rank r's chunk c is stage c * p + r of
-    the p ranks' (``interleaved_actions``; with one chunk per rank, stage r). Returns, per rank, the
-    action at each step or None.
+    W(m) after its own B(m), which its order already guarantees); rank r's chunk c is the stage
+    ``chunk_stage(schedule, p, r, c)``: c * p + r (``interleaved_actions``; with one chunk per rank, stage
+    r), or ZB-V's V. Returns, per rank, the action at each step or None.
     """
     num_ranks = len(actions)
     num_stages = num_ranks * (1 + max((a.chunk for row in actions for a in row), default=0))
@@ -337,7 +392,8 @@ def unit_step_timeline(actions: list[list[Action]]) -> list[list[Action | None]]
     step = 0
     while any(cursor[r] < len(actions[r]) for r in range(num_ranks)):
         ready = [
-            _ready(actions[r], r, num_ranks, num_stages, cursor[r], done_at, step) for r in range(num_ranks)
+            _ready(actions[r], r, num_ranks, num_stages, cursor[r], done_at, step, schedule)
+            for r in range(num_ranks)
         ]
         if not any(ready):
             raise PlanFormatError("schedule deadlocks: no stage can run", hint="report this schedule")
@@ -345,17 +401,21 @@ def unit_step_timeline(actions: list[list[Action]]) -> list[list[Action | None]]
             action = actions[r][cursor[r]] if ready[r] else None
             timeline[r].append(action)
             if action is not None:
-                done_at[(action.chunk * num_ranks + r, action.kind, action.microbatch)] = step
+                done_at[
+                    (chunk_stage(schedule, num_ranks, r, action.chunk), action.kind, action.microbatch)
+                ] = step
                 cursor[r] += 1
         step += 1
     return timeline
 
 
-def _ready(actions, rank: int, num_ranks: int, num_stages: int, index: int, done_at: dict, step: int) -> bool:
+def _ready(
+    actions, rank: int, num_ranks: int, num_stages: int, index: int, done_at: dict, step: int, schedule: str
+) -> bool:
     if index >= len(actions):
         return False
     action = actions[index]
-    stage = action.chunk * num_ranks + rank
+    stage = chunk_stage(schedule, num_ranks, rank, action.chunk)
     source = stage - 1 if action.kind == "F" else stage + 1
     if action.kind == "W" or source < 0 or source >= num_stages:
         return True  # a weight gradient waits only for its own stage's B, which comes before it
@@ -384,18 +444,24 @@ def format_grid(
     the stages whose backward a split schedule cannot split; ``deferred`` (per stage) the weight
     gradients each defers and ``warmup`` the forwards before its first backward (``stage_actions``).
     ``INTERLEAVED`` with ``chunks`` per rank: ``num_stages`` ranks, each holding that many stages
-    (``interleaved_actions``; a cell's ``.c`` names its chunk c > 0).
+    (``interleaved_actions``; a cell's ``.c`` names its chunk c > 0); ``ZBV``: ``num_stages`` ranks of
+    two stages in a V (``zbv_actions``).
     """
     if schedule == INTERLEAVED:
         actions = interleaved_actions(num_stages, chunks, microbatches)
+    elif schedule == ZBV:
+        actions, chunks = zbv_actions(num_stages, microbatches, training), 2
     else:
         actions = stage_actions(
             schedule, num_stages, microbatches, training=training, recompute=recompute, deferred=deferred,
             warmup=warmup,
         )  # fmt: skip
-    timeline = unit_step_timeline(actions)
+    timeline = unit_step_timeline(actions, schedule)
     last = num_stages * chunks - 1
-    rows = [[_cell(action, r, num_stages, last, comm) for action in row] for r, row in enumerate(timeline)]
+    rows = [
+        [_cell(action, r, num_stages, last, comm, schedule) for action in row]
+        for r, row in enumerate(timeline)
+    ]
     widths = [max(len(str(t)), *(len(row[t]) for row in rows)) for t in range(len(rows[0]))]
     labels = [f"rank {s}" for s in range(num_stages)]
     label_width = len(labels[-1])
@@ -406,13 +472,13 @@ def format_grid(
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _cell(action: Action | None, rank: int, num_ranks: int, last: int, comm: bool) -> str:
+def _cell(action: Action | None, rank: int, num_ranks: int, last: int, comm: bool, schedule: str) -> str:
     if action is None:
         return "."
     if not comm or action.kind == "W":  # a weight gradient moves nothing
         return str(action)
     # Forwards receive from the previous stage's rank and send to the next; backwards the other way.
-    stage = action.chunk * num_ranks + rank
+    stage = chunk_stage(schedule, num_ranks, rank, action.chunk)
     has_prev, has_next = stage > 0, stage < last
     receives, sends = (has_prev, has_next) if action.kind == "F" else (has_next, has_prev)
     parts = [f"RECV_{action}"] if receives else []
