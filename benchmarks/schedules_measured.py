@@ -5,7 +5,9 @@ then run through ``hetcc.run_local`` (one process per rank, gloo) under 1F1B, ZB
 schedule's own warm-up and deferral) on that same split, and planned with ``schedule="interleaved-1f1b"``
 (its own cuts, v stages on each of the same devices) and run too; the runs alternate, and each run's
 step is the median after its warm-up steps. Prints each schedule's measured ratio to 1F1B (one run)
-and each schedule's measured step against what the simulator predicts for its plan.
+and each schedule's measured step against what the simulator predicts for its plan. The devices are
+calibrated on this machine, and their link is measured between two gloo processes: a small message's
+one-way time as its latency, and what a large one adds per byte as its bandwidth.
 
     python benchmarks/schedules_measured.py                      # 2 ranks (this machine has 2 cores)
     python benchmarks/schedules_measured.py --ranks 4 --microbatches 8
@@ -14,12 +16,16 @@ and each schedule's measured step against what the simulator predicts for its pl
 from __future__ import annotations
 
 import argparse
+import socket
 import statistics
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -31,10 +37,44 @@ from hetcc.train.local import run_local  # noqa: E402
 SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b")
 
 
-def _cluster(ranks: int, calibration) -> hetcc.Cluster:
-    spec = {"nodes": [{"name": "host", "intra_link": {"kind": "loopback", "bandwidth": "5 GB/s", "latency": "30 us"},
+def _cluster(ranks: int, calibration, link: dict[str, str]) -> hetcc.Cluster:
+    spec = {"nodes": [{"name": "host", "intra_link": {"kind": "loopback", **link},
                        "devices": [{"type": "cpu", "count": ranks}]}]}  # fmt: skip
     return hetcc.apply_to_cluster(hetcc.Cluster.from_spec(spec), [calibration])
+
+
+def _ping(rank: int, port: int, sizes: list[int], rounds: int, out) -> None:
+    """Two gloo processes pass a tensor of each size back and forth; rank 0 puts each size's median
+    one-way seconds in ``out``."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for size in sizes:
+        buffer, times = torch.zeros(size // 4), []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            times.append((time.perf_counter() - start) / 2)
+        if rank == 0:
+            out[size] = statistics.median(times)
+    dist.destroy_process_group()
+
+
+def measured_link(small: int = 4096, large: int = 1 << 20, rounds: int = 50) -> dict[str, str]:
+    """The loopback link between two local gloo processes as a cluster file's link: its latency is a
+    small message's one-way time, its bandwidth what a large one adds per byte."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.start_processes(_ping, args=(port, [small, large], rounds, out), nprocs=2, start_method="spawn")
+    latency = out[small]
+    bandwidth = (large - small) / max(out[large] - latency, 1e-9)
+    return {"bandwidth": f"{bandwidth / 1e9:.4f} GB/s", "latency": f"{latency * 1e6:.1f} us"}
 
 
 def _model(layers: int, hidden: int):
@@ -67,7 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     model = _model(args.layers, args.hidden)
     ids = torch.randint(0, 512, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
-    cluster = _cluster(args.ranks, calibration)
+    link = measured_link()
+    print(
+        f"loopback link measured between two gloo processes: {link['bandwidth']}, {link['latency']} a message"
+    )
+    cluster = _cluster(args.ranks, calibration, link)
     compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=args.microbatches,
                              schedule="1f1b", replicate=False)  # fmt: skip
     interleaved = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=args.microbatches,
