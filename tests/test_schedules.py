@@ -7,17 +7,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hetcc.errors import PlanFormatError
+from hetcc.solver.grid import format_grid, unit_step_timeline
 from hetcc.solver.schedules import (
     INTERLEAVED,
     ZBV,
     Action,
     chunk_stage,
-    format_grid,
     interleavable,
     interleaved_actions,
     max_inflight,
     stage_actions,
-    unit_step_timeline,
     zbv_actions,
 )
 

@@ -100,7 +100,7 @@ def _explain(args: argparse.Namespace) -> None:
 def _simulate(args: argparse.Namespace) -> None:
     from hetcc.plan import recorded_warmup
     from hetcc.report import load, simulated_trace, write_trace
-    from hetcc.solver.schedules import format_grid
+    from hetcc.solver.grid import format_grid
 
     saved = load(args.build)
     if saved.simulation is None:
