@@ -40,7 +40,7 @@ from hetcc.hardware.schema import (
     short_repr,
 )
 from hetcc.plan import PRECISIONS, RECOMPILE, Plan
-from hetcc.runtime.placement import RankPlacement, placement, ranks_for
+from hetcc.runtime.placement import RankPlacement, interleaved_stages, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
 from hetcc.solver.schedules import (
     INTERLEAVED,
@@ -140,9 +140,7 @@ def pipeline_meta_for(
     stage_devices = [[cluster.device(name) for name in stage.devices] for stage in plan.stages]
     ranks = placement(stage_devices[: plan.ranks], [s.tensor for s in plan.stages[: plan.ranks]])
     if plan.chunks > 1:  # interleaved 1F1B: rank r runs stages r, r + p, ... on its device
-        ranks = tuple(
-            replace(r, chunks=tuple(r.stage + c * plan.ranks for c in range(plan.chunks))) for r in ranks
-        )
+        ranks = tuple(replace(r, chunks=interleaved_stages(plan.ranks, r.rank, plan.chunks)) for r in ranks)
     return PipelineMeta(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),
         ranks, tuple(tuple(s.route) for s in solution.stages),
@@ -349,11 +347,7 @@ def _check_chunks(meta: PipelineMeta, where: Where) -> None:
         )
     p, chunks = len(ranks), meta.num_stages // len(ranks)
     for rank in ranks:
-        if (
-            p < 2
-            or chunks * p != meta.num_stages
-            or rank.stages != tuple(rank.rank + c * p for c in range(chunks))
-        ):
+        if p < 2 or chunks * p != meta.num_stages or rank.stages != interleaved_stages(p, rank.rank, chunks):
             where.at("placement", rank.rank).fail(
                 f"rank {rank.rank} runs stages {list(rank.stages)}; {INTERLEAVED} over {p} ranks runs rank r's "
                 f"chunks as stages r, r + {p}, ... (the same number on every rank, 2 ranks or more)",

@@ -364,8 +364,8 @@ def _reduce_tied_grads(executors: Sequence[StageExecutor]) -> None:
         ]
         if not params:
             continue
-        total = sum((p.grad if p.grad is not None else torch.zeros_like(p) for p in params[1:]),
-                    params[0].grad if params[0].grad is not None else torch.zeros_like(params[0]))  # fmt: skip
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        total = sum(grads[1:], grads[0])
         if links.tensor.size > 1:  # each part of the replica holds the same whole gradient
             total = total / links.tensor.size
         links.all_reduce(total, index, f"gradient sum of tied parameter {group.name}")

@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hetcc.solver.schedules import INTERLEAVED, chunk_stage
+
 GIB = 1024**3
 
 
@@ -98,9 +100,15 @@ def interleaved_ranks(ranks: int, chunks: int, vendor: str = "cpu") -> tuple[Ran
     """A placement without devices for interleaved 1F1B: ``ranks`` ranks, rank r running the ``chunks``
     stages r, r + ranks, ... (``schedules.interleaved_actions``), on ``vendor``."""
     return tuple(
-        RankPlacement(rank, rank, vendor=vendor, chunks=tuple(rank + c * ranks for c in range(chunks)))
+        RankPlacement(rank, rank, vendor=vendor, chunks=interleaved_stages(ranks, rank, chunks))
         for rank in range(ranks)
     )
+
+
+def interleaved_stages(ranks: int, rank: int, chunks: int) -> tuple[int, ...]:
+    """The stages rank ``rank`` of ``ranks`` runs under interleaved 1F1B, by chunk
+    (``schedules.chunk_stage``): rank, rank + ranks, ..."""
+    return tuple(chunk_stage(INTERLEAVED, ranks, rank, c) for c in range(chunks))
 
 
 def _rank(
