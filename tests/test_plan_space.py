@@ -246,20 +246,49 @@ def test_zero_bubble_plans_simulate_no_faster_than_the_bound(problem, share, sch
 
 def test_auto_schedule_keeps_the_fastest_schedule():
     from hetcc.passes.schedule_search import AUTO_SCHEDULES, solve_schedules
+    from hetcc.solver.schedules import INTERLEAVED
 
     problem = PartitionProblem.from_json(
         (Path(__file__).parent / "data" / "gpt2_medium_three_nodes.problem.json").read_text()
     )
     problem.wgrad_s = {t: [0.45 * b for b in times] for t, times in problem.bwd_s.items()}
     pinned = {
-        name: solve_schedules(dataclasses.replace(problem, schedule=name), name)[1] for name in AUTO_SCHEDULES
+        name: solve_schedules(dataclasses.replace(problem, schedule=name), name)[1]
+        for name in (*AUTO_SCHEDULES, INTERLEAVED)
     }
     kept, solution, note = solve_schedules(problem, "auto")
     best = min(pinned, key=lambda name: pinned[name].simulated_s)
-    assert kept.schedule == best and solution.simulated_s == pytest.approx(
-        pinned[best].simulated_s, rel=1e-12
-    )
+    assert best != INTERLEAVED  # its wrap-around crosses the slow links (the next test: where it wins)
+    assert kept.schedule == best and solution.chunks == 1
+    assert solution.simulated_s == pytest.approx(pinned[best].simulated_s, rel=1e-12)
     assert pinned["zb-h1"].simulated_s < pinned["1f1b"].simulated_s  # weight gradients fill the bubbles
     assert (
         note.startswith(f"schedule: {best} kept by simulation (1f1b ") and "zb-h1" in note and "zb-h2" in note
     )
+    assert (
+        f"{INTERLEAVED} (v = {pinned[INTERLEAVED].chunks}) {pinned[INTERLEAVED].simulated_s * 1e3:.2f} ms"
+        in note
+    )
+
+
+def test_auto_schedule_keeps_interleaving_where_it_hides_the_bubble():
+    """Two equal devices that cannot each hold the model (no replicas) and weight gradients that cannot be
+    split off (no zero-bubble gain): "auto" keeps interleaved 1F1B, as pinning it plans it, with its v."""
+    from hetcc.passes.schedule_search import schedule_bound, solve_schedules
+    from hetcc.solver.schedules import INTERLEAVED
+
+    n, m = 8, 4
+    problem = PartitionProblem(
+        blocks=[f"b{i}" for i in range(n)], fwd_s={"gpu": [1.0] * n}, bwd_s={"gpu": [2.0] * n},
+        state_bytes=[1.0] * n, act_bytes=[0.0] * n, cut_bytes=[1.0] * (n - 1),
+        devices=[ProblemDevice(f"g{i}", "gpu", 6.0, "n0") for i in range(2)],
+        bandwidth_bps=[[math.inf, 1e12], [1e12, math.inf]], latency_s=[[0.0, 0.0], [0.0, 0.0]],
+        microbatches=m, replicate=True,
+    )  # fmt: skip
+    kept, solution, note = solve_schedules(problem, "auto")
+    pinned = solve_schedules(problem, INTERLEAVED)[1]
+    one_f_one_b = solve(problem)
+    assert solution.chunks == pinned.chunks >= 2 and solution.simulated_s == pytest.approx(pinned.simulated_s)
+    assert solution.simulated_s < one_f_one_b.simulated_s
+    assert note.startswith(f"schedule: {INTERLEAVED} (v = {solution.chunks}) kept by simulation")
+    assert schedule_bound(problem, "auto") <= solution.simulated_s

@@ -140,8 +140,9 @@ def compile(  # noqa: A001 - the public API name
     found is not planned), and keeps the count whose plan simulates fastest.
     ``schedule``: "1f1b", "gpipe", "zb-h1" (zero-bubble H1: weight gradients deferred into the
     bubbles; ``hetcc.solver.schedules``), "zb-h2" (ZB-H1 with up to twice the forwards before the first
-    backward, where memory holds them) or "auto" (plans 1f1b, zb-h1 and zb-h2 at every count tried and
-    keeps the fastest simulated; the plan's notes give each figure). Every plan but a GPipe one also
+    backward, where memory holds them), "interleaved-1f1b" (2-4 stages on each device of the best 1F1B
+    pipeline; ``solver.interleave``) or "auto" (plans 1f1b, zb-h1, zb-h2 and interleaved-1f1b at every
+    count tried and keeps the fastest simulated; the plan's notes give each figure). Every plan but a GPipe one also
     tunes, by simulation, the forwards each stage runs before its first backward.
 
     ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer

@@ -22,10 +22,8 @@ from hetcc.hardware.cluster import Cluster
 from hetcc.passes.cost import block_times_at
 from hetcc.passes.fuse import fusion_candidates
 from hetcc.passes.partition import PlanSettings, build_problem
-from hetcc.passes.schedule_search import AUTO_SCHEDULES, solve_schedules
-from hetcc.solver.bound import lower_bound
+from hetcc.passes.schedule_search import schedule_bound, solve_schedules
 from hetcc.solver.problem import PartitionProblem
-from hetcc.solver.schedules import INTERLEAVED
 from hetcc.train.data import split_microbatches
 
 
@@ -92,14 +90,10 @@ def _plan_counts(
     problems: list[PartitionProblem], schedule: str
 ) -> tuple[list[tuple[int, float]], list[str]]:
     """((M, simulated step) of each count planned, in order of M; notes): ``problems`` (one per count)
-    planned in order of their lower bounds (``solver.bound.lower_bound``, the least over the schedules
-    tried), skipping each whose bound exceeds the fastest plan found so far: no plan of it can be faster,
+    planned in order of their lower bounds (``schedule_search.schedule_bound``: the least over the
+    schedules tried), skipping each whose bound exceeds the fastest plan found so far: no plan of it can be faster,
     so the count kept is the one planning every count would keep; a note names those skipped."""
-    if schedule == INTERLEAVED:  # planned on a 1F1B problem, its devices running several stages each
-        bounds = [lower_bound(replace(p, schedule="1f1b"), contiguous=False) for p in problems]
-    else:
-        schedules = AUTO_SCHEDULES if schedule == "auto" else (schedule,)
-        bounds = [min(lower_bound(replace(p, schedule=s)) for s in schedules) for p in problems]
+    bounds = [schedule_bound(p, schedule) for p in problems]
     tried, skipped, best_s = [], [], math.inf
     for bound, problem in sorted(zip(bounds, problems), key=lambda item: (item[0], item[1].microbatches)):
         m = problem.microbatches

@@ -111,8 +111,8 @@ def partition(
         whole, settings.schedule, settings.tensor_parallel
     )
     bound = solution.lower_bound_s  # with tensor parallelism: valid for every degree (``tensor_bound``)
-    interleaved = settings.schedule == INTERLEAVED  # stage j on the device of rank j mod p, v per device
-    chunks = len(solution.stages) // len(set(solution.devices)) if interleaved else 1
+    chunks = solution.chunks  # > 1: interleaved 1F1B, stage j on the device of rank j mod p
+    interleaved = chunks > 1
     solution, codec_notes = (
         _codecs_that_pay(problem, solution, settings) if not interleaved else (solution, [])
     )

@@ -3,10 +3,11 @@
 ``solve_one`` solves a problem (``solver.solve``), or with tensor parallelism on, searches its degree
 assignments (``solver.tensor.solve_tensor``). ``schedule="auto"`` tries every schedule of
 ``AUTO_SCHEDULES`` (``solve_each_schedule``): one search, whose plans each schedule re-ranks and refines
-under its own replay (the searches see these schedules alike: ``solver.solve.Searched``); with
-``tensor_parallel="auto"`` too, the degrees are searched
-once, under the first, and the others planned on the degrees found and on degree 1. Solves that do not
-depend on each other run side by side (``solver.parallel.solve_each``).
+under its own replay (the searches see these schedules alike: ``solver.solve.Searched``), then
+interleaved 1F1B with its v (``solver.interleave.solve_interleaved``); with ``tensor_parallel="auto"``
+too, the degrees are searched once, under the first, and the others planned on the degrees found and on
+degree 1 (interleaved 1F1B, which takes no tensor parts, is not tried where tensor parallelism is on). Solves that do not depend
+on each other run side by side (``solver.parallel.solve_each``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import math
 from dataclasses import replace
 
 from hetcc.errors import InfeasiblePlanError
-from hetcc.solver.interleave import solve_interleaved
+from hetcc.solver.bound import lower_bound
+from hetcc.solver.interleave import interleaved_bound, solve_interleaved
 from hetcc.solver.parallel import solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.solver.schedules import INTERLEAVED
@@ -24,17 +26,29 @@ from hetcc.solver.tensor import DeviceMap, composite_problem, solve_tensor, tens
 
 RERANK = 6  # best sequences replayed in the simulator; the fastest simulated wins
 
-# What ``schedule="auto"`` tries, each solved and simulated; the fastest is kept (ties: the earlier).
-# GPipe is left out: it has 1F1B's bubble and holds every microbatch.
+# What ``schedule="auto"`` searches once and re-ranks under each, with interleaved 1F1B after them; the
+# fastest simulated is kept (ties: the earlier). GPipe is left out: it has 1F1B's bubble and holds every
+# microbatch.
 AUTO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
+
+
+def schedule_bound(problem: PartitionProblem, schedule: str) -> float:
+    """A step no plan ``solve_schedules(problem, schedule)`` may return simulates below: the schedule's
+    lower bound, under "auto" the least over the schedules it tries."""
+    if schedule == INTERLEAVED:  # planned on a 1F1B problem, its devices running several stages each
+        return interleaved_bound(problem)
+    if schedule == "auto":
+        return min(schedule_bound(problem, name) for name in (*AUTO_SCHEDULES, INTERLEAVED))
+    return lower_bound(replace(problem, schedule=schedule))
 
 
 def solve_schedules(
     problem: PartitionProblem, schedule: str
 ) -> tuple[PartitionProblem, PartitionSolution, str]:
     """``problem`` solved under ``schedule``, or under ``"auto"`` once per schedule of ``AUTO_SCHEDULES``
-    (a schedule no plan fits under is skipped); the problem and solution kept, and a note saying what
-    each tried schedule simulated (empty unless ``"auto"``)."""
+    and as interleaved 1F1B (a schedule no plan fits under is skipped); the problem and solution kept
+    (an interleaved plan's ``chunks`` > 1), and a note saying what each tried schedule simulated (empty
+    unless ``"auto"``)."""
     return solve_each_schedule(problem, schedule)[:3]
 
 
@@ -62,6 +76,7 @@ def solve_each_schedule(
                 first_error = first_error or answer
             else:
                 tried.append((each, answer, _identity(problem)))
+        tried += _interleaved(problem)
     elif tensor == "auto":
         try:
             tried.append(solve_one(replace(problem, schedule=AUTO_SCHEDULES[0]), tensor))
@@ -81,11 +96,26 @@ def solve_each_schedule(
     if not tried:
         raise first_error
     solved, solution, device_map = min(tried, key=lambda found: found[1].simulated_s)
-    figures = ", ".join(f"{p.schedule} {s.simulated_s * 1e3:.2f} ms" for p, s, _ in tried)
+    figures = ", ".join(f"{_name(p, s)} {s.simulated_s * 1e3:.2f} ms" for p, s, _ in tried)
     shared = (
         f"; tensor degrees searched under {AUTO_SCHEDULES[0]}" if tensor == "auto" and len(tried) > 1 else ""
     )
-    return solved, solution, f"schedule: {solved.schedule} kept by simulation ({figures}){shared}", device_map
+    note = f"schedule: {_name(solved, solution)} kept by simulation ({figures}){shared}"
+    return solved, solution, note, device_map
+
+
+def _interleaved(problem: PartitionProblem) -> list[tuple[PartitionProblem, PartitionSolution, DeviceMap]]:
+    """``solve_interleaved``'s plan of ``problem`` as "auto" tries it, or none where it has none."""
+    try:
+        solved, solution, _ = solve_interleaved(problem, RERANK)
+    except InfeasiblePlanError:
+        return []
+    return [(solved, solution, _identity(solved))]
+
+
+def _name(problem: PartitionProblem, solution: PartitionSolution) -> str:
+    """The schedule of a plan "auto" tried: interleaved 1F1B with its v, or the problem's."""
+    return f"{INTERLEAVED} (v = {solution.chunks})" if solution.chunks > 1 else problem.schedule
 
 
 def _on_searched_degrees(

@@ -66,10 +66,10 @@ def solve_interleaved(
     stages = stage_costs(
         plain, cuts, [(devices[j % ranks],) for j in range(v * ranks)], list(recompute), chunks=v
     )
-    bound = lower_bound(problem, contiguous=False)
+    bound = interleaved_bound(problem)
     per_device = [sum(s.compute_s for s in stages[r::ranks]) for r in range(ranks)]
     solution = PartitionSolution(stages, step_s, max(per_device), bound, step_s / bound - 1, exact=False,
-                                 simulated_s=step_s)  # fmt: skip
+                                 simulated_s=step_s, chunks=v)  # fmt: skip
     figures = ", ".join(f"v = {c}: {tried[c].step_s * 1e3:.2f} ms" for c in chunks)
     note = (
         f"schedule: {INTERLEAVED} with {v} chunks on each of the {ranks} devices of the best 1F1B pipeline "
@@ -77,6 +77,12 @@ def solve_interleaved(
         + ("; no codecs: they are not planned with it" if problem.codecs is not None else "")
     )
     return plain, solution, note
+
+
+def interleaved_bound(problem: PartitionProblem) -> float:
+    """A step no interleaved 1F1B plan of ``problem`` simulates below: its 1F1B bound without the fill and
+    tied-sum terms, which suppose one contiguous stage per device (``lower_bound(..., contiguous=False)``)."""
+    return lower_bound(replace(problem, schedule="1f1b"), contiguous=False)
 
 
 class Interleaved(NamedTuple):

@@ -281,6 +281,7 @@ class PartitionSolution:
     exact: bool = True
     orders_searched: int = 1
     simulated_s: float = math.nan  # the event-driven simulator's step for this plan (the judge)
+    chunks: int = 1  # stages per device; > 1: interleaved 1F1B, stage j on the device of j mod K / chunks
 
     @property
     def boundaries(self) -> list[int]:
