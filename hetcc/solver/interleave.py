@@ -31,7 +31,9 @@ MAX_CHUNKS = 4  # stages per device ``solve_interleaved`` tries at most (Megatro
 
 
 def solve_interleaved(
-    problem: PartitionProblem, rerank: int = 0
+    problem: PartitionProblem,
+    rerank: int = 0,
+    pipeline: PartitionSolution | InfeasiblePlanError | None = None,
 ) -> tuple[PartitionProblem, PartitionSolution, str]:
     """(the problem it was planned on, the plan, a note) of interleaved 1F1B for ``problem``: the devices
     of its best 1F1B pure pipeline (``solve(..., rerank)`` without replicas, sharding or codecs: one stage
@@ -39,10 +41,12 @@ def solve_interleaved(
     (recomputing on a device whose chunks do not fit otherwise, where the problem allows it) for each v
     from 2 to ``MAX_CHUNKS`` the blocks allow, the fastest simulated kept.
     The solution's stage j runs on the device of rank j mod p; its bound leaves out the fill and the tied
-    sums, which suppose one stage per device (``lower_bound(..., contiguous=False)``)."""
-    plain = replace(problem, schedule="1f1b", replicate=False, shard=False, shard_all=False, codecs=None,
-                    tensor_splits=None)  # fmt: skip
-    pipeline = solve(plain, rerank=rerank)
+    sums, which suppose one stage per device (``interleaved_bound``). ``pipeline``: that pipeline's
+    answer, solved already (``pure_pipeline``'s problem, beside other solves), else solved here."""
+    plain = pure_pipeline(problem)
+    pipeline = solve(plain, rerank=rerank) if pipeline is None else pipeline
+    if isinstance(pipeline, InfeasiblePlanError):
+        raise pipeline
     devices, ranks = pipeline.devices, len(pipeline.stages)
     chunks = range(2, min(MAX_CHUNKS, len(problem.blocks) // max(ranks, 1)) + 1)
     if ranks < 2 or not chunks or not interleavable(ranks, problem.microbatches):
@@ -77,6 +81,13 @@ def solve_interleaved(
         + ("; no codecs: they are not planned with it" if problem.codecs is not None else "")
     )
     return plain, solution, note
+
+
+def pure_pipeline(problem: PartitionProblem) -> PartitionProblem:
+    """``problem`` under 1F1B without replicas, sharding, codecs or tensor parts: one stage per device,
+    what an interleaved rank runs per chunk, and the problem interleaved plans are priced on."""
+    return replace(problem, schedule="1f1b", replicate=False, shard=False, shard_all=False, codecs=None,
+                   tensor_splits=None)  # fmt: skip
 
 
 def interleaved_bound(problem: PartitionProblem) -> float:
