@@ -45,7 +45,7 @@ from hetcc.solver.problem import PartitionSolution
 from hetcc.solver.schedules import (
     INTERLEAVED,
     PIPELINE_SCHEDULES,
-    interleavable,
+    interleaved_shares,
     recorded_warmup,
     warmup_fault,
     warmup_forwards,
@@ -140,7 +140,7 @@ def pipeline_meta_for(
     stage_devices = [[cluster.device(name) for name in stage.devices] for stage in plan.stages]
     ranks = placement(stage_devices[: plan.ranks], [s.tensor for s in plan.stages[: plan.ranks]])
     if plan.chunks > 1:  # interleaved 1F1B: rank r runs stages r, r + p, ... on its device
-        ranks = tuple(replace(r, chunks=interleaved_stages(plan.ranks, r.rank, plan.chunks)) for r in ranks)
+        ranks = tuple(replace(r, chunks=interleaved_stages(plan.ranks, r.stage, plan.chunks)) for r in ranks)
     return PipelineMeta(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),
         ranks, tuple(tuple(s.route) for s in solution.stages),
@@ -326,9 +326,10 @@ def _replicas(ranks: Sequence[RankPlacement], num_stages: int) -> list[int]:
 
 
 def _check_chunks(meta: PipelineMeta, where: Where) -> None:
-    """Interleaved 1F1B (``schedules.interleaved_actions``): rank r of p runs stages r, r + p, ..., the same
-    count v on every rank, one replica each, whole (not tensor parallel), with M in rounds of p or more;
-    under any other schedule a rank runs one stage."""
+    """Interleaved 1F1B (``schedules.interleaved_actions``): p positions, position r running stages r,
+    r + p, ..., the same count v at every position, whole (not tensor parallel), on the same R replicas
+    (the pipeline replicated whole), with one routing for every stage and each replica's microbatches
+    in rounds of p or more; under any other schedule a rank runs one stage."""
     ranks = meta.placement
     if meta.schedule != INTERLEAVED:
         holder = next((rank for rank in ranks if rank.chunks and len(rank.chunks) > 1), None)
@@ -338,26 +339,43 @@ def _check_chunks(meta: PipelineMeta, where: Where) -> None:
                 f"under {INTERLEAVED!r}; this pipeline's schedule is {meta.schedule!r}"
             )
         return
-    shared = next((rank for rank in ranks if rank.replica or rank.tensor), None)
-    if shared is not None:
-        where.at("placement", shared.rank).fail(
-            f"rank {shared.rank} runs stage {shared.stage} as replica {shared.replica}, tensor part {shared.tensor}; "
-            f"{INTERLEAVED} runs one replica of each stage, whole, so far",
-            "run replicated or tensor-parallel stages under another schedule",
+    split = next((rank for rank in ranks if rank.tensor), None)
+    if split is not None:
+        where.at("placement", split.rank).fail(
+            f"rank {split.rank} runs tensor part {split.tensor} of stage {split.stage}; {INTERLEAVED} runs "
+            "its stages whole",
+            "run tensor-parallel stages under another schedule",
         )
-    p, chunks = len(ranks), meta.num_stages // len(ranks)
+    p = len({rank.stage for rank in ranks})
+    replicas, chunks = len(ranks) // max(p, 1), meta.num_stages // max(p, 1)
     for rank in ranks:
-        if p < 2 or chunks * p != meta.num_stages or rank.stages != interleaved_stages(p, rank.rank, chunks):
+        if (
+            p < 2
+            or chunks * p != meta.num_stages
+            or replicas * p != len(ranks)
+            or rank.stages != interleaved_stages(p, rank.stage, chunks)
+        ):
             where.at("placement", rank.rank).fail(
-                f"rank {rank.rank} runs stages {list(rank.stages)}; {INTERLEAVED} over {p} ranks runs rank r's "
-                f"chunks as stages r, r + {p}, ... (the same number on every rank, 2 ranks or more)",
-                "place it with hetcc.runtime.placement.interleaved_ranks(ranks, chunks), or run another schedule",
+                f"rank {rank.rank} runs stages {list(rank.stages)} as replica {rank.replica}; {INTERLEAVED} over "
+                f"{p} positions runs position r's chunks as stages r, r + {p}, ... (the same number at every "
+                "position, 2 positions or more, each on the same number of replicas)",
+                "place it with hetcc.runtime.placement.interleaved_ranks(ranks, chunks, replicas=R), or run "
+                "another schedule",
             )
-    if not interleavable(p, meta.microbatches):  # forwards alone run in the same rounds
+    route = meta.routing[0]
+    other = next((k for k, row in enumerate(meta.routing) if tuple(row) != tuple(route)), None)
+    if other is not None:
+        where.at("routing", other).fail(
+            f"routes microbatches {short_repr(list(meta.routing[other]))}, stage 0 {short_repr(list(route))}; "
+            f"each replica of an {INTERLEAVED} pipeline runs the same microbatches at every stage",
+            "give every stage the same routing",
+        )
+    if not interleaved_shares(p, route, replicas):  # forwards alone run in the same rounds
+        shares = [list(route).count(r) for r in range(replicas)]
         where.at("microbatches").fail(
-            f"{meta.microbatches} microbatches over {p} ranks: {INTERLEAVED} runs them in rounds of equal size, "
-            f"at least {p} each",
-            f"use a multiple of {p}",
+            f"{meta.microbatches} microbatches over {p} positions, {shares} per replica: {INTERLEAVED} runs "
+            f"each replica's in rounds of equal size, at least {p} each",
+            f"give each replica a multiple of {p}",
         )
 
 

@@ -6,7 +6,9 @@ same initial weights); microbatch m of stage k runs on replica ``routing[k][m]``
 stage's replica is t ranks (its parts 0..t-1), which run every microbatch of the replica together. A replica runs the
 subsequence of its stage's schedule whose microbatches it owns: that only removes waits, so the pipeline
 stays deadlock-free. Under interleaved 1F1B a rank runs several stages, one per chunk
-(``RankPlacement.chunks``), in the order ``schedules.interleaved_actions`` gives its rank.
+(``RankPlacement.chunks``), in the order ``schedules.interleaved_actions`` gives its rank; replicated,
+each replica of the pipeline runs that order over the microbatches routed to it
+(``schedules.replica_interleaved_actions``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.placement import RankPlacement
-from hetcc.solver.schedules import INTERLEAVED, Action, interleaved_actions, stage_actions
+from hetcc.solver.schedules import INTERLEAVED, Action, replica_interleaved_actions, stage_actions
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,18 @@ class RankLayout:
         the microbatches routed to it; under interleaved 1F1B its row of the interleaved order, each
         action's ``chunk`` naming which of its stages runs it."""
         placement = self.ranks[rank]
-        if schedule == INTERLEAVED:  # one replica of each stage (``contract``)
+        if (
+            schedule == INTERLEAVED
+        ):  # each replica its own pipeline, one routing for every stage (``contract``)
             chunks = len(placement.stages)
-            return interleaved_actions(self.num_ranks, chunks, len(self.routing[0]), training=training)[rank]
+            rows = replica_interleaved_actions(
+                len(self.routing) // chunks,
+                chunks,
+                self.routing[placement.stage],
+                placement.replica,
+                training,
+            )
+            return list(rows[placement.stage])  # rank r of its replica runs stages r, r + p, ...
         replicas = [len(self.stage_ranks(k)) for k in range(len(self.routing))]
         every = stage_actions(
             schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas,
@@ -79,13 +90,13 @@ class RankLayout:
 
     def replica_groups(self) -> list[list[int]]:
         """Per stage with more than one replica (in stage order) and per part, the ranks whose gradients
-        are summed."""
+        are summed; each set of ranks once (an interleaved rank's stages share their replicas' ranks)."""
         groups = [
             self.stage_ranks(k, part)
             for k in range(len(self.routing))
             for part in range(self.tensor_degree(k))
         ]
-        return [group for group in groups if len(group) > 1]
+        return [group for i, group in enumerate(groups) if len(group) > 1 and group not in groups[:i]]
 
     def tensor_groups(self) -> list[list[int]]:
         """Per tensor-parallel replica (in stage and replica order), its ranks by part."""

@@ -96,12 +96,17 @@ def ranks_for(
     )
 
 
-def interleaved_ranks(ranks: int, chunks: int, vendor: str = "cpu") -> tuple[RankPlacement, ...]:
-    """A placement without devices for interleaved 1F1B: ``ranks`` ranks, rank r running the ``chunks``
-    stages r, r + ranks, ... (``schedules.interleaved_actions``), on ``vendor``."""
+def interleaved_ranks(
+    ranks: int, chunks: int, vendor: str = "cpu", replicas: int = 1
+) -> tuple[RankPlacement, ...]:
+    """A placement without devices for interleaved 1F1B: ``ranks`` pipeline positions, position r running
+    the ``chunks`` stages r, r + ranks, ... (``schedules.interleaved_actions``), each on ``replicas``
+    ranks (the pipeline replicated whole: rank r * replicas + i is replica i of position r), on
+    ``vendor``."""
     return tuple(
-        RankPlacement(rank, rank, vendor=vendor, chunks=interleaved_stages(ranks, rank, chunks))
-        for rank in range(ranks)
+        RankPlacement(r * replicas + i, r, i, vendor=vendor, chunks=interleaved_stages(ranks, r, chunks))
+        for r in range(ranks)
+        for i in range(replicas)
     )
 
 

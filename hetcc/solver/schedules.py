@@ -50,6 +50,7 @@ its v stages, ``RankPlacement.chunks``); the planner plans it where the user pin
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -305,6 +306,27 @@ def interleaved_actions(
             order += [action("F", warmup + k), action("B", k)]
         orders.append(order + [action("B", k) for k in range(total - warmup, total)])
     return orders
+
+
+@functools.lru_cache(maxsize=256)
+def replica_interleaved_actions(
+    ranks: int, chunks: int, route: tuple[int, ...], replica: int, training: bool = True
+) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, the interleaved 1F1B order (``interleaved_actions``) that replica ``replica`` of a
+    pipeline replicated whole runs: the microbatches ``route`` (microbatch -> replica, the same for every
+    stage) sends it, in rounds of their own, numbered as in the step. Each replica is its own pipeline
+    until the step ends (Megatron-LM's data x pipeline parallelism), so the order of messages between two
+    of its ranks is the order ``interleaved_actions`` gives them. Cached: the planner replays many plans
+    of the same shape."""
+    mine = [m for m, r in enumerate(route) if r == replica]
+    rows = interleaved_actions(ranks, chunks, len(mine), training)
+    return tuple(tuple(Action(a.kind, mine[a.microbatch], a.chunk) for a in row) for row in rows)
+
+
+def interleaved_shares(ranks: int, route: Sequence[int], replicas: int) -> bool:
+    """Whether each of the ``replicas`` replicas' share of ``route`` (microbatch -> replica) is a count
+    interleaved 1F1B takes over ``ranks`` (``interleavable``)."""
+    return all(interleavable(ranks, list(route).count(r)) for r in range(replicas))
 
 
 def zbv_actions(ranks: int, microbatches: int, training: bool = True) -> list[list[Action]]:

@@ -195,6 +195,42 @@ def test_interleaved_over_four_ranks_trains_like_eager():
     assert result.stats[1]["replayed"] > 0  # rank 1 runs stage 5
 
 
+@pytest.mark.slow
+def test_interleaved_replicated_whole_trains_like_eager():
+    """Four ranks: two pipeline positions of four stages each (v = 4), each on two replicas that run every
+    other microbatch (M = 8, four each, in two rounds); stage 5 recomputes, and the first layer's weight is
+    tied to the last's, stages 0 and 7 on the two positions: its gradient is summed over all four ranks."""
+    torch.manual_seed(0)
+    model, x, y = Deep(), torch.randn(16, 8, generator=torch.Generator().manual_seed(1)), torch.randn(16, 8)
+    gm = export(model, kwargs={"x": x[:2]})
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # a linear and a tanh per layer
+    stages = split_stages(gm, {node.name: i // 2 for i, node in enumerate(calls)}, 8)
+    meta = PipelineMeta(
+        8, schedule=INTERLEAVED, microbatches=8, placement=interleaved_ranks(2, 4, replicas=2),
+        routing=[[m % 2 for m in range(8)]] * 8, recompute=[k == 5 for k in range(8)],
+    )  # fmt: skip
+    result = run_local(Pipeline(stages, meta), {"x": x}, y, F.mse_loss, steps=2, optimizer=ADAM)
+    _check_fp32(result, eager_training(model, {"x": x}, y, F.mse_loss, 2, 8, ADAM), set())
+    replayed = [stats["replayed"] for stats in result.stats]
+    assert replayed[0] == replayed[1] == 0 and replayed[2] > 0 and replayed[3] > 0  # position 1 runs stage 5
+
+
+def test_each_replica_of_an_interleaved_pipeline_runs_its_own_microbatches_in_rounds():
+    routing = [[m % 2 for m in range(8)]] * 4
+    meta = PipelineMeta(4, schedule=INTERLEAVED, microbatches=8, placement=interleaved_ranks(2, 2, replicas=2),
+                        routing=routing)  # fmt: skip
+    layout = RankLayout.from_meta(meta)
+    assert [(p.stage, p.replica, p.stages) for p in layout.ranks] == [
+        (0, 0, (0, 2)), (0, 1, (0, 2)), (1, 0, (1, 3)), (1, 1, (1, 3))
+    ]  # fmt: skip
+    odd = {m: 2 * m + 1 for m in range(4)}  # replica 1 runs microbatches 1, 3, 5, 7 as its 0..3
+    assert layout.actions(INTERLEAVED, 3) == [
+        type(a)(a.kind, odd[a.microbatch], a.chunk) for a in interleaved_actions(2, 2, 4)[1]
+    ]
+    assert [layout.rank_running(k, 5) for k in range(4)] == [1, 3, 1, 3]
+    assert layout.replica_groups() == [[0, 1], [2, 3]]  # each once, for both of a rank's stages
+
+
 def test_each_rank_runs_its_row_of_the_interleaved_order_on_its_chunks_stages():
     meta = PipelineMeta(6, schedule=INTERLEAVED, microbatches=4, placement=interleaved_ranks(2, 3))
     layout = RankLayout.from_meta(meta)
@@ -208,11 +244,18 @@ def test_each_rank_runs_its_row_of_the_interleaved_order_on_its_chunks_stages():
 @pytest.mark.parametrize(
     ("stages", "changes", "message"),
     [
-        (4, {"placement": interleaved_ranks(2, 2), "microbatches": 1}, "1 microbatches over 2 ranks"),
+        (4, {"placement": interleaved_ranks(2, 2), "microbatches": 1}, r"1 microbatches over 2 positions, \[1\]"),
         (4, {"placement": (RankPlacement(0, 0, chunks=(0, 1)), RankPlacement(1, 2, chunks=(2, 3)))},
          r"rank 0 runs stages \[0, 1\]"),
-        (3, {"placement": interleaved_ranks(1, 3)}, "2 ranks or more"),
-        (4, {"placement": (*interleaved_ranks(2, 2), RankPlacement(2, 3, replica=1))}, "stage 3 as replica 1"),
+        (3, {"placement": interleaved_ranks(1, 3)}, "2 positions or more"),
+        (4, {"placement": interleaved_ranks(2, 2, replicas=2)[:3], "routing": [[0, 1, 0, 1]] * 2 + [[0] * 4] * 2},
+         "rank 0 runs stages .* on the same number of replicas"),
+        (4, {"placement": interleaved_ranks(2, 2, replicas=2), "routing": [[0, 1, 0, 1]] * 3 + [[1, 0, 1, 0]]},
+         "runs the same microbatches at every stage"),
+        (4, {"placement": interleaved_ranks(2, 2, replicas=2), "routing": [[0, 0, 0, 1]] * 4},
+         r"4 microbatches over 2 positions, \[3, 1\] per replica"),
+        (4, {"placement": tuple(RankPlacement(r, r // 2, tensor=r % 2, chunks=(r // 2, r // 2 + 2)) for r in range(4))},
+         "runs its stages whole"),
     ],
 )  # fmt: skip
 def test_an_interleaved_record_that_does_not_run_is_refused(stages, changes, message):
