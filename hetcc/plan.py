@@ -115,7 +115,8 @@ class Plan:
     @property
     def ranks(self) -> int:
         """The ranks the plan runs on unless stages are replicated or tensor parallel: one per stage, or
-        under interleaved 1F1B one per device, each running its stages j, j + ranks, ..."""
+        under interleaved 1F1B one per pipeline position (a device, or a group of replicas), each running
+        its stages j, j + ranks, ..."""
         return len({s.device for s in self.stages}) if self.schedule == INTERLEAVED else len(self.stages)
 
     @property
@@ -359,7 +360,7 @@ def explain(plan: Plan) -> str:
         header += f" {'zero-1':>6}"
     if coded:
         header += f" {'codecs':>13} {'MiB/mb out, before -> on the wire':>34}"
-    devices = plan.ranks if plan.chunks > 1 else sum(len(s.devices) for s in plan.stages)
+    devices = sum(len(s.devices) for s in plan.stages[: plan.ranks if plan.chunks > 1 else len(plan.stages)])
     chunks = f" ({plan.chunks} stages each)" if plan.chunks > 1 else ""
     lines = [
         f"hetcc plan: {len(plan.stages)} stages on {devices} devices{chunks}, "
@@ -382,6 +383,7 @@ def explain(plan: Plan) -> str:
     if plan.chunks > 1:
         lines.append(
             f"{INTERLEAVED}: device of stage j runs stages j, j + {plan.ranks}, ...; memory: all its stages hold"
+            + ("; each replica runs its own microbatches" if len(plan.stages[0].devices) > 1 else "")
         )
     if split:
         lines.append(

@@ -103,21 +103,38 @@ def test_no_feasible_plan_simulates_below_the_bound(problem):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tight_problems())
 def test_no_interleaved_plan_simulates_below_the_bound_without_the_fill(problem):
-    """Two chunks on each of two devices (every cut and device pair that fits): a device runs stages j and
-    j + 2, so it is fed before the blocks before its second stage have run, and may hold both users of a
-    tied weight without the blocks between. The bound without the fill and tied terms holds for them."""
+    """Two chunks on each of two devices (every cut and device pair that fits), or on two groups of two
+    identical devices (the pipeline replicated whole, where M splits into two rounds of 2): a device runs
+    stages j and j + 2, so it is fed before the blocks before its second stage have run, and may hold both
+    users of a tied weight without the blocks between. The bound without the fill and tied terms holds."""
     problem = replace(problem, schedule="1f1b", training=True)
     n, m = len(problem.blocks), problem.microbatches
     assume(n >= 4 and len(problem.devices) >= 2 and m >= 2)
     bound = lower_bound(problem, contiguous=False)
     assert bound <= lower_bound(problem)
-    for first, second in itertools.permutations(range(len(problem.devices)), 2):
-        for cuts in itertools.combinations(range(1, n), 3):
-            placed = [(first,), (second,), (first,), (second,)]
-            stages = stage_costs(problem, [0, *cuts, n], placed, chunks=2)
-            if all(stage.fits for stage in stages):
-                simulated = simulate(problem, [0, *cuts, n], placed, stages=stages, events=False, chunks=2)
-                assert bound <= simulated.step_time_s * (1 + 1e-9)
+    d = len(problem.devices)
+    twinned = _twinned(problem)  # each device and its twin: a group of two replicas running M each
+    for a, b in itertools.permutations(range(d), 2):
+        for each, first, second in ((problem, (a,), (b,)), (twinned, (a, a + d), (b, b + d))):
+            for cuts in itertools.combinations(range(1, n), 3):
+                placed = [first, second, first, second]
+                stages = stage_costs(each, [0, *cuts, n], placed, chunks=2)
+                if all(stage.fits for stage in stages):
+                    simulated = simulate(each, [0, *cuts, n], placed, stages=stages, events=False, chunks=2)
+                    assert lower_bound(each, contiguous=False) <= simulated.step_time_s * (1 + 1e-9)
+
+
+def _twinned(problem: PartitionProblem) -> PartitionProblem:
+    """``problem`` with a twin of each device (same type, memory and node; device i + d for device i) and
+    twice the microbatches."""
+    d = len(problem.devices)
+    return replace(
+        problem,
+        devices=[*problem.devices, *(replace(x, name=f"{x.name}_twin") for x in problem.devices)],
+        bandwidth_bps=[[problem.bandwidth_bps[a % d][b % d] for b in range(2 * d)] for a in range(2 * d)],
+        latency_s=[[problem.latency_s[a % d][b % d] for b in range(2 * d)] for a in range(2 * d)],
+        microbatches=2 * problem.microbatches,
+    )
 
 
 def test_a_tied_weight_no_device_holds_with_the_blocks_between_adds_its_sum():

@@ -271,19 +271,21 @@ def test_auto_schedule_keeps_the_fastest_schedule():
     )
 
 
-def test_auto_schedule_keeps_interleaving_where_it_hides_the_bubble():
-    """Two equal devices that cannot each hold the model (no replicas) and weight gradients that cannot be
-    split off (no zero-bubble gain): "auto" keeps interleaved 1F1B, as pinning it plans it, with its v."""
+@pytest.mark.parametrize("count", [2, 4])
+def test_auto_schedule_keeps_interleaving_where_it_hides_the_bubble(count):
+    """Equal devices that cannot each hold the model and weight gradients that cannot be split off (no
+    zero-bubble gain): "auto" keeps interleaved 1F1B, as pinning it plans it, with its v; on four devices
+    over two groups of two replicas, each running every other microbatch (the pipeline replicated whole)."""
     from hetcc.passes.schedule_search import schedule_bound, solve_schedules
     from hetcc.solver.schedules import INTERLEAVED
 
-    n, m = 8, 4
+    n, m = 8, 2 * count
     problem = PartitionProblem(
         blocks=[f"b{i}" for i in range(n)], fwd_s={"gpu": [1.0] * n}, bwd_s={"gpu": [2.0] * n},
         state_bytes=[1.0] * n, act_bytes=[0.0] * n, cut_bytes=[1.0] * (n - 1),
-        devices=[ProblemDevice(f"g{i}", "gpu", 6.0, "n0") for i in range(2)],
-        bandwidth_bps=[[math.inf, 1e12], [1e12, math.inf]], latency_s=[[0.0, 0.0], [0.0, 0.0]],
-        microbatches=m, replicate=True,
+        devices=[ProblemDevice(f"g{i}", "gpu", 6.0, "n0") for i in range(count)],
+        bandwidth_bps=[[math.inf if a == b else 1e12 for b in range(count)] for a in range(count)],
+        latency_s=[[0.0] * count for _ in range(count)], microbatches=m, replicate=True,
     )  # fmt: skip
     kept, solution, note = solve_schedules(problem, "auto")
     pinned = solve_schedules(problem, INTERLEAVED)[1]
@@ -292,3 +294,10 @@ def test_auto_schedule_keeps_interleaving_where_it_hides_the_bubble():
     assert solution.simulated_s < one_f_one_b.simulated_s
     assert note.startswith(f"schedule: {INTERLEAVED} (v = {solution.chunks}) kept by simulation")
     assert schedule_bound(problem, "auto") <= solution.simulated_s
+    groups = [stage.group for stage in solution.stages]
+    assert groups == [groups[j % 2] for j in range(len(groups))]
+    assert sorted(d for g in groups[:2] for d in g) == list(range(count))  # two positions, R = count / 2
+    replay = simulate(
+        kept, solution.boundaries, groups, solution.recompute, events=False, chunks=solution.chunks
+    )
+    assert replay.step_time_s == pytest.approx(solution.simulated_s)

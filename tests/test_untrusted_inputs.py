@@ -176,7 +176,7 @@ def _two_ranks(d) -> list:
         (lambda d: d["meta"].update(microbatches=0), "meta.microbatches: expected a positive integer"),
         (lambda d: _two_ranks(d)[0].update(chunks=[0, 4]), "meta.placement[0].chunks: stages [0, 4]; expected distinct"),
         (lambda d: _two_ranks(d)[0].update(chunks="01"), "meta.placement[0].chunks: expected a list"),
-        (lambda d: d["meta"].update(schedule="interleaved-1f1b"), "meta.placement[1]: rank 1 runs stage 0 as replica 1"),
+        (lambda d: d["meta"].update(schedule="interleaved-1f1b"), "meta.placement[0]: rank 0 runs stages [0] as replica 0; interleaved-1f1b over 1 positions"),
         (lambda d: d["meta"].update(precision="bf16"), "meta.precision: unknown precision 'bf16'"),
         (lambda d: d["meta"].update(plan_space={"recompute": "sometimes"}), "meta.plan_space.recompute"),
         (lambda d: d["meta"].update(vendors=["cpu"]), "meta.vendors: unknown key"),  # a version-1 key

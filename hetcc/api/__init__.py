@@ -172,8 +172,8 @@ def compile(  # noqa: A001 - the public API name
         tried_degrees(cluster, tensor)  # a degree no node has room for fails before tracing
     if tensor and schedule == INTERLEAVED:
         raise HetccError(
-            f"schedule={INTERLEAVED!r} plans each stage whole on one device (its ranks run one replica of each "
-            f"of their stages), so it takes no tensor_parallel={short_repr(tensor_parallel)}",
+            f"schedule={INTERLEAVED!r} runs each stage whole on each of its devices (a device runs several "
+            f"stages), so it takes no tensor_parallel={short_repr(tensor_parallel)}",
             hint="use tensor_parallel=False with it, or another schedule",
         )
     settings = PlanSettings(

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from hetcc.errors import InfeasiblePlanError
 from hetcc.solver.bound import lower_bound
-from hetcc.solver.interleave import interleaved_bound, pure_pipeline, solve_interleaved
+from hetcc.solver.interleave import interleaved_bound, interleaving_pipelines, solve_interleaved
 from hetcc.solver.parallel import solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.solver.schedules import INTERLEAVED
@@ -71,15 +71,16 @@ def solve_each_schedule(
         scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
         problem.validate()
         searched = search_plans(scheduled[0], RERANK)  # InfeasiblePlanError: no schedule has a plan
-        # interleaved 1F1B's pure pipeline is searched and solved beside the re-rankings
-        jobs, found = [*scheduled, pure_pipeline(problem)], [searched] * len(scheduled) + [None]
-        *answers, pipeline = solve_each(jobs, RERANK, found)
+        # interleaved 1F1B's pure pipelines are searched and solved beside the re-rankings
+        pipelines = [pure for pure, _ in interleaving_pipelines(problem)]
+        found = [searched] * len(scheduled) + [None] * len(pipelines)
+        answers = solve_each([*scheduled, *pipelines], RERANK, found)
         for each, answer in zip(scheduled, answers):
             if isinstance(answer, InfeasiblePlanError):
                 first_error = first_error or answer
             else:
                 tried.append((each, answer, _identity(problem)))
-        tried += _interleaved(problem, pipeline)
+        tried += _interleaved(problem, answers[len(scheduled) :])
     elif tensor == "auto":
         try:
             tried.append(solve_one(replace(problem, schedule=AUTO_SCHEDULES[0]), tensor))
@@ -108,12 +109,12 @@ def solve_each_schedule(
 
 
 def _interleaved(
-    problem: PartitionProblem, pipeline: PartitionSolution | InfeasiblePlanError
+    problem: PartitionProblem, pipelines: list[PartitionSolution | InfeasiblePlanError]
 ) -> list[tuple[PartitionProblem, PartitionSolution, DeviceMap]]:
-    """``solve_interleaved``'s plan of ``problem`` on ``pipeline`` as "auto" tries it, or none where it
-    has none."""
+    """``solve_interleaved``'s plan of ``problem`` on ``pipelines`` (``interleaving_pipelines``' answers)
+    as "auto" tries it, or none where it has none."""
     try:
-        solved, solution, _ = solve_interleaved(problem, RERANK, pipeline)
+        solved, solution, _ = solve_interleaved(problem, RERANK, pipelines)
     except InfeasiblePlanError:
         return []
     return [(solved, solution, _identity(solved))]

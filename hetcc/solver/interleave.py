@@ -5,9 +5,11 @@ j on device j mod p, so each device holds v chunks and the pipeline's fill and d
 On unequal devices each device's chunks are sized to its speed: ``interleave`` cuts the chain so that
 the longest chunk on its device is shortest, then moves single cuts while the simulator says the step
 gets shorter and memory still fits. ``solve_interleaved`` plans it for ``hetcc.compile(...,
-schedule="interleaved-1f1b")``: on the devices of the best 1F1B pure pipeline, each v from 2 to
-``MAX_CHUNKS`` tried, the fastest simulated kept; the runtime runs it with rank r holding stages
-r, r + p, ... (``runtime.placement.interleaved_ranks``).
+schedule="interleaved-1f1b")``: on the devices of the best 1F1B pure pipeline, and where the problem
+replicates, on the positions of the best pure pipeline of groups of R identical devices (the pipeline
+replicated whole, each replica running M / R microbatches: Megatron-LM's data x pipeline parallelism),
+each v from 2 to ``MAX_CHUNKS`` tried, the fastest simulated kept; the runtime runs it with position r
+holding stages r, r + p, ... on each of its replicas (``runtime.placement.interleaved_ranks``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import NamedTuple
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.baselines import min_max_split, span_sums
 from hetcc.solver.bound import lower_bound
-from hetcc.solver.objective import stage_costs
+from hetcc.solver.objective import Device, stage_costs
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.solver.schedules import INTERLEAVED, interleavable
 from hetcc.solver.simulate import simulate
@@ -33,54 +35,123 @@ MAX_CHUNKS = 4  # stages per device ``solve_interleaved`` tries at most (Megatro
 def solve_interleaved(
     problem: PartitionProblem,
     rerank: int = 0,
-    pipeline: PartitionSolution | InfeasiblePlanError | None = None,
+    pipelines: Sequence[PartitionSolution | InfeasiblePlanError] | None = None,
 ) -> tuple[PartitionProblem, PartitionSolution, str]:
-    """(the problem it was planned on, the plan, a note) of interleaved 1F1B for ``problem``: the devices
-    of its best 1F1B pure pipeline (``solve(..., rerank)`` without replicas, sharding or codecs: one stage
-    per device, what an interleaved rank runs per chunk), cut into v chunks per device by ``interleave``
-    (recomputing on a device whose chunks do not fit otherwise, where the problem allows it) for each v
-    from 2 to ``MAX_CHUNKS`` the blocks allow, the fastest simulated kept.
-    The solution's stage j runs on the device of rank j mod p; its bound leaves out the fill and the tied
-    sums, which suppose one stage per device (``interleaved_bound``). ``pipeline``: that pipeline's
-    answer, solved already (``pure_pipeline``'s problem, beside other solves), else solved here."""
-    plain = pure_pipeline(problem)
-    pipeline = solve(plain, rerank=rerank) if pipeline is None else pipeline
-    if isinstance(pipeline, InfeasiblePlanError):
-        raise pipeline
-    devices, ranks = pipeline.devices, len(pipeline.stages)
-    chunks = range(2, min(MAX_CHUNKS, len(problem.blocks) // max(ranks, 1)) + 1)
-    if ranks < 2 or not chunks or not interleavable(ranks, problem.microbatches):
+    """(the problem it was planned on, the plan, a note) of interleaved 1F1B for ``problem``: for each
+    pipeline of ``interleaving_pipelines`` (every device alone, and where the problem replicates, groups of
+    n identical devices, the pipeline replicated whole), the positions of its best 1F1B pure pipeline
+    (``solve(..., rerank)``), cut into v chunks per position by ``interleave`` (recomputing on a position
+    whose chunks do not fit otherwise, where the problem allows it) for each v from 2 to ``MAX_CHUNKS``
+    the blocks allow, the fastest simulated kept. The solution's stage j runs on the group of position
+    j mod p; its bound leaves out the fill and the tied sums, which suppose one stage per device
+    (``interleaved_bound``). ``pipelines``: those pipelines' answers, solved already (beside other
+    solves), else solved here."""
+    candidates = interleaving_pipelines(problem)
+    if pipelines is None:
+        pipelines = [_solved(pure, rerank) for pure, _ in candidates]
+    plain = candidates[0][0]
+    tried: dict[tuple[int, int], tuple[Interleaved, list[tuple[int, ...]], float]] = {}  # (R, v) -> ...
+    for (_, groups), pipeline in zip(candidates, pipelines):
+        if isinstance(pipeline, InfeasiblePlanError):
+            continue
+        positions = [groups[d] for d in pipeline.devices]
+        ranks, replicas = len(positions), len(positions[0])
+        if ranks < 2 or not interleavable(ranks, problem.microbatches // replicas):
+            continue
+        for v in range(2, min(MAX_CHUNKS, len(problem.blocks) // ranks) + 1):
+            tried[(replicas, v)] = (interleave(plain, positions, v), positions, pipeline.simulated_s)
+    if not tried:
         raise InfeasiblePlanError(
-            f"{INTERLEAVED}: the best 1F1B pipeline runs {ranks} stage(s) on {ranks} device(s) over "
-            f"{len(problem.blocks)} blocks at M = {problem.microbatches}; interleaving needs 2 devices or more, "
-            "2 blocks per device and at least one microbatch per device, in rounds of equal size",
+            f"{INTERLEAVED}: no 1F1B pipeline of {problem.microbatches} microbatches over {len(problem.blocks)} "
+            "blocks on this cluster interleaves: it needs 2 devices (or replica groups) or more, 2 blocks per "
+            "device and at least one microbatch per device and replica, in rounds of equal size",
             hint="use schedule='1f1b' (or 'auto'), more microbatches, or a cluster whose plan spans 2+ devices",
         )
-    tried = {v: interleave(plain, devices, v) for v in chunks}
-    v = min(tried, key=lambda c: (tried[c].step_s, c))
-    cuts, step_s, recompute = tried[v]
+    key = min(tried, key=lambda k: (tried[k][0].step_s, k))
+    (cuts, step_s, recompute), positions, pipeline_s = tried[key]
+    replicas, v = key
     if math.isinf(step_s):
         raise InfeasiblePlanError(
-            f"{INTERLEAVED}: no plan of {', '.join(map(str, chunks))} chunks per device on the {ranks} devices of "
-            f"the best 1F1B pipeline fits in memory (each device holds every chunk's weights, and more "
-            f"microbatches' activations than under 1F1B{'' if problem.recompute else '; recompute=False'})",
+            f"{INTERLEAVED}: no plan of {', '.join(map(str, sorted({c for _, c in tried})))} chunks per device "
+            "on the devices of the best 1F1B pipelines fits in memory (each device holds every chunk's weights, "
+            f"and more microbatches' activations than under 1F1B{'' if problem.recompute else '; recompute=False'})",
             hint="use schedule='1f1b' (or 'auto'), which may also replicate"
             + ("" if problem.recompute else ", or allow recomputation"),
         )
+    ranks = len(positions)
+    solved = replace(plain, replicate=replicas > 1)
     stages = stage_costs(
-        plain, cuts, [(devices[j % ranks],) for j in range(v * ranks)], list(recompute), chunks=v
+        solved, cuts, [positions[j % ranks] for j in range(v * ranks)], list(recompute), chunks=v
     )
     bound = interleaved_bound(problem)
     per_device = [sum(s.compute_s for s in stages[r::ranks]) for r in range(ranks)]
     solution = PartitionSolution(stages, step_s, max(per_device), bound, step_s / bound - 1, exact=False,
                                  simulated_s=step_s, chunks=v)  # fmt: skip
-    figures = ", ".join(f"v = {c}: {tried[c].step_s * 1e3:.2f} ms" for c in chunks)
+    figures = ", ".join(
+        f"{f'R = {r}, ' if len({k[0] for k in tried}) > 1 else ''}v = {c}: {tried[r, c][0].step_s * 1e3:.2f} ms"
+        for r, c in sorted(tried)
+    )
+    on = f"{ranks} devices" if replicas == 1 else f"{ranks} groups of {replicas} replicas"
     note = (
-        f"schedule: {INTERLEAVED} with {v} chunks on each of the {ranks} devices of the best 1F1B pipeline "
-        f"({pipeline.simulated_s * 1e3:.2f} ms under 1F1B; {figures})"
+        f"schedule: {INTERLEAVED} with {v} chunks on each of the {on} of the best 1F1B pipeline "
+        f"({pipeline_s * 1e3:.2f} ms under 1F1B; {figures})"
         + ("; no codecs: they are not planned with it" if problem.codecs is not None else "")
     )
-    return plain, solution, note
+    return solved, solution, note
+
+
+REPLICA_COUNTS = (2, 4, 8)  # replicas of a pipeline replicated whole ``interleaving_pipelines`` tries
+
+
+def interleaving_pipelines(problem: PartitionProblem) -> list[tuple[PartitionProblem, list[tuple[int, ...]]]]:
+    """The pipelines ``solve_interleaved`` interleaves, each as (the pure 1F1B problem whose best pipeline
+    gives its positions; per device of that problem, the replica group it stands for): every device alone
+    (``pure_pipeline``), and where the problem replicates, for each count n of ``REPLICA_COUNTS`` that
+    divides M, groups of n devices of one type and memory (``_replica_groups``), each group one position
+    that its n replicas run over M / n microbatches each (its first device standing for it)."""
+    plain = pure_pipeline(problem)
+    found = [(plain, [(i,) for i in range(len(problem.devices))])]
+    for replicas in REPLICA_COUNTS if problem.replicate else ():
+        groups = _replica_groups(problem, replicas)
+        if problem.microbatches % replicas or len(groups) < 2:
+            continue
+        heads = [group[0] for group in groups]
+        found.append((
+            replace(
+                plain, devices=[problem.devices[h] for h in heads], microbatches=problem.microbatches // replicas,
+                bandwidth_bps=[[problem.bandwidth_bps[a][b] for b in heads] for a in heads],
+                latency_s=[[problem.latency_s[a][b] for b in heads] for a in heads],
+            ),
+            groups,
+        ))  # fmt: skip
+    return found
+
+
+def _replica_groups(problem: PartitionProblem, replicas: int) -> list[tuple[int, ...]]:
+    """Groups of ``replicas`` devices of one type and memory, a node's own first, then across nodes from
+    what each node leaves; devices left over go unused."""
+    classes: dict[tuple[str, float], list[int]] = {}
+    for i, device in enumerate(problem.devices):  # in index order: a node's devices together
+        classes.setdefault((device.type, device.memory_bytes), []).append(i)
+    groups = []
+    for members in classes.values():
+        left = []
+        for node in dict.fromkeys(problem.devices[i].node for i in members):
+            on_node = [i for i in members if problem.devices[i].node == node]
+            whole = len(on_node) - len(on_node) % replicas
+            groups += [tuple(on_node[k : k + replicas]) for k in range(0, whole, replicas)]
+            left += on_node[whole:]
+        groups += [
+            tuple(left[k : k + replicas]) for k in range(0, len(left) - len(left) % replicas, replicas)
+        ]
+    return sorted(groups)
+
+
+def _solved(problem: PartitionProblem, rerank: int) -> PartitionSolution | InfeasiblePlanError:
+    try:
+        return solve(problem, rerank=rerank)
+    except InfeasiblePlanError as error:
+        return error
 
 
 def pure_pipeline(problem: PartitionProblem) -> PartitionProblem:
@@ -105,17 +176,20 @@ class Interleaved(NamedTuple):
     recompute: tuple[bool, ...]
 
 
-def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -> Interleaved:
-    """The interleaved 1F1B plan over the p ``devices`` (in pipeline order) with ``chunks`` per device: the
-    cuts that minimise the longest chunk's time on its device (``_balanced_cuts``), then single cuts moved
-    by one or two blocks while the simulated step shortens and memory fits. Where the problem allows
-    recomputation and a device's chunks do not fit, every chunk of that device recomputes
-    (``_evaluated``; all of them under ``recompute_all``)."""
+def interleave(problem: PartitionProblem, devices: Sequence[Device], chunks: int) -> Interleaved:
+    """The interleaved 1F1B plan over the p ``devices`` (in pipeline order; each a device, or a group of R
+    identical ones: the pipeline replicated whole) with ``chunks`` per device: the cuts that minimise the
+    longest chunk's time on its device (``_balanced_cuts``), then single cuts moved by one or two blocks
+    while the simulated step shortens and memory fits. Where the problem allows recomputation and a
+    device's chunks do not fit, every chunk of that device recomputes (``_evaluated``; all of them under
+    ``recompute_all``)."""
     ranks, n = len(devices), len(problem.blocks)
-    if chunks < 1 or n < chunks * ranks or not interleavable(ranks, problem.microbatches):
+    replicas = len(devices[0]) if isinstance(devices[0], (tuple, list)) else 1
+    if chunks < 1 or n < chunks * ranks or not interleavable(ranks, problem.microbatches // replicas):
         raise PlanFormatError(
             f"interleaving {chunks} chunks over {ranks} devices needs {chunks * ranks} of the {n} blocks and "
-            f"at least {ranks} microbatches, in rounds of equal size (M = {problem.microbatches})",
+            f"at least {ranks} microbatches per replica, in rounds of equal size (M = {problem.microbatches}, "
+            f"{replicas} replica(s))",
             hint="fewer chunks or devices",
         )
     placed = [devices[j % ranks] for j in range(chunks * ranks)]
@@ -137,15 +211,16 @@ def interleave(problem: PartitionProblem, devices: Sequence[int], chunks: int) -
     return Interleaved(cuts, best_s, recompute)
 
 
-def _balanced_cuts(problem: PartitionProblem, placed: Sequence[int]) -> list[int]:
-    """Cuts of the chain into ``len(placed)`` stages, stage j on device ``placed[j]``, that minimise the
-    longest stage's time on its device (``baselines.min_max_split``)."""
-    costs = {d: span_sums(problem.block_cost_s(problem.devices[d].type)) for d in set(placed)}
+def _balanced_cuts(problem: PartitionProblem, placed: Sequence[Device]) -> list[int]:
+    """Cuts of the chain into ``len(placed)`` stages, stage j on device (or group of identical devices)
+    ``placed[j]``, that minimise the longest stage's time there (``baselines.min_max_split``)."""
+    first = {d: d[0] if isinstance(d, (tuple, list)) else d for d in placed}
+    costs = {d: span_sums(problem.block_cost_s(problem.devices[first[d]].type)) for d in set(placed)}
     return min_max_split([costs[d] for d in placed])[1]
 
 
 def _evaluated(
-    problem: PartitionProblem, cuts: list[int], devices: list[int], chunks: int
+    problem: PartitionProblem, cuts: list[int], devices: list[Device], chunks: int
 ) -> tuple[float, tuple[bool, ...]]:
     """(the simulated step, per stage whether it recomputes) of the plan: no stage recomputes, or where
     the problem allows it and a device's chunks do not fit, each of its chunks (every stage under

@@ -53,11 +53,11 @@ from hetcc.solver.problem import (
 from hetcc.solver.problem_checks import check_plan
 from hetcc.solver.schedules import (
     defer_weights,
-    interleaved_actions,
     least_warmups,
     max_inflight,
     one_f_one_b,
     replica_actions,
+    replica_interleaved_actions,
     splits_backward,
     stage_warmups,
     zb_deferrals,
@@ -175,34 +175,55 @@ def stage_costs(
 
 def _interleaved(problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks: int):
     """The stages of an interleaved 1F1B plan (``schedules.interleaved_actions``: K / chunks ranks, stage
-    j on the device of rank j mod K / chunks), each costed as its own, with its device's memory: the
-    state of every chunk it holds and the most activation bytes its order holds at once (a recomputing
-    chunk holds its input per microbatch, and rebuilds one microbatch's activations at a time)."""
-    ranks, m = len(groups) // chunks, problem.microbatches
-    orders = interleaved_actions(ranks, chunks, m, training=problem.training)
+    j on the group of rank j mod K / chunks; each replica of that pipeline runs the order over its own
+    microbatches, ``replica_interleaved_actions``), each costed as its own, with its devices' memory: the
+    state of every chunk a device holds and the most activation bytes its order holds at once (a
+    recomputing chunk holds its input per microbatch, and rebuilds one microbatch's activations at a time)."""
+    ranks = len(groups) // chunks
     memories = [None] * len(groups)
-    for rank, order in enumerate(orders):
+    for rank in range(ranks):
         mine = range(rank, len(groups), ranks)  # the rank's stages, by chunk
-        held = [
-            max_inflight([a for a in order if a.chunk == c]) if problem.training else 1 for c in range(chunks)
+        orders = [
+            replica_interleaved_actions(ranks, chunks, tuple(routes[rank]), replica, problem.training)[rank]
+            for replica in range(len(groups[rank]))
         ]
-        parts = [_memory(problem, footprints[j], (held[c],), recompute[j], False) for c, j in enumerate(mine)]
-        per_microbatch = [footprints[j].kept if recompute[j] else footprints[j].act[0] for j in mine]
-        live, peak = 0.0, 0.0 if problem.training else max(per_microbatch)  # inference: one at a time
-        for action in order if problem.training else ():  # a forward holds its activations until its backward
-            live += {"F": 1, "B": -1}.get(action.kind, 0) * per_microbatch[action.chunk]
-            peak = max(peak, live)
-        rebuilt = max((footprints[j].act[0] for j in mine if recompute[j]), default=0.0)
-        used = sum(footprints[j].state[0] for j in mine) + peak + rebuilt
-        fits = within_memory(used, footprints[rank].caps[0])
+        held = [
+            tuple(
+                max_inflight([a for a in order if a.chunk == c]) if problem.training else 1
+                for order in orders
+            )
+            for c in range(chunks)
+        ]
+        parts = [_memory(problem, footprints[j], held[c], recompute[j], False) for c, j in enumerate(mine)]
+        used = [
+            _interleaved_peak(problem, footprints, mine, recompute, order, r)
+            for r, order in enumerate(orders)
+        ]
+        caps = footprints[rank].caps
+        worst = max(range(len(caps)), key=lambda r: used[r] - caps[r])
         for c, j in enumerate(mine):
-            memories[j] = parts[c]._replace(used=[used], fits=fits)
+            memories[j] = parts[c]._replace(
+                used=used, fits=within_memory(used[worst], caps[worst]), worst=worst
+            )
     return tuple(
         _stage_plan(
             problem, boundaries, groups, routes, seconds[j], memories[j], recompute[j], j, codecs[j], 0, 0
         )
         for j in range(len(groups))
     )
+
+
+def _interleaved_peak(problem, footprints, mine, recompute, order, replica: int) -> float:
+    """The most bytes replica ``replica`` of an interleaved rank holds running ``order`` over its stages
+    ``mine`` (by chunk): their state, the activations its forwards hold until their backwards, and one
+    microbatch's rebuilt by a recomputing chunk."""
+    per_microbatch = [footprints[j].kept if recompute[j] else footprints[j].act[replica] for j in mine]
+    live, peak = 0.0, 0.0 if problem.training else max(per_microbatch)  # inference: one at a time
+    for action in order if problem.training else ():  # a forward holds its activations until its backward
+        live += {"F": 1, "B": -1}.get(action.kind, 0) * per_microbatch[action.chunk]
+        peak = max(peak, live)
+    rebuilt = max((footprints[j].act[replica] for j in mine if recompute[j]), default=0.0)
+    return sum(footprints[j].state[replica] for j in mine) + peak + rebuilt
 
 
 @functools.lru_cache(maxsize=1 << 14)

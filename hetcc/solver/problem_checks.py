@@ -8,7 +8,7 @@ import math
 from collections import Counter
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.schedules import SCHEDULES
+from hetcc.solver.schedules import SCHEDULES, interleavable
 
 
 def _check_tied(problem, n: int) -> None:
@@ -157,13 +157,27 @@ def check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks: in
     if chunks != 1 and (
         problem.schedule != "1f1b"
         or not ranks
-        or any(groups[j] != groups[j % ranks] or len(groups[j]) != 1 for j in range(len(groups)))
+        or any(groups[j] != groups[j % ranks] or len(groups[j]) != len(groups[0]) for j in range(len(groups)))
+        or any(
+            len({problem.devices[d].type for d in group}) > 1 for group in groups if _known(group, problem)
+        )
     ):
         raise PlanFormatError(
             f"an interleaved plan of {chunks!r} chunks needs the 1f1b schedule (got {problem.schedule!r}) and a "
-            f"multiple of {chunks!r} stages, stage j on the one device of stage j mod K / chunks, got "
-            f"{[list(g) for g in groups]}",
-            hint="repeat the first K / chunks stages' devices, one device each, for every further chunk",
+            f"multiple of {chunks!r} stages, stage j on the group of stage j mod K / chunks, every group as many "
+            f"devices of one type (the pipeline replicated whole), got {[list(g) for g in groups]}",
+            hint="repeat the first K / chunks stages' groups for every further chunk",
+        )
+    replicas = len(groups[0])
+    shares = [
+        len(range(r, problem.microbatches, replicas)) for r in range(replicas)
+    ]  # equal replicas: in turn
+    if chunks != 1 and not all(interleavable(ranks, share) for share in shares):
+        raise PlanFormatError(
+            f"an interleaved plan over {ranks} devices with {replicas} replica(s) each runs {shares} of the "
+            f"{problem.microbatches} microbatches per replica: each share must be at least {ranks}, in rounds of "
+            "equal size",
+            hint=f"use a multiple of {ranks * replicas} microbatches",
         )
     flat = [d for g in groups[: ranks or len(groups)] for d in g]
     if not all(groups) or len(set(flat)) != len(flat) or not all(0 <= d < len(problem.devices) for d in flat):
@@ -188,6 +202,11 @@ def check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks: in
             f"codecs {codecs!r} must give {len(groups)} entries, each None or (activation, gradient) names",
             hint="one entry per stage; None lets the planner choose",
         )
+
+
+def _known(group, problem) -> bool:
+    """Whether every index of ``group`` names a device of ``problem`` (the check after says which not)."""
+    return all(isinstance(d, int) and 0 <= d < len(problem.devices) for d in group)
 
 
 def validate_problem(problem) -> None:

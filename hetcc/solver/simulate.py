@@ -20,7 +20,9 @@ shards its optimizer state (ZeRO-1) with the all-gather of its updated parameter
 holding it, which the search's formula leaves out; the step ends when the last device does.
 
 An interleaved 1F1B plan (``chunks`` > 1: each of p devices holds v stages, ``schedules.interleaved_actions``)
-replays the same way with one lane per device, running its chunks' actions in the schedule's order.
+replays the same way with one lane per device, running its chunks' actions in the schedule's order; a
+replicated one (the pipeline replicated whole) with one lane per replica of each, running the order over
+its own microbatches (``replica_interleaved_actions``), each stage's gradients summed at the end.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, s
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import (
     Action,
-    interleaved_actions,
     replica_actions,
+    replica_interleaved_actions,
     splits_backward,
     stage_actions,
 )
@@ -102,11 +104,12 @@ def simulate(
 
     if chunks > 1:
         ranks = k // chunks
-        orders = interleaved_actions(ranks, chunks, problem.microbatches, problem.training)
         lanes = []
-        for r, order in enumerate(orders):
-            mine, device = tuple(range(r, k, ranks)), groups[r][0]
-            lanes.append(_Lane(mine, 0, device, order, {j: seconds(j, device) for j in mine}))
+        for r in range(ranks):
+            mine, route = tuple(range(r, k, ranks)), tuple(stages[r].route)
+            for replica, device in enumerate(groups[r]):
+                order = replica_interleaved_actions(ranks, chunks, route, replica, problem.training)[r]
+                lanes.append(_Lane(mine, replica, device, order, {j: seconds(j, device) for j in mine}))
     else:
         actions = _lane_actions(
             problem.schedule, problem.microbatches, problem.training, tuple(len(g) for g in groups),
