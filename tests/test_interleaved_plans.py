@@ -129,6 +129,16 @@ def test_interleaving_replicates_the_pipeline_whole_where_that_is_faster(replica
     assert saved.simulation.step_time_s == pytest.approx(plan.step_time_s)
 
 
+def test_hetcc_simulate_prints_one_replicas_grid(replicated, tmp_path, capsys):
+    _, _, compiled = replicated
+    assert main(["simulate", str(compiled.save_plan(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "replica 0 of 2, its 2 microbatches numbered 0..1:" in out
+    grid = [line.split("|")[1].split() for line in out.splitlines() if line.startswith("rank")]
+    cells = {cell.partition(".")[0] or cell for row in grid for cell in row}  # F1.2: chunk 2's forward of 1
+    assert len(grid) == 2 and cells == {"F0", "F1", "B0", "B1", "."}
+
+
 @pytest.mark.slow
 def test_a_replicated_interleaved_build_trains_like_eager(replicated, tmp_path):
     """Four ranks; wte (stage 0, position 0) and lm_head (the last stage, position 1) are one parameter,

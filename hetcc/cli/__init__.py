@@ -111,11 +111,15 @@ def _simulate(args: argparse.Namespace) -> None:
     devices = [", ".join(s.devices) for s in saved.stages]
     for k, (busy, bubble) in enumerate(zip(result.busy_s, result.bubble_fraction)):
         print(f"  stage {k} on {devices[k]}: busy {busy * 1e3:.2f} ms, bubble {bubble:.0%}")
+    microbatches, replicas = problem.microbatches, len(saved.stages[0].devices)
+    if saved.plan.chunks > 1 and replicas > 1:  # the pipeline replicated whole: each replica its own rounds
+        microbatches = len(range(0, microbatches, replicas))
+        print(f"replica 0 of {replicas}, its {microbatches} microbatches numbered 0..{microbatches - 1}:")
     print(
         format_grid(
             saved.plan.schedule,
             saved.plan.ranks,
-            problem.microbatches,
+            microbatches,
             training=problem.training,
             comm=False,
             recompute=[s.recompute for s in saved.stages],
