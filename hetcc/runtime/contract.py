@@ -40,12 +40,13 @@ from hetcc.hardware.schema import (
     short_repr,
 )
 from hetcc.plan import PRECISIONS, RECOMPILE, Plan
-from hetcc.runtime.placement import RankPlacement, interleaved_stages, placement, ranks_for
+from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
 from hetcc.solver.schedules import (
     INTERLEAVED,
     PIPELINE_SCHEDULES,
     interleaved_shares,
+    rank_stages,
     recorded_warmup,
     warmup_fault,
     warmup_forwards,
@@ -140,7 +141,9 @@ def pipeline_meta_for(
     stage_devices = [[cluster.device(name) for name in stage.devices] for stage in plan.stages]
     ranks = placement(stage_devices[: plan.ranks], [s.tensor for s in plan.stages[: plan.ranks]])
     if plan.chunks > 1:  # interleaved 1F1B: rank r runs stages r, r + p, ... on its device
-        ranks = tuple(replace(r, chunks=interleaved_stages(plan.ranks, r.stage, plan.chunks)) for r in ranks)
+        ranks = tuple(
+            replace(r, chunks=rank_stages(INTERLEAVED, plan.ranks, r.stage, plan.chunks)) for r in ranks
+        )
     return PipelineMeta(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),
         ranks, tuple(tuple(s.route) for s in solution.stages),
@@ -353,7 +356,7 @@ def _check_chunks(meta: PipelineMeta, where: Where) -> None:
             p < 2
             or chunks * p != meta.num_stages
             or replicas * p != len(ranks)
-            or rank.stages != interleaved_stages(p, rank.stage, chunks)
+            or rank.stages != rank_stages(INTERLEAVED, p, rank.stage, chunks)
         ):
             where.at("placement", rank.rank).fail(
                 f"rank {rank.rank} runs stages {list(rank.stages)} as replica {rank.replica}; {INTERLEAVED} over "

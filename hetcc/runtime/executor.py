@@ -339,16 +339,17 @@ def forward_chunks(executors: Sequence[StageExecutor], inputs: Mapping[int, dict
         first.links.wait_sends()
         for buffer, before in buffers:
             buffer.copy_(before)
-    if any(executor.stage.is_last for executor in executors):  # a model without a loss gives none
-        _mean_loss_of_last(executors, result)
+    if _mean_loss_of_last(executors, result):  # a model without a loss gives none
         result.mean_loss = result.mean_loss if result.losses or not result.microbatches else None
     return result
 
 
-def _mean_loss_of_last(executors: Sequence[StageExecutor], result: StepResult) -> None:
+def _mean_loss_of_last(executors: Sequence[StageExecutor], result: StepResult) -> bool:
+    """Set the step's mean loss where this rank runs the last stage; whether it does."""
     last = next((executor for executor in executors if executor.stage.is_last), None)
     if last is not None:
         result.mean_loss = last._mean_loss(result.losses, last.microbatches)
+    return last is not None
 
 
 def _reduce_tied_grads(executors: Sequence[StageExecutor]) -> None:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hetcc.solver.schedules import INTERLEAVED, chunk_stage
+from hetcc.solver.schedules import INTERLEAVED, rank_stages
 
 GIB = 1024**3
 
@@ -104,16 +104,12 @@ def interleaved_ranks(
     ranks (the pipeline replicated whole: rank r * replicas + i is replica i of position r), on
     ``vendor``."""
     return tuple(
-        RankPlacement(r * replicas + i, r, i, vendor=vendor, chunks=interleaved_stages(ranks, r, chunks))
+        RankPlacement(
+            r * replicas + i, r, i, vendor=vendor, chunks=rank_stages(INTERLEAVED, ranks, r, chunks)
+        )
         for r in range(ranks)
         for i in range(replicas)
     )
-
-
-def interleaved_stages(ranks: int, rank: int, chunks: int) -> tuple[int, ...]:
-    """The stages rank ``rank`` of ``ranks`` runs under interleaved 1F1B, by chunk
-    (``schedules.chunk_stage``): rank, rank + ranks, ..."""
-    return tuple(chunk_stage(INTERLEAVED, ranks, rank, c) for c in range(chunks))
 
 
 def _rank(

@@ -52,10 +52,12 @@ from hetcc.solver.problem import (
 )
 from hetcc.solver.problem_checks import check_plan
 from hetcc.solver.schedules import (
+    INTERLEAVED,
     defer_weights,
     least_warmups,
     max_inflight,
     one_f_one_b,
+    rank_stages,
     replica_actions,
     replica_interleaved_actions,
     splits_backward,
@@ -182,7 +184,7 @@ def _interleaved(problem, boundaries, groups, routes, seconds, footprints, recom
     ranks = len(groups) // chunks
     memories = [None] * len(groups)
     for rank in range(ranks):
-        mine = range(rank, len(groups), ranks)  # the rank's stages, by chunk
+        mine = rank_stages(INTERLEAVED, ranks, rank, chunks)
         orders = [
             replica_interleaved_actions(ranks, chunks, tuple(routes[rank]), replica, problem.training)[rank]
             for replica in range(len(groups[rank]))

@@ -380,6 +380,12 @@ def chunk_stage(schedule: str, ranks: int, rank: int, chunk: int) -> int:
     return chunk * ranks + rank
 
 
+def rank_stages(schedule: str, ranks: int, rank: int, chunks: int) -> tuple[int, ...]:
+    """The stages rank ``rank`` of ``ranks`` runs, by chunk (``chunk_stage``): under interleaved 1F1B
+    rank, rank + ranks, ...; under ZB-V rank and 2 * ranks - 1 - rank."""
+    return tuple(chunk_stage(schedule, ranks, rank, c) for c in range(chunks))
+
+
 def interleavable(ranks: int, microbatches: int) -> bool:
     """Whether interleaved 1F1B takes ``microbatches`` over ``ranks``: at least one round of them, in
     rounds of equal size (``interleaved_actions``)."""

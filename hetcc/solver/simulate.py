@@ -38,7 +38,9 @@ from hetcc.solver.links import device_ring_s
 from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, stage_costs, weight_grad_s
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import (
+    INTERLEAVED,
     Action,
+    rank_stages,
     replica_actions,
     replica_interleaved_actions,
     splits_backward,
@@ -106,7 +108,7 @@ def simulate(
         ranks = k // chunks
         lanes = []
         for r in range(ranks):
-            mine, route = tuple(range(r, k, ranks)), tuple(stages[r].route)
+            mine, route = rank_stages(INTERLEAVED, ranks, r, chunks), tuple(stages[r].route)
             for replica, device in enumerate(groups[r]):
                 order = replica_interleaved_actions(ranks, chunks, route, replica, problem.training)[r]
                 lanes.append(_Lane(mine, replica, device, order, {j: seconds(j, device) for j in mine}))
