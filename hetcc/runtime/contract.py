@@ -44,7 +44,8 @@ from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
 from hetcc.solver.schedules import (
     INTERLEAVED,
-    PIPELINE_SCHEDULES,
+    RUN_SCHEDULES,
+    ZBV,
     interleaved_shares,
     rank_stages,
     recorded_warmup,
@@ -183,7 +184,7 @@ def _fields(nonempty: bool) -> dict[str, Callable[[object, Where], Any]]:
     """The kinds of the record's fields; ``nonempty``: its lists are written out (version 2), so an empty
     one is an error, not the default it meant in version 1."""
     return {
-        "schedule": Choice(PIPELINE_SCHEDULES, "schedule"),
+        "schedule": Choice(RUN_SCHEDULES, "schedule"),
         "microbatches": Count(),
         "optimizer": Nullable(Record({"name": Text()}, required=("name",), open=True)),
         "loss": Text(),
@@ -284,9 +285,9 @@ def _check(meta: PipelineMeta, where: Where) -> None:
     """The record agrees with itself (the schema layer has checked each field's type when read)."""
     if not _count(meta.num_stages):
         where.fail(f"num_stages: expected a positive integer; got {short_repr(meta.num_stages)}")
-    if meta.schedule not in PIPELINE_SCHEDULES:
+    if meta.schedule not in RUN_SCHEDULES:
         where.at("schedule").fail(
-            f"unknown schedule {short_repr(meta.schedule)}", f"use {', '.join(PIPELINE_SCHEDULES)}"
+            f"unknown schedule {short_repr(meta.schedule)}", f"use {', '.join(RUN_SCHEDULES)}"
         )
     if not _count(meta.microbatches):
         where.at("microbatches").fail(f"expected a positive integer; got {short_repr(meta.microbatches)}")
@@ -310,10 +311,10 @@ def _check(meta: PipelineMeta, where: Where) -> None:
     _check_per_stage(meta.shard, meta.num_stages, where.at("shard"))
     _check_per_stage(meta.deferred, meta.num_stages, where.at("deferred"))
     _check_per_stage(meta.warmup, meta.num_stages, where.at("warmup"))
-    interleaved = meta.schedule == INTERLEAVED  # its order fixes each stage's warm-up and keeps every W whole
+    own_order = meta.schedule in (INTERLEAVED, ZBV)  # its order fixes each stage's warm-up and deferral
     fault = (
         warmup_fault(meta.schedule, replicas, meta.microbatches, meta.warmup)
-        if meta.training and not interleaved
+        if meta.training and not own_order
         else None
     )
     if fault is not None:
@@ -334,12 +335,15 @@ def _check_chunks(meta: PipelineMeta, where: Where) -> None:
     (the pipeline replicated whole), with one routing for every stage and each replica's microbatches
     in rounds of p or more; under any other schedule a rank runs one stage."""
     ranks = meta.placement
+    if meta.schedule == ZBV:
+        _check_v(meta, where)
+        return
     if meta.schedule != INTERLEAVED:
         holder = next((rank for rank in ranks if rank.chunks and len(rank.chunks) > 1), None)
         if holder is not None:
             where.at("placement", holder.rank, "chunks").fail(
                 f"rank {holder.rank} runs stages {list(holder.chunks)}, but a rank runs several stages only "
-                f"under {INTERLEAVED!r}; this pipeline's schedule is {meta.schedule!r}"
+                f"under {INTERLEAVED!r} or {ZBV!r}; this pipeline's schedule is {meta.schedule!r}"
             )
         return
     split = next((rank for rank in ranks if rank.tensor), None)
@@ -380,6 +384,27 @@ def _check_chunks(meta: PipelineMeta, where: Where) -> None:
             f"each replica's in rounds of equal size, at least {p} each",
             f"give each replica a multiple of {p}",
         )
+
+
+def _check_v(meta: PipelineMeta, where: Where) -> None:
+    """ZB-V (``schedules.zbv_actions``): p >= 2 ranks, rank r running stages r and 2p - 1 - r, one replica
+    each, whole."""
+    ranks = meta.placement
+    p = len(ranks)
+    for rank in ranks:
+        if (
+            p < 2
+            or meta.num_stages != 2 * p
+            or rank.replica
+            or rank.tensor
+            or rank.stages != rank_stages(ZBV, p, rank.rank, 2)
+        ):
+            where.at("placement", rank.rank).fail(
+                f"rank {rank.rank} runs stages {list(rank.stages)} as replica {rank.replica}, part {rank.tensor}; "
+                f"{ZBV} over {p} ranks runs 2p stages in a V, rank r stages r and 2p - 1 - r, one replica of each, "
+                "whole, on 2 ranks or more",
+                "place it with hetcc.runtime.placement.zbv_ranks(ranks), or run another schedule",
+            )
 
 
 def _check_per_stage(values: Sequence[object], num_stages: int, where: Where) -> None:

@@ -226,13 +226,15 @@ class StageExecutor:
 
     def _backward(self, m: int, split: bool = False) -> None:
         """B: the whole backward, or under a split schedule the gradient of the stage's inputs (what the
-        previous stage waits for), keeping what ``_weights`` needs (``runtime.split_backward``)."""
+        previous stage waits for), keeping what ``_weights`` needs (``runtime.split_backward``). A
+        recomputing stage runs it whole (its W then does nothing): W would run its forward a third time,
+        receiving again (``schedules.splits_backward``; ZB-V's order gives every stage a W)."""
         roots = self.roots.pop(m)
         self.transport.replaying = self.recompute  # a forward op running now is the recomputation
         buffers = _buffer_snapshot(self.module) if self.recompute else []
         anchor = getattr(self.module, ANCHOR_NAME, None)
         try:
-            if roots and split and anchor is not None:
+            if roots and split and not self.recompute and anchor is not None:
                 self.deferred[m] = input_gradients(roots, anchor, self.params)
             elif roots:
                 torch.autograd.backward(roots, [torch.ones_like(root) for root in roots])

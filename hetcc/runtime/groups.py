@@ -11,11 +11,15 @@ Point-to-point messages between two ranks pair up in the order they are posted, 
 ignores tags, and gloo, which matches by tag, is given each message's position in its rank pair's
 sequence as the tag. A CPU run therefore pairs messages exactly as a GPU run does, and the senders and
 receivers above (``hetcc.runtime.transport``) must post each pair's messages in one agreed order.
+Under ZB-V two ranks post and take their messages in different orders, but each stage pair's in one:
+each such pair (``channels``) then talks over a process group of its own, whose messages pair up in
+their own order, and the two stages of one rank at the V's turn hand theirs over in memory, in order.
 """
 
 from __future__ import annotations
 
 import datetime
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -55,7 +59,9 @@ class Links:
 
     ``vendors``: per rank; ``tied_ranks``: per tied group, every rank holding the parameter;
     ``replica_ranks``: per replicated stage (and part), its replicas' ranks; ``tensor_ranks``: per
-    tensor-parallel replica, its parts' ranks (``tensor``: this rank's, a ``hetcc.collectives`` group).
+    tensor-parallel replica, its parts' ranks (``tensor``: this rank's, a ``hetcc.collectives`` group);
+    ``channels``: (rank a, rank b, stage s, stage t) per stage pair whose messages keep an order of their
+    own (``RankLayout.channels``).
     Must be built on every rank with the same arguments (``new_group`` is collective).
     """
 
@@ -67,6 +73,7 @@ class Links:
         device: torch.device | str = "cpu",
         replica_ranks: Sequence[Sequence[int]] = (),
         tensor_ranks: Sequence[Sequence[int]] = (),
+        channels: Sequence[tuple[int, int, int, int]] = (),
     ):
         self.rank, self.timeout_s, self.device = dist.get_rank(), timeout_s, torch.device(device)
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -90,31 +97,68 @@ class Links:
             group = dist.new_group(list(ranks), backend=backend, timeout=self.timeout)
             if self.rank in ranks:
                 self.tensor = ProcessTensorGroup(group)
+        self.channels: dict[tuple[int, int], object] = {}  # (stage s, stage t), s < t -> its group
+        for a, b, *stages in channels:
+            group = dist.new_group(
+                sorted((a, b)), backend=link_backend(vendors[a], vendors[b]), timeout=self.timeout
+            )
+            if self.rank in (a, b):
+                self.channels[min(stages), max(stages)] = group
+        self.loopback: dict[
+            tuple[int, int], deque
+        ] = {}  # (sending, receiving stage) on this rank -> messages
         self.gloo_peers = {
             j if i == self.rank else i
             for (i, j), backend in link_backends(vendors).items()
             if backend == "gloo" and self.rank in (i, j)
         }
         self.pending: list[tuple[object, torch.Tensor, str]] = []
-        self.sent_count: dict[int, int] = {}  # peer rank -> messages posted to it
-        self.received_count: dict[int, int] = {}  # peer rank -> messages posted from it
+        self.sent_count: dict[tuple, int] = {}  # (peer rank, channel) -> messages posted to it
+        self.received_count: dict[tuple, int] = {}  # (peer rank, channel) -> messages posted from it
 
     def group(self, peer: int):
         return self.pairs.get((min(self.rank, peer), max(self.rank, peer)))
 
-    def isend(self, tensor: torch.Tensor, peer: int, what: str) -> None:
-        """Start sending; the work is waited for (with the timeout) in ``wait_sends``."""
+    def isend(
+        self, tensor: torch.Tensor, peer: int, what: str, stages: tuple[int, int] | None = None
+    ) -> None:
+        """Start sending; the work is waited for (with the timeout) in ``wait_sends``. ``stages``: (the
+        sending stage, the receiving one), which picks the stage pair's channel where it has one."""
+        if peer == self.rank:  # two stages of this rank: handed over in memory, in order
+            self.loopback.setdefault(stages, deque()).append(tensor.detach().clone())
+            return
+        group, channel = self._channel(peer, stages)
         tensor = tensor.detach().to(self._wire_device(peer)).contiguous()
-        work = dist.isend(tensor, dst=peer, group=self.group(peer), tag=_next(self.sent_count, peer))
+        work = dist.isend(tensor, dst=peer, group=group, tag=_next(self.sent_count, (peer, channel)))
         self.pending.append((work, tensor, f"{what} to rank {peer}"))
 
-    def recv(self, peer: int, shape, dtype: torch.dtype, what: str) -> torch.Tensor:
-        """The next message from ``peer``, which must hold ``shape`` x ``dtype`` (nothing on the wire says
-        what a message holds: the caller checks that)."""
+    def recv(
+        self, peer: int, shape, dtype: torch.dtype, what: str, stages: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """The next message from ``peer`` (of the stage pair ``stages``, sending stage first, where it has
+        a channel), which must hold ``shape`` x ``dtype`` (nothing on the wire says what a message holds:
+        the caller checks that)."""
+        if peer == self.rank:
+            queue = self.loopback.get(stages)
+            if not queue:
+                raise RuntimeFailure(
+                    f"rank {self.rank}: stage {stages[1]} waits for {what} from stage {stages[0]} on the same rank, "
+                    "which its order has not sent yet",
+                    hint="the schedule runs a receiving stage before its sender on one rank: report it as a hetcc bug",
+                )
+            return queue.popleft().to(self.device)
+        group, channel = self._channel(peer, stages)
         buffer = torch.empty(tuple(shape), dtype=dtype, device=self._wire_device(peer))
-        work = dist.irecv(buffer, src=peer, group=self.group(peer), tag=_next(self.received_count, peer))
+        work = dist.irecv(buffer, src=peer, group=group, tag=_next(self.received_count, (peer, channel)))
         self.wait(work, f"{what} from rank {peer}", peer)
         return buffer.to(self.device)
+
+    def _channel(self, peer: int, stages: tuple[int, int] | None) -> tuple[object, tuple[int, int] | None]:
+        """(the group of the message, the channel it counts in): the stage pair's own, or the rank pair's."""
+        pair = (min(stages), max(stages)) if stages is not None else None
+        if pair in self.channels:
+            return self.channels[pair], pair
+        return self.group(peer), None
 
     def _wire_device(self, peer: int) -> torch.device:
         """gloo moves host memory: tensors for a gloo link are staged through the CPU."""
@@ -178,9 +222,10 @@ class Links:
             ) from error
 
 
-def _next(counts: dict[int, int], peer: int) -> int:
-    """The position of the next message with ``peer`` in one direction: gloo's tag for it (nccl ignores
-    tags and pairs messages in this order anyway). Wraps long before a 32-bit tag would."""
-    position = counts.get(peer, 0)
-    counts[peer] = (position + 1) % _TAG_WRAP
+def _next(counts: dict[tuple, int], key: tuple) -> int:
+    """The position of the next message with a peer (on one channel, ``key``) in one direction: gloo's tag
+    for it (nccl ignores tags and pairs messages in this order anyway). Wraps long before a 32-bit tag
+    would."""
+    position = counts.get(key, 0)
+    counts[key] = (position + 1) % _TAG_WRAP
     return position

@@ -8,7 +8,8 @@ subsequence of its stage's schedule whose microbatches it owns: that only remove
 stays deadlock-free. Under interleaved 1F1B a rank runs several stages, one per chunk
 (``RankPlacement.chunks``), in the order ``schedules.interleaved_actions`` gives its rank; replicated,
 each replica of the pipeline runs that order over the microbatches routed to it
-(``schedules.replica_interleaved_actions``).
+(``schedules.replica_interleaved_actions``); under ZB-V rank r runs stages r and 2p - 1 - r
+(``schedules.zbv_actions``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from dataclasses import dataclass, field
 
 from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.placement import RankPlacement
-from hetcc.solver.schedules import INTERLEAVED, Action, replica_interleaved_actions, stage_actions
+from hetcc.solver.schedules import (
+    INTERLEAVED,
+    ZBV,
+    Action,
+    replica_interleaved_actions,
+    stage_actions,
+    zbv_actions,
+)
 
 
 @dataclass(frozen=True)
@@ -80,6 +88,8 @@ class RankLayout:
                 training,
             )
             return list(rows[placement.stage])  # rank r of its replica runs stages r, r + p, ...
+        if schedule == ZBV:  # rank r runs stages r and 2p - 1 - r, one replica each (``contract``)
+            return zbv_actions(self.num_ranks, len(self.routing[0]), training)[rank]
         replicas = [len(self.stage_ranks(k)) for k in range(len(self.routing))]
         every = stage_actions(
             schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas,
@@ -87,6 +97,22 @@ class RankLayout:
             warmup=None if schedule == "gpipe" else self.warmup,  # GPipe runs every forward first
         )[placement.stage]  # fmt: skip
         return [a for a in every if self.routing[placement.stage][a.microbatch] == placement.replica]
+
+    def channels(self, schedule: str) -> list[tuple[int, int, int, int]]:
+        """(rank a, rank b, stage s, stage t) per pair of stages on two ranks whose messages keep an order of
+        their own (``groups.Links``): under ZB-V, whose ranks post and take a rank pair's messages in
+        different orders, every such pair (a stage's peers are not known here: each pair gets one);
+        none under the other schedules, whose rank pairs keep one order."""
+        if schedule != ZBV:
+            return []
+        stages = len(self.routing)
+        ranks = [self.stage_ranks(k)[0] for k in range(stages)]
+        return [
+            (ranks[s], ranks[t], s, t)
+            for s in range(stages)
+            for t in range(s + 1, stages)
+            if ranks[s] != ranks[t]
+        ]
 
     def replica_groups(self) -> list[list[int]]:
         """Per stage with more than one replica (in stage order) and per part, the ranks whose gradients

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from hetcc.solver.schedules import INTERLEAVED, rank_stages
+from hetcc.solver.schedules import INTERLEAVED, ZBV, rank_stages
 
 GIB = 1024**3
 
@@ -109,6 +109,14 @@ def interleaved_ranks(
         )
         for r in range(ranks)
         for i in range(replicas)
+    )
+
+
+def zbv_ranks(ranks: int, vendor: str = "cpu") -> tuple[RankPlacement, ...]:
+    """A placement without devices for ZB-V: ``ranks`` ranks, rank r running stages r and 2 * ranks - 1 - r
+    (``schedules.zbv_actions``), on ``vendor``."""
+    return tuple(
+        RankPlacement(r, r, vendor=vendor, chunks=rank_stages(ZBV, ranks, r, 2)) for r in range(ranks)
     )
 
 

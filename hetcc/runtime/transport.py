@@ -15,7 +15,9 @@ Order: messages between two ranks pair up in the order they are posted (``Links`
 so both ends post them in one order derived from the plan. Every stage runs its forwards, and its
 backwards, in microbatch order; under interleaved 1F1B two ranks exchange the messages of several stage
 pairs, and Megatron's order (``schedules.interleaved_actions``) posts and takes each rank pair's in one
-order on both ends, so each rank's stages use one transport each over the same links. Within a forward, the stage's graph posts its sends to a peer and its
+order on both ends, so each rank's stages use one transport each over the same links; under ZB-V only
+each stage pair's are in one order, and every message names its stage pair, whose channel it takes
+(``Links``). Within a forward, the stage's graph posts its sends to a peer and its
 recvs from it in ascending tag order (``passes.comm``). A backward runs the ops' backwards in whatever
 order autograd picks on each side, so they do not touch the wire: ``recv``'s backward hands its gradient
 to the transport, which sends the microbatch's gradients after the backward (``settle_gradients``), in
@@ -136,8 +138,8 @@ class LinkTransport:
         for rank in self.peer_ranks(peer):
             if (tag, rank) not in self.wire_dtypes:
                 self.wire_dtypes[(tag, rank)] = tensor.dtype
-                self.links.isend(_header(tensor), rank, f"shape and dtype of {what}")
-            self.links.isend(tensor.to(self.wire_dtypes[(tag, rank)]), rank, what)
+                self.links.isend(_header(tensor), rank, f"shape and dtype of {what}", (self.index, peer))
+            self.links.isend(tensor.to(self.wire_dtypes[(tag, rank)]), rank, what, (self.index, peer))
 
     def recv(self, peer: int, tag: int, shape: list[int], dtype: torch.dtype, *, grad: bool) -> torch.Tensor:
         if grad:  # send's backward
@@ -150,10 +152,12 @@ class LinkTransport:
         rank = self.peer_rank(peer)
         what = f"F{m} {edge.value} (stage {peer})"
         if (tag, rank) not in self.wire_dtypes:
-            header = self.links.recv(rank, [2 + HEADER_DIMS], torch.int64, f"shape and dtype of {what}")
+            header = self.links.recv(
+                rank, [2 + HEADER_DIMS], torch.int64, f"shape and dtype of {what}", (peer, self.index)
+            )
             self.wire_dtypes[(tag, rank)] = self._check_header(header, edge, peer, shape, dtype)
             self.crossed[tag] = self.wire_dtypes[(tag, rank)]
-        tensor = self.links.recv(rank, shape, self.wire_dtypes[(tag, rank)], what)
+        tensor = self.links.recv(rank, shape, self.wire_dtypes[(tag, rank)], what, (peer, self.index))
         if self.keep_received:
             self.received[(tag, m)] = tensor
         return tensor
@@ -181,7 +185,7 @@ class LinkTransport:
                     "pipeline again rather than editing its files",
                 )
             for rank in self.peer_ranks(edge.src):
-                self.links.isend(grad.to(dtype), rank, f"B{m} grad of {edge.value}")
+                self.links.isend(grad.to(dtype), rank, f"B{m} grad of {edge.value}", (self.index, edge.src))
         for peer in sorted({edge.dst for edge in self.grads_in} - self.asked):
             self._receive_gradients(peer)
         for _ in self.arrived:
@@ -195,7 +199,7 @@ class LinkTransport:
         for edge in (e for e in self.grads_in if e.dst == peer):
             what = f"B{self.microbatch} grad of {edge.value} (stage {peer})"
             shape, dtype = self._grad_wire(edge)
-            self.arrived[edge.tag] = self.links.recv(rank, list(shape), dtype, what)
+            self.arrived[edge.tag] = self.links.recv(rank, list(shape), dtype, what, (peer, self.index))
 
     def _grad_wire(self, edge: CommEdge) -> tuple[tuple[int, ...], torch.dtype]:
         """What the gradient of ``edge`` crosses as: its codec's payload, or the tensor in the dtype it

@@ -44,8 +44,11 @@ With ``training=False`` every schedule reduces to forwards only, in microbatch o
 ``interleaved-1f1b`` (``INTERLEAVED``, ``interleaved_actions``): v stages per rank, 1F1B's bubble over v.
 The simulator replays it (``simulate(..., chunks=v)``), ``solver.interleave`` prices it on a
 pipeline's devices, and the runtime runs a pipeline saved with it (``PIPELINE_SCHEDULES``: each rank holds
-its v stages, ``RankPlacement.chunks``); the planner plans it where the user pins it
-(``solver.interleave.solve_interleaved``), not under ``"auto"``.
+its v stages, ``RankPlacement.chunks``); the planner plans it where the user pins it or under "auto"
+(``solver.interleave.solve_interleaved``).
+
+``zbv`` (``ZBV``, ``zbv_actions``): two stages per rank in a V, every backward split. The runtime runs a
+pipeline split by hand and saved with it (``RUN_SCHEDULES``); it is not simulated or planned yet.
 """
 
 from __future__ import annotations
@@ -58,12 +61,13 @@ from hetcc.errors import PlanFormatError
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SPLIT_SCHEDULES = ("zb-h1", "zb-h2")  # the schedules that run input and weight gradients apart
-INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actions``): planned when pinned
-PIPELINE_SCHEDULES = (*SCHEDULES, INTERLEAVED)  # what a saved pipeline runs (``runtime.contract``)
-# ZB-V: two stages per rank in a V, each backward split (``zbv_actions``): its order is data here, for the
-# grid and the unit-step replay; neither planned nor run, as its ranks do not send and receive each
-# rank pair's messages in one order, which the runtime's pairing of messages by order needs
+INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actions``)
+PIPELINE_SCHEDULES = (*SCHEDULES, INTERLEAVED)  # what a plan may use
+# ZB-V: two stages per rank in a V, each backward split (``zbv_actions``). Its ranks do not post and take
+# each rank pair's messages in one order, so the runtime keeps an order per stage pair for it
+# (``runtime.groups.Links``); it is run, not simulated or planned yet.
 ZBV = "zbv"
+RUN_SCHEDULES = (*PIPELINE_SCHEDULES, ZBV)  # what a saved pipeline runs (``runtime.contract``)
 
 
 @dataclass(frozen=True)

@@ -333,6 +333,7 @@ class PipelineRank:
         return Links(
             vendors, tied_ranks, timeout_s, self.device,
             replica_ranks=self.layout.replica_groups(), tensor_ranks=self.layout.tensor_groups(),
+            channels=self.layout.channels(self.schedule),
         )  # fmt: skip
 
     def _share(self, batch: RankBatch | Mapping[str, Any]) -> RankBatch:

@@ -20,9 +20,9 @@ from hetcc.errors import PlanFormatError
 from hetcc.passes.comm import split_stages
 from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.layout import RankLayout
-from hetcc.runtime.placement import RankPlacement, interleaved_ranks, ranks_for
+from hetcc.runtime.placement import RankPlacement, interleaved_ranks, ranks_for, zbv_ranks
 from hetcc.runtime.store import Pipeline
-from hetcc.solver.schedules import INTERLEAVED, interleavable, interleaved_actions
+from hetcc.solver.schedules import INTERLEAVED, ZBV, interleavable, interleaved_actions, zbv_actions
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.local import run_local
 
@@ -295,3 +295,40 @@ def test_every_rank_pair_posts_and_takes_its_messages_in_one_order(ranks):
         for microbatches in (m for m in range(ranks, 3 * ranks + 1) if interleavable(ranks, m)):
             posted, taken = _messages(interleaved_actions(ranks, chunks, microbatches), ranks, chunks)
             assert posted == taken, (chunks, microbatches)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_zbv_trains_like_eager(ranks):
+    """ZB-V: rank r runs stages r and 2p - 1 - r, every backward split into B and W. Two ranks: the first
+    layer's weight is tied to the third's (stages 0 and 2, on ranks 0 and 1); four ranks: to the last's
+    (stages 0 and 7, both on rank 0). One stage recomputes; M = 4, fewer than ZB-V's 2p - 1 on four ranks.
+    Rank pairs exchange several stage pairs' messages out of their posted order, each pair on its own
+    channel, and the last rank hands the V's turn from one of its stages to the other in memory."""
+    torch.manual_seed(0)
+    model = SharedDeep() if ranks == 2 else Deep()
+    x, y = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)), torch.randn(8, 8)
+    gm = export(model, kwargs={"x": x[:2]})
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]  # a linear and a tanh per layer
+    stages = split_stages(gm, {node.name: i // 2 for i, node in enumerate(calls)}, 2 * ranks)
+    meta = PipelineMeta(
+        2 * ranks, schedule=ZBV, microbatches=4, placement=zbv_ranks(ranks),
+        recompute=[k == 1 for k in range(2 * ranks)],
+    )  # fmt: skip
+    result = run_local(Pipeline(stages, meta), {"x": x}, y, F.mse_loss, steps=2, optimizer=ADAM)
+    aliases = {"l2.weight", "l2.bias"} if ranks == 2 else set()
+    _check_fp32(result, eager_training(model, {"x": x}, y, F.mse_loss, 2, 4, ADAM), aliases)
+    assert result.stats[1]["replayed"] > 0  # rank 1 runs stage 1
+
+
+def test_zbv_ranks_run_their_rows_and_keep_an_order_per_stage_pair():
+    meta = PipelineMeta(6, schedule=ZBV, microbatches=5, placement=zbv_ranks(3))
+    layout = RankLayout.from_meta(meta)
+    assert [p.stages for p in layout.ranks] == [(0, 5), (1, 4), (2, 3)]
+    assert all(layout.actions(ZBV, r) == zbv_actions(3, 5)[r] for r in range(3))
+    channels = layout.channels(ZBV)
+    assert (0, 1, 0, 1) in channels and (1, 0, 4, 5) in channels and (1, 2, 1, 2) in channels
+    assert not any(a == b for a, b, _, _ in channels)  # stages 2 and 3 share rank 2: handed over in memory
+    assert layout.channels(INTERLEAVED) == []
+    with pytest.raises(PlanFormatError, match=r"rank 0 runs stages \[0, 2\] .* stages r and 2p - 1 - r"):
+        PipelineMeta(4, schedule=ZBV, microbatches=4, placement=interleaved_ranks(2, 2))
