@@ -301,3 +301,30 @@ def test_auto_schedule_keeps_interleaving_where_it_hides_the_bubble(count):
         kept, solution.boundaries, groups, solution.recompute, events=False, chunks=solution.chunks
     )
     assert replay.step_time_s == pytest.approx(solution.simulated_s)
+
+
+def test_solve_zbv_lays_the_best_pipelines_devices_in_a_v():
+    """Two equal devices that cannot each hold the model, a third of each backward weight gradient: the V
+    (stages 0 and 3 on one device, 1 and 2 on the other) hides 1F1B's bubble behind deferred W's, fits,
+    replays to the step it reports and stays above its bound."""
+    from hetcc.solver.interleave import solve_zbv, zbv_bound
+    from hetcc.solver.schedules import ZBV
+
+    n = 8
+    problem = PartitionProblem(
+        blocks=[f"b{i}" for i in range(n)], fwd_s={"gpu": [1.0] * n}, bwd_s={"gpu": [2.0] * n},
+        wgrad_s={"gpu": [1.0] * n}, state_bytes=[1.0] * n, act_bytes=[0.1] * n, cut_bytes=[1.0] * (n - 1),
+        devices=[ProblemDevice(f"g{i}", "gpu", 6.0, "n0") for i in range(2)],
+        bandwidth_bps=[[math.inf, 1e12], [1e12, math.inf]], latency_s=[[0.0, 0.0], [0.0, 0.0]],
+        microbatches=4, replicate=True,
+    )  # fmt: skip
+    solved, solution, note = solve_zbv(problem, RERANK)
+    groups = [stage.group for stage in solution.stages]
+    assert solved.schedule == ZBV and solution.chunks == 2 and len(groups) == 4
+    assert groups == groups[::-1] and groups[0] != groups[1]  # a V: device of stage j runs stage 3 - j
+    assert all(stage.fits for stage in solution.stages)
+    replay = simulate(solved, solution.boundaries, groups, solution.recompute, events=False, chunks=2)
+    assert replay.step_time_s == pytest.approx(solution.simulated_s)
+    assert zbv_bound(problem) == solution.lower_bound_s <= solution.simulated_s
+    assert solution.simulated_s < solve(problem).simulated_s  # 1F1B on the same devices
+    assert note.startswith(f"schedule: {ZBV} on the 2 devices of the best 1F1B pipeline")

@@ -13,7 +13,7 @@ from hetcc.solver.baselines import baselines
 from hetcc.solver.interleave import interleave
 from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, ProblemDevice
-from hetcc.solver.schedules import interleaved_actions
+from hetcc.solver.schedules import ZBV, interleaved_actions
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
 
@@ -320,6 +320,22 @@ def test_interleaved_1f1b_on_equal_chunks_has_1f1bs_bubble_over_v(ranks, chunks,
     assert simulate(inference, bounds, devices, chunks=chunks).step_time_s == pytest.approx(
         chunks * microbatches + ranks - 1
     )
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 5])
+def test_zbv_on_equal_stages_leaves_p_minus_1_idle_steps(ranks):
+    """ZB-V (two one-block stages per device in a V, F = B = W = 1 a block, the first stage's backward
+    whole): 6M + p - 1 once M >= 2p - 1, 6M + 4(p - 1) - 2(M - 1) below, as its unit-step replay
+    (``grid.unit_step_timeline``) gives; the same stages under 1F1B take 6M + 6(p - 1)."""
+    k = 2 * ranks
+    problem = _on_devices(homogeneous(k, 1, ZBV), ranks)
+    problem.wgrad_s = {"t": [1.0] * k}
+    v = [min(j, k - 1 - j) for j in range(k)]
+    for m in (ranks, 2 * ranks - 1, 3 * ranks):
+        sim = simulate(dataclasses.replace(problem, microbatches=m), list(range(k + 1)), v, chunks=2)
+        idle = ranks - 1 if m >= 2 * ranks - 1 else 4 * (ranks - 1) - 2 * (m - 1)
+        assert sim.step_time_s == pytest.approx(6 * m + idle)
+        assert {e.kind for e in sim.events if e.stage > 0} >= {"F", "B", "W"}
 
 
 def test_an_interleaved_device_holds_every_chunks_state_and_its_orders_activations():

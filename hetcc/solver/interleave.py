@@ -24,7 +24,7 @@ from hetcc.solver.baselines import min_max_split, span_sums
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import Device, stage_costs
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
-from hetcc.solver.schedules import INTERLEAVED, interleavable
+from hetcc.solver.schedules import INTERLEAVED, ZBV, interleavable, rank_stages
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
 
@@ -167,6 +167,53 @@ def interleaved_bound(problem: PartitionProblem) -> float:
     return lower_bound(replace(problem, schedule="1f1b"), contiguous=False)
 
 
+def zbv_bound(problem: PartitionProblem) -> float:
+    """A step no ZB-V plan of ``problem`` simulates below: ZB-H1's bound (only input gradients on the
+    chain), without the fill and tied-sum terms, as ``interleaved_bound``."""
+    return lower_bound(replace(problem, schedule="zb-h1"), contiguous=False)
+
+
+def solve_zbv(
+    problem: PartitionProblem,
+    rerank: int = 0,
+    pipeline: PartitionSolution | InfeasiblePlanError | None = None,
+) -> tuple[PartitionProblem, PartitionSolution, str]:
+    """(the problem it was planned on, the plan, a note) of ZB-V for ``problem``: the devices of its best
+    1F1B pure pipeline (``pipeline``: that answer, solved already; else solved here), stage j and
+    2p - 1 - j on device j, cut to each device's speed and refined by simulation (``interleave``); one
+    replica per stage, every backward but the first stage's and recomputing ones' split."""
+    pure = pure_pipeline(problem)
+    pipeline = _solved(pure, rerank) if pipeline is None else pipeline
+    if isinstance(pipeline, InfeasiblePlanError):
+        raise pipeline
+    devices, ranks = pipeline.devices, len(pipeline.stages)
+    if ranks < 2 or len(problem.blocks) < 2 * ranks:
+        raise InfeasiblePlanError(
+            f"{ZBV}: the best 1F1B pipeline runs {ranks} stage(s) over {len(problem.blocks)} blocks; a V needs 2 "
+            "devices or more and 2 blocks per device",
+            hint="use schedule='zb-h1', 'zb-h2' or 'auto', or a cluster whose plan spans 2+ devices",
+        )
+    plain = replace(pure, schedule=ZBV)
+    cuts, step_s, recompute = interleave(plain, devices, 2)
+    if math.isinf(step_s):
+        raise InfeasiblePlanError(
+            f"{ZBV}: no V over the {ranks} devices of the best 1F1B pipeline fits in memory (each device holds two "
+            f"stages' weights, and their activations until each W){'' if problem.recompute else '; recompute=False'}",
+            hint="use schedule='zb-h1' or 'auto'" + ("" if problem.recompute else ", or allow recomputation"),
+        )
+    placed = [devices[min(j, 2 * ranks - 1 - j)] for j in range(2 * ranks)]
+    stages = stage_costs(plain, cuts, placed, list(recompute), chunks=2)
+    bound = zbv_bound(problem)
+    per_device = [stages[r].compute_s + stages[2 * ranks - 1 - r].compute_s for r in range(ranks)]
+    solution = PartitionSolution(stages, step_s, max(per_device), bound, step_s / bound - 1, exact=False,
+                                 simulated_s=step_s, chunks=2)  # fmt: skip
+    note = (
+        f"schedule: {ZBV} on the {ranks} devices of the best 1F1B pipeline ({pipeline.simulated_s * 1e3:.2f} ms "
+        "under 1F1B)" + ("; no codecs: they are not planned with it" if problem.codecs is not None else "")
+    )
+    return plain, solution, note
+
+
 class Interleaved(NamedTuple):
     """An interleaved 1F1B plan: the boundaries of its v * p stages, its simulated step (inf: no plan
     tried fits), and per stage whether it recomputes its forward in backward."""
@@ -178,21 +225,34 @@ class Interleaved(NamedTuple):
 
 def interleave(problem: PartitionProblem, devices: Sequence[Device], chunks: int) -> Interleaved:
     """The interleaved 1F1B plan over the p ``devices`` (in pipeline order; each a device, or a group of R
-    identical ones: the pipeline replicated whole) with ``chunks`` per device: the cuts that minimise the
+    identical ones: the pipeline replicated whole), or under ``problem.schedule`` ``ZBV`` the V of two
+    stages per device, with ``chunks`` per device: the cuts that minimise the
     longest chunk's time on its device (``_balanced_cuts``), then single cuts moved by one or two blocks
     while the simulated step shortens and memory fits. Where the problem allows recomputation and a
     device's chunks do not fit, every chunk of that device recomputes (``_evaluated``; all of them under
     ``recompute_all``)."""
     ranks, n = len(devices), len(problem.blocks)
     replicas = len(devices[0]) if isinstance(devices[0], (tuple, list)) else 1
-    if chunks < 1 or n < chunks * ranks or not interleavable(ranks, problem.microbatches // replicas):
+    layout = ZBV if problem.schedule == ZBV else INTERLEAVED
+    if (
+        chunks < 1
+        or n < chunks * ranks
+        or not (
+            chunks == 2 and replicas == 1
+            if layout == ZBV
+            else interleavable(ranks, problem.microbatches // replicas)
+        )
+    ):
         raise PlanFormatError(
-            f"interleaving {chunks} chunks over {ranks} devices needs {chunks * ranks} of the {n} blocks and "
-            f"at least {ranks} microbatches per replica, in rounds of equal size (M = {problem.microbatches}, "
-            f"{replicas} replica(s))",
+            f"interleaving {chunks} chunks over {ranks} devices ({layout}) needs {chunks * ranks} of the {n} "
+            f"blocks, and at least {ranks} microbatches per replica, in rounds of equal size (M = "
+            f"{problem.microbatches}, {replicas} replica(s)); a ZB-V 2 chunks, one replica",
             hint="fewer chunks or devices",
         )
-    placed = [devices[j % ranks] for j in range(chunks * ranks)]
+    placed: list[Device] = [devices[0]] * (chunks * ranks)
+    for rank, device in enumerate(devices):  # stage j on the device of the rank running it
+        for stage in rank_stages(layout, ranks, rank, chunks):
+            placed[stage] = device
     cuts = _balanced_cuts(problem, placed)
     best_s, recompute = _evaluated(problem, cuts, placed, chunks)
     budget, improved = MOVES, True

@@ -53,13 +53,14 @@ from hetcc.solver.problem import (
 from hetcc.solver.problem_checks import check_plan
 from hetcc.solver.schedules import (
     INTERLEAVED,
+    ZBV,
     defer_weights,
     least_warmups,
     max_inflight,
     one_f_one_b,
+    rank_order,
     rank_stages,
     replica_actions,
-    replica_interleaved_actions,
     splits_backward,
     stage_warmups,
     zb_deferrals,
@@ -112,7 +113,8 @@ def stage_costs(
     """Every stage's costs, memory, replica shares and outgoing codecs (validates the plan; ``codecs``
     and ``shard`` as in ``evaluate``). ``warmup`` pins each stage's forwards before its first backward
     (``schedules.stage_actions``); None: the schedule's, less where memory is short (``_most_fitting``).
-    ``chunks`` > 1: an interleaved 1F1B plan (``_interleaved``)."""
+    ``chunks`` > 1: an interleaved 1F1B plan, or under ``ZBV`` a V of two stages per device
+    (``_interleaved``)."""
     groups = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in devices]
     recompute = [False] * len(groups) if recompute is None else [bool(r) for r in recompute]
     codecs = [None] * len(groups) if codecs is None else list(codecs)
@@ -125,9 +127,14 @@ def stage_costs(
         for j, g in enumerate(groups)
     ]
     routes = [route_microbatches(problem.microbatches, s) for s in seconds]
+    split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
+    footprints = [_footprint(problem, *boundaries[j : j + 2], g) for j, g in enumerate(groups)]
+    if chunks > 1:
+        return _interleaved(
+            problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks, split
+        )
     # A split schedule defers weight gradients: each stage as many as ZB-H1 does where its memory holds
     # them, fewer where it does not; ZB-H2 then warms up with more forwards, as many as memory still holds.
-    split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
     least = least_warmups(problem.schedule, replicas, problem.microbatches)
     wanted = stage_warmups(problem.schedule, replicas, problem.microbatches, warmup)
 
@@ -136,12 +143,6 @@ def stage_costs(
             return (1,) * len(groups[j])
         return _held(problem.microbatches, forwards, deferred if split[j] else None, tuple(routes[j]),
                      len(groups[j]))  # fmt: skip
-
-    footprints = [_footprint(problem, *boundaries[j : j + 2], g) for j, g in enumerate(groups)]
-    if chunks > 1:
-        return _interleaved(
-            problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks
-        )
 
     def fits(j: int, deferred: int, forwards: int) -> bool:
         return _memory(problem, footprints[j], held(j, deferred, forwards), recompute[j], shard[j]).fits
@@ -175,30 +176,33 @@ def stage_costs(
     )
 
 
-def _interleaved(problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks: int):
-    """The stages of an interleaved 1F1B plan (``schedules.interleaved_actions``: K / chunks ranks, stage
-    j on the group of rank j mod K / chunks; each replica of that pipeline runs the order over its own
-    microbatches, ``replica_interleaved_actions``), each costed as its own, with its devices' memory: the
-    state of every chunk a device holds and the most activation bytes its order holds at once (a
-    recomputing chunk holds its input per microbatch, and rebuilds one microbatch's activations at a time)."""
-    ranks = len(groups) // chunks
+def _interleaved(
+    problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks: int, split
+):  # fmt: skip
+    """The stages of a plan of several stages per device, each costed as its own, with its devices'
+    memory: the state of every chunk a device holds and the most activation bytes its order holds at once
+    (a recomputing chunk holds its input per microbatch, and rebuilds one microbatch's activations at a
+    time; a split stage's until its W). Interleaved 1F1B (``schedules.interleaved_actions``): K / chunks
+    ranks, stage j on the group of rank j mod K / chunks, each replica of that pipeline running the order
+    over its own microbatches (``replica_interleaved_actions``); ZB-V (``problem.schedule``,
+    ``zbv_actions``): rank r holds stages r and K - 1 - r, one device each."""
+    ranks, layout = len(groups) // chunks, ZBV if problem.schedule == ZBV else INTERLEAVED
     memories = [None] * len(groups)
     for rank in range(ranks):
-        mine = rank_stages(INTERLEAVED, ranks, rank, chunks)
+        mine = rank_stages(layout, ranks, rank, chunks)
         orders = [
-            replica_interleaved_actions(ranks, chunks, tuple(routes[rank]), replica, problem.training)[rank]
+            rank_order(layout, ranks, chunks, tuple(routes[rank]), replica, problem.training)[rank]
             for replica in range(len(groups[rank]))
         ]
+        release = ["W" if split[j] else "B" for j in mine]  # when a microbatch's activations go
         held = [
-            tuple(
-                max_inflight([a for a in order if a.chunk == c]) if problem.training else 1
-                for order in orders
-            )
+            tuple(max_inflight([a for a in order if a.chunk == c], release[c]) if problem.training else 1
+                  for order in orders)
             for c in range(chunks)
-        ]
+        ]  # fmt: skip
         parts = [_memory(problem, footprints[j], held[c], recompute[j], False) for c, j in enumerate(mine)]
         used = [
-            _interleaved_peak(problem, footprints, mine, recompute, order, r)
+            _interleaved_peak(problem, footprints, mine, recompute, order, r, release)
             for r, order in enumerate(orders)
         ]
         caps = footprints[rank].caps
@@ -215,14 +219,17 @@ def _interleaved(problem, boundaries, groups, routes, seconds, footprints, recom
     )
 
 
-def _interleaved_peak(problem, footprints, mine, recompute, order, replica: int) -> float:
-    """The most bytes replica ``replica`` of an interleaved rank holds running ``order`` over its stages
-    ``mine`` (by chunk): their state, the activations its forwards hold until their backwards, and one
+def _interleaved_peak(problem, footprints, mine, recompute, order, replica: int, release) -> float:
+    """The most bytes replica ``replica`` of a rank holds running ``order`` over its stages ``mine`` (by
+    chunk): their state, the activations each forward holds until its chunk's ``release`` action, and one
     microbatch's rebuilt by a recomputing chunk."""
     per_microbatch = [footprints[j].kept if recompute[j] else footprints[j].act[replica] for j in mine]
     live, peak = 0.0, 0.0 if problem.training else max(per_microbatch)  # inference: one at a time
-    for action in order if problem.training else ():  # a forward holds its activations until its backward
-        live += {"F": 1, "B": -1}.get(action.kind, 0) * per_microbatch[action.chunk]
+    for action in order if problem.training else ():
+        if action.kind == "F":
+            live += per_microbatch[action.chunk]
+        elif action.kind == release[action.chunk]:
+            live -= per_microbatch[action.chunk]
         peak = max(peak, live)
     rebuilt = max((footprints[j].act[replica] for j in mine if recompute[j]), default=0.0)
     return sum(footprints[j].state[replica] for j in mine) + peak + rebuilt

@@ -8,7 +8,7 @@ import math
 from collections import Counter
 
 from hetcc.errors import PlanFormatError
-from hetcc.solver.schedules import SCHEDULES, interleavable
+from hetcc.solver.schedules import SCHEDULES, ZBV, interleavable
 
 
 def _check_tied(problem, n: int) -> None:
@@ -154,12 +154,29 @@ def check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks: in
             hint="give each stage at least one block",
         )
     ranks = len(groups) // chunks if chunks >= 1 and len(groups) % chunks == 0 else 0
-    if chunks != 1 and (
-        problem.schedule != "1f1b"
-        or not ranks
-        or any(groups[j] != groups[j % ranks] or len(groups[j]) != len(groups[0]) for j in range(len(groups)))
-        or any(
-            len({problem.devices[d].type for d in group}) > 1 for group in groups if _known(group, problem)
+    if problem.schedule == ZBV and (
+        chunks != 2
+        or any(groups[j] != groups[len(groups) - 1 - j] or len(groups[j]) != 1 for j in range(ranks))
+    ):
+        raise PlanFormatError(
+            f"a ZB-V plan runs two stages per device in a V (chunks=2, stage j and K - 1 - j on one device, one "
+            f"device each), got chunks={chunks!r} and {[list(g) for g in groups]}",
+            hint="give the first K / 2 stages' devices again, in reverse order, for the last K / 2",
+        )
+    if (
+        chunks != 1
+        and problem.schedule != ZBV
+        and (
+            problem.schedule != "1f1b"
+            or not ranks
+            or any(
+                groups[j] != groups[j % ranks] or len(groups[j]) != len(groups[0]) for j in range(len(groups))
+            )
+            or any(
+                len({problem.devices[d].type for d in group}) > 1
+                for group in groups
+                if _known(group, problem)
+            )
         )
     ):
         raise PlanFormatError(
@@ -172,7 +189,7 @@ def check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks: in
     shares = [
         len(range(r, problem.microbatches, replicas)) for r in range(replicas)
     ]  # equal replicas: in turn
-    if chunks != 1 and not all(interleavable(ranks, share) for share in shares):
+    if chunks != 1 and problem.schedule != ZBV and not all(interleavable(ranks, share) for share in shares):
         raise PlanFormatError(
             f"an interleaved plan over {ranks} devices with {replicas} replica(s) each runs {shares} of the "
             f"{problem.microbatches} microbatches per replica: each share must be at least {ranks}, in rounds of "
@@ -243,7 +260,7 @@ def validate_problem(problem) -> None:
             raise _fail(
                 "devices", f"{device.name}: memory_bytes must be a number", "give usable memory in bytes"
             )
-    if problem.schedule not in SCHEDULES:
+    if problem.schedule not in (*SCHEDULES, ZBV):  # ZB-V: priced by ``simulate(..., chunks=2)``, not searched
         raise _fail(
             "schedule", f"unknown schedule {problem.schedule!r}", f"use one of {', '.join(SCHEDULES)}"
         )

@@ -101,9 +101,9 @@ def check_schedule_args(schedule: str, num_stages: int, microbatches: int) -> No
 
 def splits_backward(schedule: str, recompute: Sequence[bool]) -> list[bool]:
     """Per stage, whether its backward runs as ``B`` (input gradient) then ``W`` (weight gradient): under
-    a split schedule, every stage but the first (whose inputs take no gradient: its whole backward is
-    weight gradient) and those that recompute (their backward runs the forward again, once)."""
-    return [schedule in SPLIT_SCHEDULES and j > 0 and not r for j, r in enumerate(recompute)]
+    a split schedule (and ZB-V), every stage but the first (whose inputs take no gradient: its whole
+    backward is weight gradient) and those that recompute (their backward runs the forward again, once)."""
+    return [schedule in (*SPLIT_SCHEDULES, ZBV) and j > 0 and not r for j, r in enumerate(recompute)]
 
 
 def stage_actions(
@@ -327,6 +327,16 @@ def replica_interleaved_actions(
     return tuple(tuple(Action(a.kind, mine[a.microbatch], a.chunk) for a in row) for row in rows)
 
 
+def rank_order(
+    layout: str, ranks: int, chunks: int, route: tuple[int, ...], replica: int, training: bool = True
+) -> tuple[tuple[Action, ...], ...]:
+    """Per rank, the order replica ``replica`` runs under ``layout``: ``ZBV``'s V (one replica), else
+    interleaved 1F1B's (``replica_interleaved_actions``)."""
+    if layout == ZBV:
+        return tuple(map(tuple, zbv_actions(ranks, len(route), training)))
+    return replica_interleaved_actions(ranks, chunks, route, replica, training)
+
+
 def interleaved_shares(ranks: int, route: Sequence[int], replicas: int) -> bool:
     """Whether each of the ``replicas`` replicas' share of ``route`` (microbatch -> replica) is a count
     interleaved 1F1B takes over ``ranks`` (``interleavable``)."""
@@ -396,10 +406,10 @@ def interleavable(ranks: int, microbatches: int) -> bool:
     return microbatches >= ranks >= 1 and microbatches % (microbatches // ranks) == 0
 
 
-def max_inflight(actions: list[Action]) -> int:
+def max_inflight(actions: list[Action], release: str | None = None) -> int:
     """Most microbatches whose forward ran but whose backward has not yet (activations held): released by
-    ``W`` where the actions split their backwards, else by ``B``."""
-    release = "W" if any(a.kind == "W" for a in actions) else "B"
+    ``release``, else by ``W`` where the actions split their backwards, else by ``B``."""
+    release = release or ("W" if any(a.kind == "W" for a in actions) else "B")
     held = peak = 0
     for action in actions:
         held += 1 if action.kind == "F" else -1 if action.kind == release else 0

@@ -22,7 +22,9 @@ holding it, which the search's formula leaves out; the step ends when the last d
 An interleaved 1F1B plan (``chunks`` > 1: each of p devices holds v stages, ``schedules.interleaved_actions``)
 replays the same way with one lane per device, running its chunks' actions in the schedule's order; a
 replicated one (the pipeline replicated whole) with one lane per replica of each, running the order over
-its own microbatches (``replica_interleaved_actions``), each stage's gradients summed at the end.
+its own microbatches (``replica_interleaved_actions``), each stage's gradients summed at the end. A ZB-V
+plan (``problem.schedule`` ``ZBV``, two stages per device in a V, ``zbv_actions``) likewise, every stage
+but the first and the recomputing ones running B and W apart.
 """
 
 from __future__ import annotations
@@ -39,10 +41,11 @@ from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, s
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import (
     INTERLEAVED,
+    ZBV,
     Action,
+    rank_order,
     rank_stages,
     replica_actions,
-    replica_interleaved_actions,
     splits_backward,
     stage_actions,
 )
@@ -105,12 +108,12 @@ def simulate(
         return fwd, bwd - wgrad, wgrad
 
     if chunks > 1:
-        ranks = k // chunks
+        ranks, layout = k // chunks, ZBV if problem.schedule == ZBV else INTERLEAVED
         lanes = []
         for r in range(ranks):
-            mine, route = rank_stages(INTERLEAVED, ranks, r, chunks), tuple(stages[r].route)
+            mine, route = rank_stages(layout, ranks, r, chunks), tuple(stages[r].route)
             for replica, device in enumerate(groups[r]):
-                order = replica_interleaved_actions(ranks, chunks, route, replica, problem.training)[r]
+                order = rank_order(layout, ranks, chunks, route, replica, problem.training)[r]
                 lanes.append(_Lane(mine, replica, device, order, {j: seconds(j, device) for j in mine}))
     else:
         actions = _lane_actions(
