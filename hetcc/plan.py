@@ -11,9 +11,10 @@ from pathlib import Path
 from hetcc.errors import PlanFormatError, format_bytes
 from hetcc.hardware.schema import finite, read_text
 from hetcc.solver.schedules import (
-    INTERLEAVED,
+    MULTI_STAGE,
     PIPELINE_SCHEDULES,
     SPLIT_SCHEDULES,
+    ZBV,
     recorded_warmup,
     splits_backward,
     stage_warmups,
@@ -117,7 +118,7 @@ class Plan:
         """The ranks the plan runs on unless stages are replicated or tensor parallel: one per stage, or
         under interleaved 1F1B one per pipeline position (a device, or a group of replicas), each running
         its stages j, j + ranks, ..."""
-        return len({s.device for s in self.stages}) if self.schedule == INTERLEAVED else len(self.stages)
+        return len({s.device for s in self.stages}) if self.schedule in MULTI_STAGE else len(self.stages)
 
     @property
     def chunks(self) -> int:
@@ -238,7 +239,7 @@ def _check_plan(plan: Plan) -> None:
         raise _fail(
             "schedule", f"unknown schedule {plan.schedule!r}; use one of {', '.join(PIPELINE_SCHEDULES)}"
         )
-    if plan.schedule == INTERLEAVED and len(plan.stages) % plan.ranks:
+    if plan.schedule in MULTI_STAGE and len(plan.stages) % plan.ranks:
         raise _fail(
             "stages",
             f"{len(plan.stages)} interleaved stages on {plan.ranks} devices, not the same count each",
@@ -381,8 +382,9 @@ def explain(plan: Plan) -> str:
         )
     lines.append("ms/mb: per microbatch on one replica; memory: the fullest replica's device")
     if plan.chunks > 1:
+        turn = f"{2 * plan.ranks - 1} - j" if plan.schedule == ZBV else f"j + {plan.ranks}, ..."
         lines.append(
-            f"{INTERLEAVED}: device of stage j runs stages j, j + {plan.ranks}, ...; memory: all its stages hold"
+            f"{plan.schedule}: device of stage j runs stages j, {turn}; memory: all its stages hold"
             + ("; each replica runs its own microbatches" if len(plan.stages[0].devices) > 1 else "")
         )
     if split:

@@ -12,7 +12,7 @@ import hetcc
 from hetcc.cli import main
 from hetcc.errors import HetccError, InfeasiblePlanError
 from hetcc.report.data import load, simulate_plan
-from hetcc.solver.schedules import INTERLEAVED
+from hetcc.solver.schedules import INTERLEAVED, ZBV
 
 ADAM = {"name": "adam", "lr": 0.01}
 
@@ -144,6 +144,43 @@ def test_a_replicated_interleaved_build_trains_like_eager(replicated, tmp_path):
     """Four ranks; wte (stage 0, position 0) and lm_head (the last stage, position 1) are one parameter,
     its gradient summed over all four."""
     model, inputs, compiled = replicated
+    build = compiled.save(tmp_path / "build")
+    result = hetcc.run_local(build, {k: v for k, v in inputs.items() if k != "use_cache"}, steps=2,
+                             optimizer=ADAM)  # fmt: skip
+    losses, grads = eager_training(model, inputs, None, None, 2, 4, ADAM)
+    error = max(abs(got - want) / abs(want) for got, want in zip(result.losses, losses, strict=True))
+    assert error <= 1e-5, (result.losses, losses)
+    for name, grad in result.grads.items():
+        torch.testing.assert_close(grad, grads[name], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.fixture(scope="module")
+def zbv():
+    model, inputs = _gpt2()
+    compiled = hetcc.compile(model, _cluster(2), example_kwargs=inputs, microbatches=4, schedule=ZBV)
+    return model, inputs, compiled
+
+
+def test_zbv_lays_the_pipeline_in_a_v_and_the_plan_replays(zbv, tmp_path, capsys):
+    _, _, compiled = zbv
+    plan = compiled.plan
+    assert plan.schedule == ZBV and plan.ranks == 2 and plan.chunks == 2 and len(plan.stages) == 4
+    assert [s.devices for s in plan.stages] == [plan.stages[min(j, 3 - j)].devices for j in range(4)]
+    assert [r.stages for r in compiled.pipeline.meta.placement] == [(0, 3), (1, 2)]
+    assert (
+        "4 stages on 2 devices (2 stages each)" in plan.explain() and "runs stages j, 3 - j" in plan.explain()
+    )
+    assert 0 < plan.lower_bound_s <= plan.step_time_s
+    assert simulate_plan(plan, compiled.problem).step_time_s == pytest.approx(plan.step_time_s)
+    assert main(["simulate", str(compiled.save_plan(tmp_path))]) == 0
+    grid = [line for line in capsys.readouterr().out.splitlines() if line.startswith("rank")]
+    assert len(grid) == 2 and "W0.1" in grid[0]  # the last stage's weight gradient, on rank 0
+
+
+@pytest.mark.slow
+def test_a_zbv_build_trains_like_eager(zbv, tmp_path):
+    """wte (stage 0) and lm_head (stage 3) are one parameter, both on rank 0."""
+    model, inputs, compiled = zbv
     build = compiled.save(tmp_path / "build")
     result = hetcc.run_local(build, {k: v for k, v in inputs.items() if k != "use_cache"}, steps=2,
                              optimizer=ADAM)  # fmt: skip

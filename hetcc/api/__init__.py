@@ -55,7 +55,7 @@ from hetcc.runtime.contract import PlanSpace, pipeline_meta_for
 from hetcc.runtime.cudagraphs import graphs_note
 from hetcc.runtime.store import Pipeline, pipeline_meta
 from hetcc.sendrecv import ANCHOR_NAME, attach_anchor
-from hetcc.solver.schedules import INTERLEAVED, splits_backward
+from hetcc.solver.schedules import MULTI_STAGE, splits_backward
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.export import export
 from hetcc.train.local import run_local as run_pipeline
@@ -141,8 +141,9 @@ def compile(  # noqa: A001 - the public API name
     ``schedule``: "1f1b", "gpipe", "zb-h1" (zero-bubble H1: weight gradients deferred into the
     bubbles; ``hetcc.solver.schedules``), "zb-h2" (ZB-H1 with up to twice the forwards before the first
     backward, where memory holds them), "interleaved-1f1b" (2-4 stages on each device of the best 1F1B
-    pipeline; ``solver.interleave``) or "auto" (plans 1f1b, zb-h1, zb-h2 and interleaved-1f1b at every
-    count tried and keeps the fastest simulated; the plan's notes give each figure). Every plan but a GPipe one also
+    pipeline; ``solver.interleave``), "zbv" (two stages per device of the best 1F1B pipeline in a V,
+    every backward split) or "auto" (plans 1f1b, zb-h1, zb-h2, interleaved-1f1b and zbv at every count
+    tried and keeps the fastest simulated; the plan's notes give each figure). Every plan but a GPipe one also
     tunes, by simulation, the forwards each stage runs before its first backward.
 
     ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer
@@ -170,9 +171,9 @@ def compile(  # noqa: A001 - the public API name
     tensor = False if tensor_parallel == 1 else tensor_parallel  # degree 1: no split
     if tensor:
         tried_degrees(cluster, tensor)  # a degree no node has room for fails before tracing
-    if tensor and schedule == INTERLEAVED:
+    if tensor and schedule in MULTI_STAGE:
         raise HetccError(
-            f"schedule={INTERLEAVED!r} runs each stage whole on each of its devices (a device runs several "
+            f"schedule={schedule!r} runs each stage whole on each of its devices (a device runs several "
             f"stages), so it takes no tensor_parallel={short_repr(tensor_parallel)}",
             hint="use tensor_parallel=False with it, or another schedule",
         )

@@ -31,7 +31,7 @@ from hetcc.passes.schedule_search import AUTO_SCHEDULES, RERANK, solve_each_sche
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, TensorSplit
-from hetcc.solver.schedules import INTERLEAVED
+from hetcc.solver.schedules import INTERLEAVED, MULTI_STAGE, ZBV
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
 from hetcc.solver.tensor import megatron_baseline
@@ -190,8 +190,8 @@ def build_problem(
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
         latency_s=cluster.latency_matrix_s(),
         microbatches=settings.microbatches,
-        # interleaved 1F1B is planned and simulated on a 1F1B problem (``solver.interleave``)
-        schedule=AUTO_SCHEDULES[0] if settings.schedule in ("auto", INTERLEAVED) else settings.schedule,
+        # interleaved 1F1B and ZB-V are planned on a 1F1B problem (``solver.interleave``)
+        schedule=AUTO_SCHEDULES[0] if settings.schedule in ("auto", *MULTI_STAGE) else settings.schedule,
         training=training,
         replicate=bool(settings.replicate),
         recompute=settings.recompute is not False and training,
@@ -287,7 +287,7 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, who
         gap=solution.gap,  # simulated step / bound, as solve replayed this same plan
         baselines=base,
         microbatches=problem.microbatches,
-        schedule=INTERLEAVED if chunks > 1 else problem.schedule,
+        schedule=problem.schedule if problem.schedule == ZBV or chunks == 1 else INTERLEAVED,
         training=problem.training,
         simulated_step_s=simulation.step_time_s,
         exact=solution.exact,

@@ -4,9 +4,10 @@
 assignments (``solver.tensor.solve_tensor``). ``schedule="auto"`` tries every schedule of
 ``AUTO_SCHEDULES`` (``solve_each_schedule``): one search, whose plans each schedule re-ranks and refines
 under its own replay (the searches see these schedules alike: ``solver.solve.Searched``), then
-interleaved 1F1B with its v (``solver.interleave.solve_interleaved``); with ``tensor_parallel="auto"``
-too, the degrees are searched once, under the first, and the others planned on the degrees found and on
-degree 1 (interleaved 1F1B, which takes no tensor parts, is not tried where tensor parallelism is on). Solves that do not depend
+interleaved 1F1B with its v and ZB-V (``solver.interleave``), on pure pipelines solved beside those
+re-rankings; with ``tensor_parallel="auto"`` too, the degrees are searched once, under the first, and
+the others planned on the degrees found and on degree 1 (interleaved 1F1B and ZB-V, which take no
+tensor parts, are not tried where tensor parallelism is on). Solves that do not depend
 on each other run side by side (``solver.parallel.solve_each``).
 """
 
@@ -17,16 +18,22 @@ from dataclasses import replace
 
 from hetcc.errors import InfeasiblePlanError
 from hetcc.solver.bound import lower_bound
-from hetcc.solver.interleave import interleaved_bound, interleaving_pipelines, solve_interleaved
+from hetcc.solver.interleave import (
+    interleaved_bound,
+    interleaving_pipelines,
+    solve_interleaved,
+    solve_zbv,
+    zbv_bound,
+)
 from hetcc.solver.parallel import solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
-from hetcc.solver.schedules import INTERLEAVED
+from hetcc.solver.schedules import INTERLEAVED, MULTI_STAGE, ZBV
 from hetcc.solver.solve import search_plans, solve
 from hetcc.solver.tensor import DeviceMap, composite_problem, solve_tensor, tensor_bound
 
 RERANK = 6  # best sequences replayed in the simulator; the fastest simulated wins
 
-# What ``schedule="auto"`` searches once and re-ranks under each, with interleaved 1F1B after them; the
+# What ``schedule="auto"`` searches once and re-ranks under each, with interleaved 1F1B and ZB-V after; the
 # fastest simulated is kept (ties: the earlier). GPipe is left out: it has 1F1B's bubble and holds every
 # microbatch.
 AUTO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
@@ -37,8 +44,10 @@ def schedule_bound(problem: PartitionProblem, schedule: str) -> float:
     lower bound, under "auto" the least over the schedules it tries."""
     if schedule == INTERLEAVED:  # planned on a 1F1B problem, its devices running several stages each
         return interleaved_bound(problem)
+    if schedule == ZBV:
+        return zbv_bound(problem)
     if schedule == "auto":
-        return min(schedule_bound(problem, name) for name in (*AUTO_SCHEDULES, INTERLEAVED))
+        return min(schedule_bound(problem, name) for name in (*AUTO_SCHEDULES, *MULTI_STAGE))
     return lower_bound(replace(problem, schedule=schedule))
 
 
@@ -46,8 +55,9 @@ def solve_schedules(
     problem: PartitionProblem, schedule: str
 ) -> tuple[PartitionProblem, PartitionSolution, str]:
     """``problem`` solved under ``schedule``, or under ``"auto"`` once per schedule of ``AUTO_SCHEDULES``
-    and as interleaved 1F1B (a schedule no plan fits under is skipped); the problem and solution kept
-    (an interleaved plan's ``chunks`` > 1), and a note saying what each tried schedule simulated (empty
+    and as interleaved 1F1B and ZB-V (a schedule no plan fits under is skipped); the problem and
+    solution kept (``chunks`` > 1: several stages per device), and a note saying what each tried
+    schedule simulated (empty
     unless ``"auto"``)."""
     return solve_each_schedule(problem, schedule)[:3]
 
@@ -60,8 +70,8 @@ def solve_each_schedule(
     the first schedule (every assignment tried costs a ``solve``: a search per schedule would double the
     compile), and each other schedule is planned on the degrees it chose and on degree 1
     (``_on_searched_degrees``)."""
-    if schedule == INTERLEAVED:  # one replica per stage, whole: what an interleaved rank runs
-        solved, solution, note = solve_interleaved(problem, RERANK)
+    if schedule in MULTI_STAGE:  # planned on pure pipelines: a rank runs whole stages
+        solved, solution, note = (solve_zbv if schedule == ZBV else solve_interleaved)(problem, RERANK)
         return solved, solution, note, _identity(solved)
     if schedule != "auto":
         solved, solution, device_map = solve_one(problem, tensor)
@@ -71,7 +81,7 @@ def solve_each_schedule(
         scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
         problem.validate()
         searched = search_plans(scheduled[0], RERANK)  # InfeasiblePlanError: no schedule has a plan
-        # interleaved 1F1B's pure pipelines are searched and solved beside the re-rankings
+        # the pure pipelines interleaved 1F1B and ZB-V are laid on, searched and solved beside them
         pipelines = [pure for pure, _ in interleaving_pipelines(problem)]
         found = [searched] * len(scheduled) + [None] * len(pipelines)
         answers = solve_each([*scheduled, *pipelines], RERANK, found)
@@ -80,7 +90,7 @@ def solve_each_schedule(
                 first_error = first_error or answer
             else:
                 tried.append((each, answer, _identity(problem)))
-        tried += _interleaved(problem, answers[len(scheduled) :])
+        tried += _multi_stage(problem, answers[len(scheduled) :])
     elif tensor == "auto":
         try:
             tried.append(solve_one(replace(problem, schedule=AUTO_SCHEDULES[0]), tensor))
@@ -108,21 +118,27 @@ def solve_each_schedule(
     return solved, solution, note, device_map
 
 
-def _interleaved(
+def _multi_stage(
     problem: PartitionProblem, pipelines: list[PartitionSolution | InfeasiblePlanError]
 ) -> list[tuple[PartitionProblem, PartitionSolution, DeviceMap]]:
-    """``solve_interleaved``'s plan of ``problem`` on ``pipelines`` (``interleaving_pipelines``' answers)
-    as "auto" tries it, or none where it has none."""
-    try:
-        solved, solution, _ = solve_interleaved(problem, RERANK, pipelines)
-    except InfeasiblePlanError:
-        return []
-    return [(solved, solution, _identity(solved))]
+    """``solve_interleaved``'s and ``solve_zbv``'s plans of ``problem`` on ``pipelines``
+    (``interleaving_pipelines``' answers; ZB-V's the first, every device alone) as "auto" tries them,
+    each where it has one."""
+    found = []
+    for solver, answers in ((solve_interleaved, pipelines), (solve_zbv, pipelines[0])):
+        try:
+            solved, solution, _ = solver(problem, RERANK, answers)
+        except InfeasiblePlanError:
+            continue
+        found.append((solved, solution, _identity(solved)))
+    return found
 
 
 def _name(problem: PartitionProblem, solution: PartitionSolution) -> str:
     """The schedule of a plan "auto" tried: interleaved 1F1B with its v, or the problem's."""
-    return f"{INTERLEAVED} (v = {solution.chunks})" if solution.chunks > 1 else problem.schedule
+    if solution.chunks > 1 and problem.schedule != ZBV:
+        return f"{INTERLEAVED} (v = {solution.chunks})"
+    return problem.schedule
 
 
 def _on_searched_degrees(

@@ -141,9 +141,9 @@ def pipeline_meta_for(
     plan's schedule, microbatches, recompute, sharding, deferred weight gradients and precision."""
     stage_devices = [[cluster.device(name) for name in stage.devices] for stage in plan.stages]
     ranks = placement(stage_devices[: plan.ranks], [s.tensor for s in plan.stages[: plan.ranks]])
-    if plan.chunks > 1:  # interleaved 1F1B: rank r runs stages r, r + p, ... on its device
+    if plan.chunks > 1:  # interleaved 1F1B: rank r runs stages r, r + p, ...; ZB-V: r and 2p - 1 - r
         ranks = tuple(
-            replace(r, chunks=rank_stages(INTERLEAVED, plan.ranks, r.stage, plan.chunks)) for r in ranks
+            replace(r, chunks=rank_stages(plan.schedule, plan.ranks, r.stage, plan.chunks)) for r in ranks
         )
     return PipelineMeta(
         len(plan.stages), plan.schedule, plan.microbatches, {"name": optimizer}, "model", tuple(inputs),

@@ -47,8 +47,9 @@ pipeline's devices, and the runtime runs a pipeline saved with it (``PIPELINE_SC
 its v stages, ``RankPlacement.chunks``); the planner plans it where the user pins it or under "auto"
 (``solver.interleave.solve_interleaved``).
 
-``zbv`` (``ZBV``, ``zbv_actions``): two stages per rank in a V, every backward split. The runtime runs a
-pipeline split by hand and saved with it (``RUN_SCHEDULES``); it is not simulated or planned yet.
+``zbv`` (``ZBV``, ``zbv_actions``): two stages per rank in a V, every backward split. The simulator
+replays it (a problem of schedule ``ZBV``, ``simulate(..., chunks=2)``), ``solver.interleave.solve_zbv``
+plans it (pinned, or under "auto") and the runtime runs it.
 """
 
 from __future__ import annotations
@@ -62,12 +63,13 @@ from hetcc.errors import PlanFormatError
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-h2")
 SPLIT_SCHEDULES = ("zb-h1", "zb-h2")  # the schedules that run input and weight gradients apart
 INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actions``)
-PIPELINE_SCHEDULES = (*SCHEDULES, INTERLEAVED)  # what a plan may use
 # ZB-V: two stages per rank in a V, each backward split (``zbv_actions``). Its ranks do not post and take
 # each rank pair's messages in one order, so the runtime keeps an order per stage pair for it
-# (``runtime.groups.Links``); it is run, not simulated or planned yet.
+# (``runtime.groups.Links``).
 ZBV = "zbv"
-RUN_SCHEDULES = (*PIPELINE_SCHEDULES, ZBV)  # what a saved pipeline runs (``runtime.contract``)
+MULTI_STAGE = (INTERLEAVED, ZBV)  # the schedules whose ranks run several stages each
+PIPELINE_SCHEDULES = (*SCHEDULES, *MULTI_STAGE)  # what a plan may use and a saved pipeline runs
+RUN_SCHEDULES = PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True)
