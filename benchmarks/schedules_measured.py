@@ -1,9 +1,10 @@
-"""ZB-H1, ZB-H2 and interleaved 1F1B against 1F1B, measured on CPU ranks and simulated.
+"""ZB-H1, ZB-H2, interleaved 1F1B and ZB-V against 1F1B, measured on CPU ranks and simulated.
 
 A GPT-2 (random weights) is planned with 1F1B for two or more CPU devices calibrated on this machine,
 then run through ``hetcc.run_local`` (one process per rank, gloo) under 1F1B, ZB-H1 and ZB-H2 (each
 schedule's own warm-up and deferral) on that same split, and planned with ``schedule="interleaved-1f1b"``
-(its own cuts, v stages on each of the same devices) and run too; the runs alternate, and each run's
+(its own cuts, v stages on each of the same devices) and ``schedule="zbv"`` (its own cuts, two stages
+per device in a V) and run too; the runs alternate, and each run's
 step is the median after its warm-up steps. Prints each schedule's measured ratio to 1F1B (one run)
 and each schedule's measured step against what the simulator predicts for its plan. The devices are
 calibrated on this machine, and their link is measured between two gloo processes: a small message's
@@ -34,7 +35,8 @@ import hetcc  # noqa: E402
 from hetcc.solver.simulate import simulate  # noqa: E402
 from hetcc.train.local import run_local  # noqa: E402
 
-SCHEDULES = ("1f1b", "zb-h1", "zb-h2", "interleaved-1f1b")
+SCHEDULES = ("1f1b", "zb-h1", "zb-h2")  # run on the 1F1B plan's split
+OWN_SPLIT = ("interleaved-1f1b", "zbv")  # each planned with its own cuts
 
 
 def _cluster(ranks: int, calibration, link: dict[str, str]) -> hetcc.Cluster:
@@ -114,36 +116,39 @@ def main(argv: list[str] | None = None) -> int:
     cluster = _cluster(args.ranks, calibration, link)
     compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=args.microbatches,
                              schedule="1f1b", replicate=False)  # fmt: skip
-    interleaved = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=args.microbatches,
-                                schedule="interleaved-1f1b")  # fmt: skip
+    own = {
+        name: hetcc.compile(
+            model, cluster, example_kwargs=inputs, microbatches=args.microbatches, schedule=name
+        )
+        for name in OWN_SPLIT
+    }
     plan, problem, solution = compiled.plan, compiled.problem, compiled.solution
-    print(plan.explain(), interleaved.plan.explain(), sep="\n\n")
+    print(plan.explain(), *(c.plan.explain() for c in own.values()), sep="\n\n")
     simulated = {
         name: simulate(replace(problem, schedule=name), solution.boundaries, solution.groups, solution.recompute,
                        events=False).step_time_s
-        for name in SCHEDULES[:-1]
+        for name in SCHEDULES
     }  # fmt: skip
-    simulated[SCHEDULES[-1]] = interleaved.plan.step_time_s
-    measured: dict[str, list[float]] = {name: [] for name in SCHEDULES}
+    simulated.update({name: c.plan.step_time_s for name, c in own.items()})
+    every = (*SCHEDULES, *OWN_SPLIT)
+    measured: dict[str, list[float]] = {name: [] for name in every}
     for _ in range(args.rounds):
-        for name in SCHEDULES:
-            pipeline, schedule = (
-                (interleaved.pipeline, None) if name == SCHEDULES[-1] else (compiled.pipeline, name)
-            )
+        for name in every:
+            pipeline, schedule = (own[name].pipeline, None) if name in own else (compiled.pipeline, name)
             result = run_local(pipeline, inputs, steps=args.steps, schedule=schedule,
                                optimizer={"name": "sgd", "lr": 1e-3})  # fmt: skip
             measured[name].append(_step_s(result, warmup=2))
     step = {name: min(times) for name, times in measured.items()}
     print(
         f"\n{args.ranks} CPU ranks, {len(plan.stages)} stages, M = {args.microbatches}, the 1F1B plan's split "
-        f"(interleaved: {len(interleaved.plan.stages)} stages, its own):"
+        f"({', '.join(f'{name}: {len(c.plan.stages)} stages' for name, c in own.items())}, their own):"
     )
-    for name in SCHEDULES:
+    for name in every:
         error = step[name] / simulated[name] - 1
         print(f"  {name:16s} measured {step[name] * 1e3:8.2f} ms (runs: "
               f"{', '.join(f'{t * 1e3:.2f}' for t in measured[name])}), simulated {simulated[name] * 1e3:8.2f} ms "
               f"({error:+.1%})")  # fmt: skip
-    for name in SCHEDULES[1:]:
+    for name in every[1:]:
         print(
             f"  {name} / 1f1b: measured {step[name] / step['1f1b']:.3f}x, "
             f"simulated {simulated[name] / simulated['1f1b']:.3f}x"

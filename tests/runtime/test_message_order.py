@@ -34,10 +34,10 @@ class _Wire:
         wire = self
 
         class Endpoint:
-            def isend(self, tensor, peer, what):
+            def isend(self, tensor, peer, what, stages=None):
                 wire.queues.setdefault((rank, peer), []).append(tensor.detach().clone())
 
-            def recv(self, peer, shape, dtype, what):
+            def recv(self, peer, shape, dtype, what, stages=None):
                 sent = wire.queues[(peer, rank)].pop(0)
                 buffer = torch.empty(shape, dtype=dtype)
                 raw = buffer.reshape(-1).view(torch.uint8)
