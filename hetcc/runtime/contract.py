@@ -40,13 +40,13 @@ from hetcc.hardware.schema import (
     short_repr,
 )
 from hetcc.plan import PRECISIONS, RECOMPILE, Plan
+from hetcc.runtime.chunk_checks import check_chunks
 from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
 from hetcc.solver.schedules import (
     INTERLEAVED,
     RUN_SCHEDULES,
     ZBV,
-    interleaved_shares,
     rank_stages,
     recorded_warmup,
     warmup_fault,
@@ -295,7 +295,7 @@ def _check(meta: PipelineMeta, where: Where) -> None:
         where.at("precision").fail(f"unknown precision {short_repr(meta.precision)}",
                                    f"use one of {', '.join(PRECISIONS)}")  # fmt: skip
     _check_placement(meta.placement, meta.num_stages, where.at("placement"))
-    _check_chunks(meta, where)
+    check_chunks(meta.schedule, meta.placement, meta.num_stages, meta.routing, where)
     replicas = _replicas(meta.placement, meta.num_stages)
     _check_per_stage(meta.routing, meta.num_stages, where.at("routing"))
     for k, row in enumerate(meta.routing):
@@ -327,84 +327,6 @@ def _check(meta: PipelineMeta, where: Where) -> None:
 def _replicas(ranks: Sequence[RankPlacement], num_stages: int) -> list[int]:
     """Per stage, how many replicas run it."""
     return [len({rank.replica for rank in ranks if k in rank.stages}) for k in range(num_stages)]
-
-
-def _check_chunks(meta: PipelineMeta, where: Where) -> None:
-    """Interleaved 1F1B (``schedules.interleaved_actions``): p positions, position r running stages r,
-    r + p, ..., the same count v at every position, whole (not tensor parallel), on the same R replicas
-    (the pipeline replicated whole), with one routing for every stage and each replica's microbatches
-    in rounds of p or more; under any other schedule a rank runs one stage."""
-    ranks = meta.placement
-    if meta.schedule == ZBV:
-        _check_v(meta, where)
-        return
-    if meta.schedule != INTERLEAVED:
-        holder = next((rank for rank in ranks if rank.chunks and len(rank.chunks) > 1), None)
-        if holder is not None:
-            where.at("placement", holder.rank, "chunks").fail(
-                f"rank {holder.rank} runs stages {list(holder.chunks)}, but a rank runs several stages only "
-                f"under {INTERLEAVED!r} or {ZBV!r}; this pipeline's schedule is {meta.schedule!r}"
-            )
-        return
-    split = next((rank for rank in ranks if rank.tensor), None)
-    if split is not None:
-        where.at("placement", split.rank).fail(
-            f"rank {split.rank} runs tensor part {split.tensor} of stage {split.stage}; {INTERLEAVED} runs "
-            "its stages whole",
-            "run tensor-parallel stages under another schedule",
-        )
-    p = len({rank.stage for rank in ranks})
-    replicas, chunks = len(ranks) // max(p, 1), meta.num_stages // max(p, 1)
-    for rank in ranks:
-        if (
-            p < 2
-            or chunks * p != meta.num_stages
-            or replicas * p != len(ranks)
-            or rank.stages != rank_stages(INTERLEAVED, p, rank.stage, chunks)
-        ):
-            where.at("placement", rank.rank).fail(
-                f"rank {rank.rank} runs stages {list(rank.stages)} as replica {rank.replica}; {INTERLEAVED} over "
-                f"{p} positions runs position r's chunks as stages r, r + {p}, ... (the same number at every "
-                "position, 2 positions or more, each on the same number of replicas)",
-                "place it with hetcc.runtime.placement.interleaved_ranks(ranks, chunks, replicas=R), or run "
-                "another schedule",
-            )
-    route = meta.routing[0]
-    other = next((k for k, row in enumerate(meta.routing) if tuple(row) != tuple(route)), None)
-    if other is not None:
-        where.at("routing", other).fail(
-            f"routes microbatches {short_repr(list(meta.routing[other]))}, stage 0 {short_repr(list(route))}; "
-            f"each replica of an {INTERLEAVED} pipeline runs the same microbatches at every stage",
-            "give every stage the same routing",
-        )
-    if not interleaved_shares(p, route, replicas):  # forwards alone run in the same rounds
-        shares = [list(route).count(r) for r in range(replicas)]
-        where.at("microbatches").fail(
-            f"{meta.microbatches} microbatches over {p} positions, {shares} per replica: {INTERLEAVED} runs "
-            f"each replica's in rounds of equal size, at least {p} each",
-            f"give each replica a multiple of {p}",
-        )
-
-
-def _check_v(meta: PipelineMeta, where: Where) -> None:
-    """ZB-V (``schedules.zbv_actions``): p >= 2 ranks, rank r running stages r and 2p - 1 - r, one replica
-    each, whole."""
-    ranks = meta.placement
-    p = len(ranks)
-    for rank in ranks:
-        if (
-            p < 2
-            or meta.num_stages != 2 * p
-            or rank.replica
-            or rank.tensor
-            or rank.stages != rank_stages(ZBV, p, rank.rank, 2)
-        ):
-            where.at("placement", rank.rank).fail(
-                f"rank {rank.rank} runs stages {list(rank.stages)} as replica {rank.replica}, part {rank.tensor}; "
-                f"{ZBV} over {p} ranks runs 2p stages in a V, rank r stages r and 2p - 1 - r, one replica of each, "
-                "whole, on 2 ranks or more",
-                "place it with hetcc.runtime.placement.zbv_ranks(ranks), or run another schedule",
-            )
 
 
 def _check_per_stage(values: Sequence[object], num_stages: int, where: Where) -> None:

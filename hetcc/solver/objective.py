@@ -32,15 +32,14 @@ simulator (``solver.simulate``) replays the same plan event by event and is the 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
 from collections.abc import Sequence
-from typing import NamedTuple
 
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.codecs import cut_rows, names, pair_s
 from hetcc.solver.links import device_ring_s, end_tied_s
+from hetcc.solver.memory import Memory, group_footprint, group_memory, held_counts, most_fitting
 from hetcc.solver.problem import (
     PartitionProblem,
     PartitionSolution,
@@ -54,18 +53,15 @@ from hetcc.solver.problem_checks import check_plan
 from hetcc.solver.schedules import (
     INTERLEAVED,
     ZBV,
-    defer_weights,
     least_warmups,
     max_inflight,
-    one_f_one_b,
     rank_order,
     rank_stages,
-    replica_actions,
     splits_backward,
     stage_warmups,
     zb_deferrals,
 )
-from hetcc.solver.sharding import allgather_s, chosen_shard, group_param_bytes, sharded_bytes
+from hetcc.solver.sharding import allgather_s, group_param_bytes
 
 Device = int | Sequence[int]  # a device index, or a replica group of them
 Codecs = Sequence[tuple[str, str] | None] | None  # per stage: pinned (activation, gradient) codec names
@@ -112,7 +108,7 @@ def stage_costs(
 ) -> tuple[StageCost, ...]:
     """Every stage's costs, memory, replica shares and outgoing codecs (validates the plan; ``codecs``
     and ``shard`` as in ``evaluate``). ``warmup`` pins each stage's forwards before its first backward
-    (``schedules.stage_actions``); None: the schedule's, less where memory is short (``_most_fitting``).
+    (``schedules.stage_actions``); None: the schedule's, less where memory is short (``most_fitting``).
     ``chunks`` > 1: an interleaved 1F1B plan, or under ``ZBV`` a V of two stages per device
     (``_interleaved``)."""
     groups = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in devices]
@@ -128,7 +124,7 @@ def stage_costs(
     ]
     routes = [route_microbatches(problem.microbatches, s) for s in seconds]
     split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
-    footprints = [_footprint(problem, *boundaries[j : j + 2], g) for j, g in enumerate(groups)]
+    footprints = [group_footprint(problem, *boundaries[j : j + 2], g) for j, g in enumerate(groups)]
     if chunks > 1:
         return _interleaved(
             problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks, split
@@ -141,11 +137,11 @@ def stage_costs(
     def held(j: int, deferred: int, forwards: int) -> tuple[int, ...]:
         if not problem.training:
             return (1,) * len(groups[j])
-        return _held(problem.microbatches, forwards, deferred if split[j] else None, tuple(routes[j]),
+        return held_counts(problem.microbatches, forwards, deferred if split[j] else None, tuple(routes[j]),
                      len(groups[j]))  # fmt: skip
 
     def fits(j: int, deferred: int, forwards: int) -> bool:
-        return _memory(problem, footprints[j], held(j, deferred, forwards), recompute[j], shard[j]).fits
+        return group_memory(problem, footprints[j], held(j, deferred, forwards), recompute[j], shard[j]).fits
 
     most = zb_deferrals(replicas)
     deferrals = [0] * k
@@ -154,10 +150,10 @@ def stage_costs(
         # the schedule's warm-up (capped by the stage before's) gets the memory ZB-H1's W's leave; a
         # pinned one defers what fits beside it
         forwards = least[j] if warmup is None else warmups[j]
-        deferrals[j] = _most_fitting(lambda d, j=j, w=forwards: fits(j, d, w), 0, most[j] if split[j] else 0)
+        deferrals[j] = most_fitting(lambda d, j=j, w=forwards: fits(j, d, w), 0, most[j] if split[j] else 0)
         if warmup is None:
             cap = min(wanted[j], warmups[j - 1]) if j else wanted[j]
-            warmups[j] = _most_fitting(lambda w, j=j: fits(j, deferrals[j], w), least[j], cap)
+            warmups[j] = most_fitting(lambda w, j=j: fits(j, deferrals[j], w), least[j], cap)
     return tuple(
         _stage_plan(
             problem,
@@ -165,7 +161,7 @@ def stage_costs(
             groups,
             routes,
             seconds[j],
-            _memory(problem, footprints[j], held(j, d, warmups[j]), recompute[j], shard[j]),
+            group_memory(problem, footprints[j], held(j, d, warmups[j]), recompute[j], shard[j]),
             recompute[j],
             j,
             codecs[j],
@@ -200,7 +196,9 @@ def _interleaved(
                   for order in orders)
             for c in range(chunks)
         ]  # fmt: skip
-        parts = [_memory(problem, footprints[j], held[c], recompute[j], False) for c, j in enumerate(mine)]
+        parts = [
+            group_memory(problem, footprints[j], held[c], recompute[j], False) for c, j in enumerate(mine)
+        ]
         used = [
             _interleaved_peak(problem, footprints, mine, recompute, order, r, release)
             for r, order in enumerate(orders)
@@ -233,35 +231,6 @@ def _interleaved_peak(problem, footprints, mine, recompute, order, replica: int,
         peak = max(peak, live)
     rebuilt = max((footprints[j].act[replica] for j in mine if recompute[j]), default=0.0)
     return sum(footprints[j].state[replica] for j in mine) + peak + rebuilt
-
-
-@functools.lru_cache(maxsize=1 << 14)
-def _held(
-    microbatches: int, warmup: int, deferred: int | None, route: tuple[int, ...], replicas: int
-) -> tuple[int, ...]:
-    """Per replica of a training stage (its ``route``), the most microbatches it holds at once when it
-    runs ``warmup`` forwards before its first backward, its W deferred ``deferred`` B's (None: its
-    backward does not split). Cached: the search costs the same stage in many plans."""
-    order = one_f_one_b(microbatches, warmup)
-    actions = order if deferred is None else defer_weights(order, deferred)
-    return tuple(max_inflight(replica_actions(actions, route, r)) for r in range(replicas))
-
-
-def _most_fitting(fits, least: int, most: int) -> int:
-    """The largest n in [``least``, ``most``] for which ``fits(n)``, or ``least`` where none does:
-    ``n`` counts microbatches a stage holds (weight gradients deferred, forwards before its first
-    backward), so whether it fits falls as n grows (a bisection on memory alone; the stage is costed
-    once, at the n found)."""
-    if most <= least or fits(most):
-        return max(least, most)
-    low, high = least, most - 1  # fits(low) or low == least
-    while low < high:
-        middle = (low + high + 1) // 2
-        if fits(middle):
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 def replica_seconds(problem: PartitionProblem, start: int, stop: int, device: int, recompute: bool):
@@ -332,7 +301,7 @@ def _stage_plan(
     groups,
     routes,
     seconds,
-    memory: _Memory,
+    memory: Memory,
     recompute: bool,
     j: int,
     pinned,
@@ -382,60 +351,6 @@ def _stage_plan(
         deferred=deferred,
         warmup=warmup if problem.training else 0,
     )
-
-
-class _Memory(NamedTuple):
-    """One replica group's memory: per replica its state, activation bytes (one microbatch), microbatches
-    held, bytes used and bytes its sharding saves; whether it shards; the replica nearest its limit (the
-    most over it) and whether that one fits (``StageCost.fits``)."""
-
-    state: list[float]
-    act: list[float]
-    held: Sequence[int]
-    used: list[float]
-    saved: list[float]
-    shard: bool
-    fits: bool
-    worst: int
-
-
-class _Footprint(NamedTuple):
-    """What one replica group's memory is made of, whatever it holds at once: per replica its state and
-    one microbatch's activation bytes, its capacity and the bytes sharding its optimizer state saves;
-    what a recomputing stage keeps per microbatch (its input)."""
-
-    state: list[float]
-    act: list[float]
-    caps: list[float]
-    saved: list[float]
-    kept: float
-
-
-def _footprint(problem, start: int, stop: int, group) -> _Footprint:
-    """The footprint of blocks ``[start, stop)`` on replica group ``group`` (worked out once per stage:
-    ``stage_costs`` weighs several held counts against it)."""
-    kinds = [problem.devices[d].type for d in group]
-    return _Footprint(
-        [math.fsum(problem.state_for(t)[start:stop]) for t in kinds],
-        [math.fsum(problem.act_for(t)[start:stop]) for t in kinds],
-        [problem.devices[d].memory_bytes for d in group],
-        [sharded_bytes(problem, t, start, stop, len(group)) for t in kinds],
-        problem.cut_bytes[start - 1] if start > 0 else 0.0,
-    )
-
-
-def _memory(problem, footprint: _Footprint, held, recompute: bool, shard: bool | None) -> _Memory:
-    """The memory of a replica group of ``footprint``, each replica holding ``held`` microbatches'
-    activations at once, sharding where ``shard`` says (None: ``chosen_shard``)."""
-    state, act, caps, saved, kept = footprint
-    used = [w + (h * kept + a if recompute else h * a) for w, a, h in zip(state, act, held)]
-    if shard is None:
-        shard = chosen_shard(problem, len(caps), max(saved), all(map(within_memory, used, caps)))
-    shard = bool(shard and problem.training)
-    if shard:
-        used = [u - s for u, s in zip(used, saved)]
-    worst = max(range(len(caps)), key=lambda r: used[r] - caps[r])
-    return _Memory(state, act, held, used, saved, shard, within_memory(used[worst], caps[worst]), worst)
 
 
 def _allreduce_s(problem: PartitionProblem, group: tuple[int, ...], start: int, stop: int) -> float:
