@@ -104,9 +104,8 @@ class Links:
             )
             if self.rank in (a, b):
                 self.channels[min(stages), max(stages)] = group
-        self.loopback: dict[
-            tuple[int, int], deque
-        ] = {}  # (sending, receiving stage) on this rank -> messages
+        # (sending stage, receiving stage), both on this rank -> the messages not yet taken
+        self.loopback: dict[tuple[int, int], deque] = {}
         self.gloo_peers = {
             j if i == self.rank else i
             for (i, j), backend in link_backends(vendors).items()
