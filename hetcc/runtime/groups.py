@@ -1,6 +1,6 @@
 """Process groups per link, and transfers whose every wait has a deadline.
 
-A rank runs one replica of one stage, or under interleaved 1F1B one replica of each of its stages, all
+A rank runs one replica of one stage, or under interleaved 1F1B and ZB-V one replica of each of its stages, all
 over this one set of links (``hetcc.runtime.layout``). Each pair of ranks that exchanges
 tensors talks over the backend its two devices share: ``nccl`` between GPUs of one vendor (RCCL answers
 to the same name on AMD), ``gloo`` across vendors and whenever a CPU is involved; so do the replicas of

@@ -278,7 +278,7 @@ def interleaved_actions(
     ``training``, each rank's forwards alone, in the same order.
 
     The simulator replays it (``simulate(..., chunks=v)``) and the runtime runs it (``RankLayout.actions``);
-    the planner plans it when pinned (``solver.interleave.solve_interleaved``). ``grid.format_grid(INTERLEAVED,
+    the planner plans it pinned or under "auto" (``solver.interleave.solve_interleaved``). ``grid.format_grid(INTERLEAVED,
     ...)`` prints it."""
     check_schedule_args("1f1b", ranks, microbatches)
     if (

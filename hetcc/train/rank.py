@@ -86,7 +86,7 @@ class PipelineRank:
         # draw alike, as they compute the replicated tensors alike
         torch.manual_seed(seed + rank - self.placement.tensor)
         self.links = self._links(timeout_s)
-        self.executors = [  # one per stage it runs: several only under interleaved 1F1B, by chunk
+        self.executors = [  # one per stage it runs: several under interleaved 1F1B and ZB-V, by chunk
             StageExecutor(stage, self.links, self.microbatches, loss_fn, self.device, self.layout)
             for stage in self.stages
         ]

@@ -62,7 +62,7 @@ def _gather_texts(text: str | None) -> list[str | None]:
 
 def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, list[StageGraph]]:
     """What ``rank`` runs: the folder's outline (pipeline.json) and its own stages (one, or one per chunk
-    under interleaved 1F1B), the only graphs and weights it reads (a damaged file of another stage fails
+    under interleaved 1F1B and ZB-V), the only graphs and weights it reads (a damaged file of another stage fails
     that stage's ranks, not this one)."""
     outline = read_outline(directory)
     ranks = outline.meta.placement
