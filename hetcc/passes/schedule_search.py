@@ -57,8 +57,7 @@ def solve_schedules(
     """``problem`` solved under ``schedule``, or under ``"auto"`` once per schedule of ``AUTO_SCHEDULES``
     and as interleaved 1F1B and ZB-V (a schedule no plan fits under is skipped); the problem and
     solution kept (``chunks`` > 1: several stages per device), and a note saying what each tried
-    schedule simulated (empty
-    unless ``"auto"``)."""
+    schedule simulated (empty unless ``"auto"``)."""
     return solve_each_schedule(problem, schedule)[:3]
 
 
