@@ -36,11 +36,16 @@ def _gpt2():
     return model, {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
+def _compiled(count: int, schedule: str):
+    """(the model, its inputs, its compile for ``count`` A100s under ``schedule`` at M = 4)."""
+    model, inputs = _gpt2()
+    compiled = hetcc.compile(model, _cluster(count), example_kwargs=inputs, microbatches=4, schedule=schedule)
+    return model, inputs, compiled
+
+
 @pytest.fixture(scope="module")
 def interleaved():
-    model, inputs = _gpt2()
-    compiled = hetcc.compile(model, _cluster(2), example_kwargs=inputs, microbatches=4, schedule=INTERLEAVED)
-    return model, inputs, compiled
+    return _compiled(2, INTERLEAVED)
 
 
 def test_each_device_runs_every_pth_stage_and_the_plan_replays(interleaved, tmp_path):
@@ -82,9 +87,7 @@ def test_interleaving_needs_two_devices_and_whole_stages():
 def replicated():
     """Four A100s: the pipeline over two groups of two, each group one position that its two replicas run
     over every other microbatch, beats interleaving four single devices (the notes give both)."""
-    model, inputs = _gpt2()
-    compiled = hetcc.compile(model, _cluster(4), example_kwargs=inputs, microbatches=4, schedule=INTERLEAVED)
-    return model, inputs, compiled
+    return _compiled(4, INTERLEAVED)
 
 
 def test_interleaving_replicates_the_pipeline_whole_where_that_is_faster(replicated, tmp_path):
@@ -123,9 +126,7 @@ def test_hetcc_simulate_prints_one_replicas_grid(replicated, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def zbv():
-    model, inputs = _gpt2()
-    compiled = hetcc.compile(model, _cluster(2), example_kwargs=inputs, microbatches=4, schedule=ZBV)
-    return model, inputs, compiled
+    return _compiled(2, ZBV)
 
 
 def test_zbv_lays_the_pipeline_in_a_v_and_the_plan_replays(zbv, tmp_path, capsys):
