@@ -27,11 +27,11 @@ from hetcc.hardware.cluster import Cluster
 from hetcc.passes.blocks import Block, CutTensor, TiedParam, crossing_once
 from hetcc.passes.compress import PAYS_RTOL, codec_rows, compress_spec, keep_paying_codecs, stage_wire_bytes
 from hetcc.passes.cost import block_times, op_name
-from hetcc.passes.schedule_search import AUTO_SCHEDULES, RERANK, solve_each_schedule
+from hetcc.passes.schedule_search import AUTO_SCHEDULES, RERANK, planned_schedule, solve_each_schedule
 from hetcc.plan import MemoryBreakdown, Plan, PlanStage
 from hetcc.solver.baselines import baselines
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, TensorSplit
-from hetcc.solver.schedules import INTERLEAVED, MULTI_STAGE, ZBV
+from hetcc.solver.schedules import MULTI_STAGE
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import solve
 from hetcc.solver.tensor import megatron_baseline
@@ -111,14 +111,12 @@ def partition(
         whole, settings.schedule, settings.tensor_parallel
     )
     bound = solution.lower_bound_s  # with tensor parallelism: valid for every degree (``tensor_bound``)
-    chunks = solution.chunks  # > 1: interleaved 1F1B, stage j on the device of rank j mod p
-    interleaved = chunks > 1
-    solution, codec_notes = (
-        _codecs_that_pay(problem, solution, settings) if not interleaved else (solution, [])
+    solution, codec_notes = (  # several stages per device: codecs are not planned with them
+        _codecs_that_pay(problem, solution, settings) if solution.chunks == 1 else (solution, [])
     )
     if tensor and solution.lower_bound_s != bound:  # a plan without codecs kept: still the tensor bound
         solution = replace(solution, lower_bound_s=bound, gap=solution.simulated_s / bound - 1)
-    plan = _plan(problem, solution, chain, settings, whole, device_map, chunks)
+    plan = _plan(problem, solution, chain, settings, whole, device_map)
     plan = replace(plan, notes=(*plan.notes, *([note] if note else []), *codec_notes))
     stage_of = plan.stage_of
     for node in gm.graph.nodes:
@@ -252,11 +250,10 @@ def _parameter(node: torch.fx.Node, depth: int = 3) -> bool:
     return depth > 0 and view and any(_parameter(a, depth - 1) for a in node.all_input_nodes)
 
 
-def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, whole, device_map,
-          chunks: int = 1) -> Plan:  # fmt: skip
+def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, whole, device_map) -> Plan:
     """The plan of ``solution`` on ``problem`` (the composite problem under tensor parallelism), its stages
-    on the real devices of ``whole`` (``device_map``), the baselines priced on ``whole``; ``chunks`` > 1:
-    an interleaved 1F1B plan of that many stages per device."""
+    on the real devices of ``whole`` (``device_map``), the baselines priced on ``whole``; ``solution.chunks``
+    > 1: several stages per device (interleaved 1F1B, or ZB-V's V)."""
     simulation = simulate(
         problem,
         solution.boundaries,
@@ -264,7 +261,7 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, who
         solution.recompute,
         events=False,
         stages=solution.stages,
-        chunks=chunks,
+        chunks=solution.chunks,
     )
     stages = tuple(
         _stage(k, stage_plan, whole, device_map, chain, settings, simulation.bubble_fraction[k], wire)
@@ -287,7 +284,7 @@ def _plan(problem, solution, chain: Sequence[Block], settings: PlanSettings, who
         gap=solution.gap,  # simulated step / bound, as solve replayed this same plan
         baselines=base,
         microbatches=problem.microbatches,
-        schedule=problem.schedule if problem.schedule == ZBV or chunks == 1 else INTERLEAVED,
+        schedule=planned_schedule(problem, solution),
         training=problem.training,
         simulated_step_s=simulation.step_time_s,
         exact=solution.exact,

@@ -133,11 +133,16 @@ def _multi_stage(
     return found
 
 
+def planned_schedule(problem: PartitionProblem, solution: PartitionSolution) -> str:
+    """The schedule ``solution`` runs: interleaved 1F1B where it places several stages per device on a
+    problem priced as 1F1B, else the problem's (ZB-V's own among them)."""
+    return INTERLEAVED if solution.chunks > 1 and problem.schedule != ZBV else problem.schedule
+
+
 def _name(problem: PartitionProblem, solution: PartitionSolution) -> str:
-    """The schedule of a plan "auto" tried: interleaved 1F1B with its v, or the problem's."""
-    if solution.chunks > 1 and problem.schedule != ZBV:
-        return f"{INTERLEAVED} (v = {solution.chunks})"
-    return problem.schedule
+    """The schedule of a plan "auto" tried, interleaved 1F1B with its v."""
+    name = planned_schedule(problem, solution)
+    return f"{name} (v = {solution.chunks})" if name == INTERLEAVED else name
 
 
 def _on_searched_degrees(

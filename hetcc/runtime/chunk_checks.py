@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from hetcc.hardware.schema import Where, short_repr
 from hetcc.runtime.placement import RankPlacement
-from hetcc.solver.schedules import INTERLEAVED, ZBV, interleaved_shares, rank_stages
+from hetcc.solver.schedules import INTERLEAVED, ZBV, interleavable, rank_stages
 
 
 def check_chunks(
@@ -65,8 +65,8 @@ def check_chunks(
             f"each replica of an {INTERLEAVED} pipeline runs the same microbatches at every stage",
             "give every stage the same routing",
         )
-    if not interleaved_shares(p, route, replicas):  # forwards alone run in the same rounds
-        shares = [list(route).count(r) for r in range(replicas)]
+    shares = [list(route).count(r) for r in range(replicas)]
+    if not all(interleavable(p, share) for share in shares):  # forwards alone run in the same rounds
         where.at("microbatches").fail(
             f"{len(route)} microbatches over {p} positions, {shares} per replica: {INTERLEAVED} runs "
             f"each replica's in rounds of equal size, at least {p} each",

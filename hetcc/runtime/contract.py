@@ -44,9 +44,8 @@ from hetcc.runtime.chunk_checks import check_chunks
 from hetcc.runtime.placement import RankPlacement, placement, ranks_for
 from hetcc.solver.problem import PartitionSolution
 from hetcc.solver.schedules import (
-    INTERLEAVED,
-    RUN_SCHEDULES,
-    ZBV,
+    MULTI_STAGE,
+    PIPELINE_SCHEDULES,
     rank_stages,
     recorded_warmup,
     warmup_fault,
@@ -184,7 +183,7 @@ def _fields(nonempty: bool) -> dict[str, Callable[[object, Where], Any]]:
     """The kinds of the record's fields; ``nonempty``: its lists are written out (version 2), so an empty
     one is an error, not the default it meant in version 1."""
     return {
-        "schedule": Choice(RUN_SCHEDULES, "schedule"),
+        "schedule": Choice(PIPELINE_SCHEDULES, "schedule"),
         "microbatches": Count(),
         "optimizer": Nullable(Record({"name": Text()}, required=("name",), open=True)),
         "loss": Text(),
@@ -285,9 +284,9 @@ def _check(meta: PipelineMeta, where: Where) -> None:
     """The record agrees with itself (the schema layer has checked each field's type when read)."""
     if not _count(meta.num_stages):
         where.fail(f"num_stages: expected a positive integer; got {short_repr(meta.num_stages)}")
-    if meta.schedule not in RUN_SCHEDULES:
+    if meta.schedule not in PIPELINE_SCHEDULES:
         where.at("schedule").fail(
-            f"unknown schedule {short_repr(meta.schedule)}", f"use {', '.join(RUN_SCHEDULES)}"
+            f"unknown schedule {short_repr(meta.schedule)}", f"use {', '.join(PIPELINE_SCHEDULES)}"
         )
     if not _count(meta.microbatches):
         where.at("microbatches").fail(f"expected a positive integer; got {short_repr(meta.microbatches)}")
@@ -311,7 +310,7 @@ def _check(meta: PipelineMeta, where: Where) -> None:
     _check_per_stage(meta.shard, meta.num_stages, where.at("shard"))
     _check_per_stage(meta.deferred, meta.num_stages, where.at("deferred"))
     _check_per_stage(meta.warmup, meta.num_stages, where.at("warmup"))
-    own_order = meta.schedule in (INTERLEAVED, ZBV)  # its order fixes each stage's warm-up and deferral
+    own_order = meta.schedule in MULTI_STAGE  # its order fixes each stage's warm-up and deferral
     fault = (
         warmup_fault(meta.schedule, replicas, meta.microbatches, meta.warmup)
         if meta.training and not own_order

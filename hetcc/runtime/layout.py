@@ -19,14 +19,7 @@ from dataclasses import dataclass, field
 
 from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.placement import RankPlacement
-from hetcc.solver.schedules import (
-    INTERLEAVED,
-    ZBV,
-    Action,
-    replica_interleaved_actions,
-    stage_actions,
-    zbv_actions,
-)
+from hetcc.solver.schedules import MULTI_STAGE, ZBV, Action, rank_order, stage_actions
 
 
 @dataclass(frozen=True)
@@ -73,23 +66,16 @@ class RankLayout:
 
     def actions(self, schedule: str, rank: int, training: bool = True) -> list[Action]:
         """``rank``'s part of its stage's schedule (forwards only unless ``training``): the actions of
-        the microbatches routed to it; under interleaved 1F1B its row of the interleaved order, each
-        action's ``chunk`` naming which of its stages runs it."""
+        the microbatches routed to it; under interleaved 1F1B and ZB-V its row of its replica's order
+        (``schedules.rank_order``), each action's ``chunk`` naming which of its stages runs it."""
         placement = self.ranks[rank]
-        if (
-            schedule == INTERLEAVED
-        ):  # each replica its own pipeline, one routing for every stage (``contract``)
+        if schedule in MULTI_STAGE:  # one routing for every stage (``contract``); position r runs row r
             chunks = len(placement.stages)
-            rows = replica_interleaved_actions(
-                len(self.routing) // chunks,
-                chunks,
-                self.routing[placement.stage],
-                placement.replica,
-                training,
+            route, position = self.routing[placement.stage], placement.stage
+            rows = rank_order(
+                schedule, len(self.routing) // chunks, chunks, route, placement.replica, training
             )
-            return list(rows[placement.stage])  # rank r of its replica runs stages r, r + p, ...
-        if schedule == ZBV:  # rank r runs stages r and 2p - 1 - r, one replica each (``contract``)
-            return zbv_actions(self.num_ranks, len(self.routing[0]), training)[rank]
+            return list(rows[position])
         replicas = [len(self.stage_ranks(k)) for k in range(len(self.routing))]
         every = stage_actions(
             schedule, len(self.routing), len(self.routing[0]), training=training, replicas=replicas,

@@ -68,9 +68,9 @@ def solve_interleaved(
             hint="use schedule='1f1b' (or 'auto'), more microbatches, or a cluster whose plan spans 2+ devices",
         )
     key = min(tried, key=lambda k: (tried[k][0].step_s, k))
-    (cuts, step_s, recompute), positions, pipeline_s = tried[key]
+    found, positions, pipeline_s = tried[key]
     replicas, v = key
-    if math.isinf(step_s):
+    if math.isinf(found.step_s):
         raise InfeasiblePlanError(
             f"{INTERLEAVED}: no plan of {', '.join(map(str, sorted({c for _, c in tried})))} chunks per device "
             "on the devices of the best 1F1B pipelines fits in memory (each device holds every chunk's weights, "
@@ -80,13 +80,7 @@ def solve_interleaved(
         )
     ranks = len(positions)
     solved = replace(plain, replicate=replicas > 1)
-    stages = stage_costs(
-        solved, cuts, [positions[j % ranks] for j in range(v * ranks)], list(recompute), chunks=v
-    )
-    bound = interleaved_bound(problem)
-    per_device = [sum(s.compute_s for s in stages[r::ranks]) for r in range(ranks)]
-    solution = PartitionSolution(stages, step_s, max(per_device), bound, step_s / bound - 1, exact=False,
-                                 simulated_s=step_s, chunks=v)  # fmt: skip
+    solution = _solution(solved, positions, v, found, interleaved_bound(problem))
     figures = ", ".join(
         f"{f'R = {r}, ' if len({k[0] for k in tried}) > 1 else ''}v = {c}: {tried[r, c][0].step_s * 1e3:.2f} ms"
         for r, c in sorted(tried)
@@ -194,24 +188,41 @@ def solve_zbv(
             hint="use schedule='zb-h1', 'zb-h2' or 'auto', or a cluster whose plan spans 2+ devices",
         )
     plain = replace(pure, schedule=ZBV)
-    cuts, step_s, recompute = interleave(plain, devices, 2)
-    if math.isinf(step_s):
+    found = interleave(plain, devices, 2)
+    if math.isinf(found.step_s):
         raise InfeasiblePlanError(
             f"{ZBV}: no V over the {ranks} devices of the best 1F1B pipeline fits in memory (each device holds two "
             f"stages' weights, and their activations until each W){'' if problem.recompute else '; recompute=False'}",
             hint="use schedule='zb-h1' or 'auto'" + ("" if problem.recompute else ", or allow recomputation"),
         )
-    placed = [devices[min(j, 2 * ranks - 1 - j)] for j in range(2 * ranks)]
-    stages = stage_costs(plain, cuts, placed, list(recompute), chunks=2)
-    bound = zbv_bound(problem)
-    per_device = [stages[r].compute_s + stages[2 * ranks - 1 - r].compute_s for r in range(ranks)]
-    solution = PartitionSolution(stages, step_s, max(per_device), bound, step_s / bound - 1, exact=False,
-                                 simulated_s=step_s, chunks=2)  # fmt: skip
+    solution = _solution(plain, devices, 2, found, zbv_bound(problem))
     note = (
         f"schedule: {ZBV} on the {ranks} devices of the best 1F1B pipeline ({pipeline.simulated_s * 1e3:.2f} ms "
         "under 1F1B)" + ("; no codecs: they are not planned with it" if problem.codecs is not None else "")
     )
     return plain, solution, note
+
+
+def _solution(
+    problem: PartitionProblem, devices: Sequence[Device], chunks: int, found: Interleaved, bound: float
+) -> PartitionSolution:
+    """The solution of ``found`` (``interleave``'s plan over ``devices`` with ``chunks`` each): its stages
+    costed, its period the busiest device's compute, its gap to ``bound``."""
+    placed = placed_stages(problem.schedule, devices, chunks)
+    stages = stage_costs(problem, found.cuts, placed, list(found.recompute), chunks=chunks)
+    per_device = [sum(s.compute_s for s, d in zip(stages, placed) if d == device) for device in devices]
+    return PartitionSolution(stages, found.step_s, max(per_device), bound, found.step_s / bound - 1,
+                             exact=False, simulated_s=found.step_s, chunks=chunks)  # fmt: skip
+
+
+def placed_stages(schedule: str, devices: Sequence[Device], chunks: int) -> list[Device]:
+    """Per stage of a plan of ``chunks`` stages on each of ``devices`` (in pipeline order), its device:
+    under ZB-V the V, else interleaved 1F1B's stage j on device j mod p (``schedules.rank_stages``)."""
+    placed: list[Device] = [devices[0]] * (chunks * len(devices))
+    for rank, device in enumerate(devices):
+        for stage in rank_stages(schedule, len(devices), rank, chunks):
+            placed[stage] = device
+    return placed
 
 
 class Interleaved(NamedTuple):
@@ -249,10 +260,7 @@ def interleave(problem: PartitionProblem, devices: Sequence[Device], chunks: int
             f"{problem.microbatches}, {replicas} replica(s)); a ZB-V 2 chunks, one replica",
             hint="fewer chunks or devices",
         )
-    placed: list[Device] = [devices[0]] * (chunks * ranks)
-    for rank, device in enumerate(devices):  # stage j on the device of the rank running it
-        for stage in rank_stages(layout, ranks, rank, chunks):
-            placed[stage] = device
+    placed = placed_stages(problem.schedule, devices, chunks)
     cuts = _balanced_cuts(problem, placed)
     best_s, recompute = _evaluated(problem, cuts, placed, chunks)
     budget, improved = MOVES, True

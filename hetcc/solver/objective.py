@@ -51,8 +51,6 @@ from hetcc.solver.problem import (
 )
 from hetcc.solver.problem_checks import check_plan
 from hetcc.solver.schedules import (
-    INTERLEAVED,
-    ZBV,
     least_warmups,
     max_inflight,
     rank_order,
@@ -182,12 +180,12 @@ def _interleaved(
     ranks, stage j on the group of rank j mod K / chunks, each replica of that pipeline running the order
     over its own microbatches (``replica_interleaved_actions``); ZB-V (``problem.schedule``,
     ``zbv_actions``): rank r holds stages r and K - 1 - r, one device each."""
-    ranks, layout = len(groups) // chunks, ZBV if problem.schedule == ZBV else INTERLEAVED
+    ranks, schedule = len(groups) // chunks, problem.schedule  # ZB-V's V, else interleaved 1F1B's layout
     memories = [None] * len(groups)
     for rank in range(ranks):
-        mine = rank_stages(layout, ranks, rank, chunks)
+        mine = rank_stages(schedule, ranks, rank, chunks)
         orders = [
-            rank_order(layout, ranks, chunks, tuple(routes[rank]), replica, problem.training)[rank]
+            rank_order(schedule, ranks, chunks, tuple(routes[rank]), replica, problem.training)[rank]
             for replica in range(len(groups[rank]))
         ]
         release = ["W" if split[j] else "B" for j in mine]  # when a microbatch's activations go

@@ -163,39 +163,8 @@ def check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks: in
             f"device each), got chunks={chunks!r} and {[list(g) for g in groups]}",
             hint="give the first K / 2 stages' devices again, in reverse order, for the last K / 2",
         )
-    if (
-        chunks != 1
-        and problem.schedule != ZBV
-        and (
-            problem.schedule != "1f1b"
-            or not ranks
-            or any(
-                groups[j] != groups[j % ranks] or len(groups[j]) != len(groups[0]) for j in range(len(groups))
-            )
-            or any(
-                len({problem.devices[d].type for d in group}) > 1
-                for group in groups
-                if _known(group, problem)
-            )
-        )
-    ):
-        raise PlanFormatError(
-            f"an interleaved plan of {chunks!r} chunks needs the 1f1b schedule (got {problem.schedule!r}) and a "
-            f"multiple of {chunks!r} stages, stage j on the group of stage j mod K / chunks, every group as many "
-            f"devices of one type (the pipeline replicated whole), got {[list(g) for g in groups]}",
-            hint="repeat the first K / chunks stages' groups for every further chunk",
-        )
-    replicas = len(groups[0])
-    shares = [
-        len(range(r, problem.microbatches, replicas)) for r in range(replicas)
-    ]  # equal replicas: in turn
-    if chunks != 1 and problem.schedule != ZBV and not all(interleavable(ranks, share) for share in shares):
-        raise PlanFormatError(
-            f"an interleaved plan over {ranks} devices with {replicas} replica(s) each runs {shares} of the "
-            f"{problem.microbatches} microbatches per replica: each share must be at least {ranks}, in rounds of "
-            "equal size",
-            hint=f"use a multiple of {ranks * replicas} microbatches",
-        )
+    if chunks != 1 and problem.schedule != ZBV:
+        _check_interleaved(problem, groups, chunks, ranks)
     flat = [d for g in groups[: ranks or len(groups)] for d in g]
     if not all(groups) or len(set(flat)) != len(flat) or not all(0 <= d < len(problem.devices) for d in flat):
         raise PlanFormatError(
@@ -218,6 +187,35 @@ def check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks: in
         raise PlanFormatError(
             f"codecs {codecs!r} must give {len(groups)} entries, each None or (activation, gradient) names",
             hint="one entry per stage; None lets the planner choose",
+        )
+
+
+def _check_interleaved(problem, groups, chunks, ranks: int) -> None:
+    """An interleaved 1F1B plan: stage j on the group of stage j mod ``ranks``, every group as many
+    devices of one type (the pipeline replicated whole), each replica's share of the microbatches (in
+    turn, as equal replicas take them) in rounds ``interleaved_actions`` takes."""
+    if (
+        problem.schedule != "1f1b"
+        or not ranks
+        or any(groups[j] != groups[j % ranks] or len(groups[j]) != len(groups[0]) for j in range(len(groups)))
+        or any(
+            len({problem.devices[d].type for d in group}) > 1 for group in groups if _known(group, problem)
+        )
+    ):
+        raise PlanFormatError(
+            f"an interleaved plan of {chunks!r} chunks needs the 1f1b schedule (got {problem.schedule!r}) and a "
+            f"multiple of {chunks!r} stages, stage j on the group of stage j mod K / chunks, every group as many "
+            f"devices of one type (the pipeline replicated whole), got {[list(g) for g in groups]}",
+            hint="repeat the first K / chunks stages' groups for every further chunk",
+        )
+    replicas = len(groups[0])
+    shares = [len(range(r, problem.microbatches, replicas)) for r in range(replicas)]
+    if not all(interleavable(ranks, share) for share in shares):
+        raise PlanFormatError(
+            f"an interleaved plan over {ranks} devices with {replicas} replica(s) each runs {shares} of the "
+            f"{problem.microbatches} microbatches per replica: each share must be at least {ranks}, in rounds of "
+            "equal size",
+            hint=f"use a multiple of {ranks * replicas} microbatches",
         )
 
 

@@ -69,7 +69,6 @@ INTERLEAVED = "interleaved-1f1b"  # several stages per rank (``interleaved_actio
 ZBV = "zbv"
 MULTI_STAGE = (INTERLEAVED, ZBV)  # the schedules whose ranks run several stages each
 PIPELINE_SCHEDULES = (*SCHEDULES, *MULTI_STAGE)  # what a plan may use and a saved pipeline runs
-RUN_SCHEDULES = PIPELINE_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -330,19 +329,14 @@ def replica_interleaved_actions(
 
 
 def rank_order(
-    layout: str, ranks: int, chunks: int, route: tuple[int, ...], replica: int, training: bool = True
+    schedule: str, ranks: int, chunks: int, route: tuple[int, ...], replica: int, training: bool = True
 ) -> tuple[tuple[Action, ...], ...]:
-    """Per rank, the order replica ``replica`` runs under ``layout``: ``ZBV``'s V (one replica), else
-    interleaved 1F1B's (``replica_interleaved_actions``)."""
-    if layout == ZBV:
+    """Per rank, the order replica ``replica`` of a pipeline of ``chunks`` stages per rank runs: ``ZBV``'s
+    V (one replica), else interleaved 1F1B's (``replica_interleaved_actions``; as ``chunk_stage``, every
+    other schedule name lays stages out as interleaved 1F1B does)."""
+    if schedule == ZBV:
         return tuple(map(tuple, zbv_actions(ranks, len(route), training)))
     return replica_interleaved_actions(ranks, chunks, route, replica, training)
-
-
-def interleaved_shares(ranks: int, route: Sequence[int], replicas: int) -> bool:
-    """Whether each of the ``replicas`` replicas' share of ``route`` (microbatch -> replica) is a count
-    interleaved 1F1B takes over ``ranks`` (``interleavable``)."""
-    return all(interleavable(ranks, list(route).count(r)) for r in range(replicas))
 
 
 def zbv_actions(ranks: int, microbatches: int, training: bool = True) -> list[list[Action]]:
@@ -397,8 +391,8 @@ def chunk_stage(schedule: str, ranks: int, rank: int, chunk: int) -> int:
 
 
 def rank_stages(schedule: str, ranks: int, rank: int, chunks: int) -> tuple[int, ...]:
-    """The stages rank ``rank`` of ``ranks`` runs, by chunk (``chunk_stage``): under interleaved 1F1B
-    rank, rank + ranks, ...; under ZB-V rank and 2 * ranks - 1 - rank."""
+    """The stages rank ``rank`` of ``ranks`` runs, by chunk (``chunk_stage``): under ZB-V rank and
+    2 * ranks - 1 - rank; under interleaved 1F1B (any other schedule name) rank, rank + ranks, ...."""
     return tuple(chunk_stage(schedule, ranks, rank, c) for c in range(chunks))
 
 

@@ -40,8 +40,6 @@ from hetcc.solver.links import device_ring_s
 from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, stage_costs, weight_grad_s
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import (
-    INTERLEAVED,
-    ZBV,
     Action,
     rank_order,
     rank_stages,
@@ -108,12 +106,12 @@ def simulate(
         return fwd, bwd - wgrad, wgrad
 
     if chunks > 1:
-        ranks, layout = k // chunks, ZBV if problem.schedule == ZBV else INTERLEAVED
+        ranks, schedule = k // chunks, problem.schedule  # ZB-V's V, else interleaved 1F1B's layout
         lanes = []
         for r in range(ranks):
-            mine, route = rank_stages(layout, ranks, r, chunks), tuple(stages[r].route)
+            mine, route = rank_stages(schedule, ranks, r, chunks), tuple(stages[r].route)
             for replica, device in enumerate(groups[r]):
-                order = rank_order(layout, ranks, chunks, route, replica, problem.training)[r]
+                order = rank_order(schedule, ranks, chunks, route, replica, problem.training)[r]
                 lanes.append(_Lane(mine, replica, device, order, {j: seconds(j, device) for j in mine}))
     else:
         actions = _lane_actions(

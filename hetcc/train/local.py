@@ -32,7 +32,7 @@ from hetcc.runtime.contract import PipelineMeta
 from hetcc.runtime.groups import GPU_VENDORS
 from hetcc.runtime.store import Pipeline, PipelineOutline, load_pipeline, read_outline, save_stages
 from hetcc.runtime.supervisor import error_report, failure_error, spawn_ranks, start_heartbeat, write_report
-from hetcc.solver.schedules import INTERLEAVED, ZBV, stage_actions
+from hetcc.solver.schedules import MULTI_STAGE, stage_actions
 from hetcc.train import checkpoint as ckpt
 from hetcc.train.data import TARGET_KEYS, split_microbatches
 from hetcc.train.loop import TrainSettings, check_settings, train
@@ -247,7 +247,7 @@ def _run_meta(meta: PipelineMeta, schedule: str | None, microbatches: int | None
     made again for the new microbatch count, and a new schedule defers and warms up by its own rule (the
     plan's deferred weight gradients and warm-ups were chosen for the plan's schedule and M: a zb-h1 run
     of a 1F1B plan defers ZB-H1's)."""
-    if (schedule or meta.schedule) not in (INTERLEAVED, ZBV):  # the record checks their orders' own rules
+    if (schedule or meta.schedule) not in MULTI_STAGE:  # the record checks their orders' own rules
         stage_actions(
             schedule or meta.schedule, 1, meta.microbatches if microbatches is None else microbatches
         )
