@@ -177,8 +177,8 @@ def test_recomputation_is_chosen_only_when_memory_needs_it():
 
 
 def test_replicas_share_microbatches_by_speed():
-    assert route_microbatches(4, [1.0, 1.0]) == [0, 1, 0, 1]
-    assert route_microbatches(8, [1.0, 3.0]).count(0) == 6  # the 3x faster replica takes 6 of 8
+    assert route_microbatches(4, (1.0, 1.0)) == (0, 1, 0, 1)
+    assert route_microbatches(8, (1.0, 3.0)).count(0) == 6  # the 3x faster replica takes 6 of 8
     problem = _fixed_problem()
     plan = evaluate(problem, [0, 8], [(0, 1, 4)])  # two fast cards and the slow one
     assert plan.stages[0].shares == (4, 3, 1)  # the slow card takes one: 3.5 < 4 fast-card units

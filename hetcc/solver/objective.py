@@ -120,7 +120,7 @@ def stage_costs(
         [sum(replica_seconds(problem, boundaries[j], boundaries[j + 1], d, recompute[j])) for d in g]
         for j, g in enumerate(groups)
     ]
-    routes = [route_microbatches(problem.microbatches, s) for s in seconds]
+    routes = [route_microbatches(problem.microbatches, tuple(s)) for s in seconds]
     split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
     footprints = [group_footprint(problem, *boundaries[j : j + 2], g) for j, g in enumerate(groups)]
     if chunks > 1:
@@ -315,7 +315,11 @@ def _stage_plan(
     bwd = math.fsum(problem.bwd_s[kind][start:stop]) if problem.training else 0.0
     comm, link_busy, codecs = 0.0, 0.0, ("none", "none")
     if j + 1 < len(groups):
-        pairs = Counter((group[a], groups[j + 1][b]) for a, b in zip(route, routes[j + 1]))
+        after = groups[j + 1]
+        if len(group) == 1 and len(after) == 1:  # every microbatch over one pair (most stages)
+            pairs = Counter({(group[0], after[0]): m})
+        else:
+            pairs = Counter((group[a], after[b]) for a, b in zip(route, routes[j + 1]))
         rows = cut_rows(problem, stop - 1, list(pairs), pinned)
         times = {pair: pair_s(problem, stop - 1, pair, rows) for pair in pairs}
         comm, codecs = max(times.values()), names(rows)

@@ -13,6 +13,7 @@ cut: ``WireCodec``, tensor-parallel groups of identical devices: ``TensorSplit``
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Sequence
@@ -372,22 +373,24 @@ def round_trip_slots(
     return None
 
 
-def route_microbatches(microbatches: int, seconds: Sequence[float]) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def route_microbatches(microbatches: int, seconds: tuple[float, ...]) -> tuple[int, ...]:
     """The replica each microbatch runs on, for replicas taking ``seconds[d]`` per microbatch.
 
     Each microbatch goes to the replica that would finish its share soonest, ``(count_d + 1) * t_d``
     (ties to the lower index): this minimises the slowest replica's total ``count_d * t_d`` and, for
-    equal replicas, is round-robin.
+    equal replicas, is round-robin. (Cached: the search and the simulator cost many plans whose groups
+    repeat.)
     """
     if len(seconds) == 1:
-        return [0] * microbatches
+        return (0,) * microbatches
     counts = [0] * len(seconds)
     route = []
     for _ in range(microbatches):
         d = min(range(len(seconds)), key=lambda i: ((counts[i] + 1) * seconds[i], i))
         counts[d] += 1
         route.append(d)
-    return route
+    return tuple(route)
 
 
 def steady_share(count: int, microbatches: int) -> float:

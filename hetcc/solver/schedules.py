@@ -335,8 +335,14 @@ def rank_order(
     V (one replica), else interleaved 1F1B's (``replica_interleaved_actions``; as ``chunk_stage``, every
     other schedule name lays stages out as interleaved 1F1B does)."""
     if schedule == ZBV:
-        return tuple(map(tuple, zbv_actions(ranks, len(route), training)))
+        return _zbv_order(ranks, len(route), training)
     return replica_interleaved_actions(ranks, chunks, route, replica, training)
+
+
+@functools.lru_cache(maxsize=256)
+def _zbv_order(ranks: int, microbatches: int, training: bool) -> tuple[tuple[Action, ...], ...]:
+    """``zbv_actions`` as tuples, cached: the planner replays many plans of the same shape."""
+    return tuple(map(tuple, zbv_actions(ranks, microbatches, training)))
 
 
 def zbv_actions(ranks: int, microbatches: int, training: bool = True) -> list[list[Action]]:

@@ -128,10 +128,12 @@ def simulate(
     timeline = _Timeline(problem, stages, routes, events)
     for lane in lanes:
         lane.steps = timeline.steps(lane)
-    remaining = sum(len(lane.steps) for lane in lanes)
+    remaining, received = sum(len(lane.steps) for lane in lanes), timeline.received
     while remaining:
         progressed = 0
         for lane in lanes:
+            if received.get(lane.waits[0], 0) < lane.waits[1]:  # still short of a message: skip the call
+                continue
             progressed += timeline.run(lane)
         if not progressed:
             raise PlanFormatError("simulated schedule deadlocked", hint="report the plan and schedule")
@@ -170,6 +172,7 @@ class _Lane:
     free_s: float = 0.0
     busy_s: float = 0.0
     steps: list = field(default_factory=list)  # per action: what ``_Timeline.run`` needs, worked out once
+    waits: tuple = (None, 0)  # (what its next action waits for, how many messages): ``run`` stopped there
 
 
 class _Timeline:
@@ -194,29 +197,23 @@ class _Timeline:
 
     def steps(self, lane: _Lane) -> list[tuple]:
         """The lane's actions as ``run`` takes them: per action (what it waits for, how many messages, its
-        seconds, its sends as (what they deliver, link, seconds), kind, microbatch)."""
+        seconds, its sends, kind, microbatch). Its sends are shared by every action of its stage and kind:
+        per message, the target stage, per replica of that stage the wire to it (link, seconds), and
+        the replica each microbatch goes to."""
         device, routes = lane.device, self.routes
-        # per stage and kind: its seconds, the messages it waits for, and per message it sends, the target
-        # stage and, per replica of that stage, the wire to it
-        seconds = {(j, kind): t for j, times in lane.seconds.items() for kind, t in zip("FBW", times)}
-        expected = {key: self.expected.get(key, 0) for key in seconds}
-        outgoing = {
-            key: [
-                (target, [self._wire(device, peer, message) for peer in self.stages[target].group])
-                for target, message in self.outgoing.get(key, ())
-            ]
-            for key in seconds
+        plans = {
+            (chunk, kind): (j, self.expected.get((j, kind), 0), t, [
+                (target, [self._wire(device, peer, message) for peer in self.stages[target].group], routes[target])
+                for target, message in self.outgoing.get((j, kind), ())
+            ])
+            for chunk, j in enumerate(lane.stages)
+            for kind, t in zip("FBW", lane.seconds[j])
         }  # fmt: skip
         steps = []
         for action in lane.actions:
             kind, m = action.kind, action.microbatch
-            key = (lane.stages[action.chunk], kind)
-            sends = ()
-            if outgoing[key]:
-                sends = tuple(
-                    [((target, kind, m), *wires[routes[target][m]]) for target, wires in outgoing[key]]
-                )
-            steps.append(((key[0], kind, m), expected[key], seconds[key], sends, kind, m))
+            j, expected, seconds, sends = plans[action.chunk, kind]
+            steps.append(((j, kind, m), expected, seconds, sends, kind, m))
         return steps
 
     def _wire(self, device: int, peer: int, message: Message) -> tuple[tuple[int, int], float]:
@@ -235,6 +232,7 @@ class _Timeline:
         while cursor < count:
             key, expected, duration, sends, kind, m = steps[cursor]
             if expected and received.get(key, 0) < expected:
+                lane.waits = (key, expected)
                 break
             ready = arrival.get(key, 0.0)
             start = free if free >= ready else ready
@@ -243,7 +241,9 @@ class _Timeline:
             busy += end - start
             if record:
                 self._note(lane, key[0], kind, m, start, end)
-            for target, link, seconds in sends:
+            for stage, wires, route in sends:
+                link, seconds = wires[route[m]]
+                target = (stage, kind, m)
                 sent = link_free.get(link, 0.0)
                 if sent < end:
                     sent = end
@@ -255,6 +255,8 @@ class _Timeline:
                 if record:
                     self._note(lane, key[0], f"SEND_{kind}", m, sent, done)
             cursor += 1
+        if cursor == count:  # done: nothing it could wait for arrives
+            lane.waits = (None, math.inf)
         lane.cursor, lane.free_s, lane.busy_s = cursor, free, busy
         return cursor - start_cursor
 
