@@ -8,7 +8,7 @@ interleaved 1F1B with its v and ZB-V (``solver.interleave``), on pure pipelines 
 re-rankings; with ``tensor_parallel="auto"`` too, the degrees are searched once, under the first, and
 the others planned on the degrees found and on degree 1 (interleaved 1F1B and ZB-V, which take no
 tensor parts, are not tried where tensor parallelism is on). Solves that do not depend
-on each other run side by side (``solver.parallel.solve_each``).
+on each other run side by side, and beside the search (``solver.parallel.Solves``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hetcc.solver.interleave import (
     solve_zbv,
     zbv_bound,
 )
-from hetcc.solver.parallel import solve_each
+from hetcc.solver.parallel import Solves, solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.solver.schedules import INTERLEAVED, MULTI_STAGE, ZBV
 from hetcc.solver.solve import search_plans, solve
@@ -79,17 +79,19 @@ def solve_each_schedule(
     if not (tensor and problem.tensor_splits):  # one search, then each schedule's re-ranking at once
         scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
         problem.validate()
-        searched = search_plans(scheduled[0], RERANK)  # InfeasiblePlanError: no schedule has a plan
-        # the pure pipelines interleaved 1F1B and ZB-V are laid on, searched and solved beside them
+        # the pure pipelines interleaved 1F1B and ZB-V are laid on, solved while the search runs
         pipelines = [pure for pure, _ in interleaving_pipelines(problem)]
-        found = [searched] * len(scheduled) + [None] * len(pipelines)
-        answers = solve_each([*scheduled, *pipelines], RERANK, found)
-        for each, answer in zip(scheduled, answers):
-            if isinstance(answer, InfeasiblePlanError):
-                first_error = first_error or answer
-            else:
-                tried.append((each, answer, _identity(problem)))
-        tried += _multi_stage(problem, answers[len(scheduled) :])
+        with Solves([*scheduled, *pipelines]) as solves:
+            laid = [solves.submit(pure, RERANK) for pure in pipelines]
+            searched = search_plans(scheduled[0], RERANK)  # InfeasiblePlanError: no schedule has a plan
+            ranked = [solves.submit(each, RERANK, searched) for each in scheduled]
+            for each, answer in zip(scheduled, (rerank() for rerank in ranked)):
+                if isinstance(answer, InfeasiblePlanError):
+                    first_error = first_error or answer
+                else:
+                    tried.append((each, answer, _identity(problem)))
+            fastest_s = min((found[1].simulated_s for found in tried), default=math.inf)
+            tried += _multi_stage(problem, [answer() for answer in laid], fastest_s)
     elif tensor == "auto":
         try:
             tried.append(solve_one(replace(problem, schedule=AUTO_SCHEDULES[0]), tensor))
@@ -118,15 +120,15 @@ def solve_each_schedule(
 
 
 def _multi_stage(
-    problem: PartitionProblem, pipelines: list[PartitionSolution | InfeasiblePlanError]
+    problem: PartitionProblem, pipelines: list[PartitionSolution | InfeasiblePlanError], fastest_s: float
 ) -> list[tuple[PartitionProblem, PartitionSolution, DeviceMap]]:
     """``solve_interleaved``'s and ``solve_zbv``'s plans of ``problem`` on ``pipelines``
     (``interleaving_pipelines``' answers; ZB-V's the first, every device alone) as "auto" tries them,
-    each where it has one."""
+    each where it has one, refined where it starts near ``fastest_s`` (the fastest plan "auto" has)."""
     found = []
     for solver, answers in ((solve_interleaved, pipelines), (solve_zbv, pipelines[0])):
         try:
-            solved, solution, _ = solver(problem, RERANK, answers)
+            solved, solution, _ = solver(problem, RERANK, answers, fastest_s)
         except InfeasiblePlanError:
             continue
         found.append((solved, solution, _identity(solved)))

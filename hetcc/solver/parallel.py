@@ -3,7 +3,9 @@
 The tensor-degree search solves one problem per degree assignment it tries, and ``schedule="auto"``
 one per schedule: independent and deterministic, each seconds long on a large cluster. ``solve_each``
 runs them in ``config.solver_workers`` processes (0: one per CPU core) where the jobs are large enough
-to pay for starting the processes (``PARALLEL_WORK``), on Linux; else one after another. The answers
+to pay for starting the processes (``PARALLEL_WORK``), on Linux; else one after another. ``Solves``
+starts jobs as they come, so that the caller goes on meanwhile ("auto" searches while the pipelines
+that interleaved 1F1B is laid on are solved). The answers
 are the same either way: each job is the same ``solve`` call, and a forked worker inherits the
 parent's knobs (``hetcc.config``). The solver is numpy and Python: a worker never calls torch, so
 forking a process that has loaded it is safe there (torch's own DataLoader forks its workers too);
@@ -15,7 +17,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -36,16 +38,50 @@ def solve_each(
     InfeasiblePlanError in its place rather than raising. ``searched``: per problem, what
     ``solve.search_plans`` found for it (or for it under a schedule its searches see alike), so that job
     only re-ranks and refines (``solve.solve_searched``); None: the job searches. Where a worker dies,
-    every job is solved again in this process."""
-    jobs = [(problem, rerank, found) for problem, found in zip(problems, searched or [None] * len(problems))]
-    workers = _workers(problems)
-    if workers <= 1:
-        return [_solve_or_error(job) for job in jobs]
-    try:
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            return list(pool.map(_solve_or_error, jobs))
-    except BrokenProcessPool:  # a worker died (killed, out of memory): solve here instead
-        return [_solve_or_error(job) for job in jobs]
+    its jobs are solved again in this process."""
+    with Solves(problems) as solves:
+        pending = [solves.submit(p, rerank, found) for p, found in zip(problems, searched or [None] * len(problems))]
+        return [answer() for answer in pending]
+
+
+class Solves:
+    """``solve`` jobs handed to forked workers as they are submitted, so that the caller works on (a
+    search, say) while they run; or, where the work of ``problems`` (every problem that will be
+    submitted) does not pay for starting processes, each solved in this process when its answer is
+    asked for. A context manager: leaving it waits for the workers, or cancels what has not started
+    where it is left by an error."""
+
+    def __init__(self, problems: Sequence[PartitionProblem]):
+        workers = _workers(problems)
+        context = multiprocessing.get_context("fork") if workers > 1 else None
+        self._pool = ProcessPoolExecutor(workers, mp_context=context) if context else None
+
+    def __enter__(self) -> Solves:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=error is not None)
+
+    def submit(
+        self, problem: PartitionProblem, rerank: int = 0, searched: Searched | None = None
+    ) -> Callable[[], PartitionSolution | InfeasiblePlanError]:
+        """``solve_each``'s job for ``problem``, started; call what it returns for the answer."""
+        job = (problem, rerank, searched)
+        if self._pool is None:
+            return lambda: _solve_or_error(job)
+        try:
+            future = self._pool.submit(_solve_or_error, job)
+        except BrokenProcessPool:  # a worker died before: solve here instead
+            return lambda: _solve_or_error(job)
+
+        def answer() -> PartitionSolution | InfeasiblePlanError:
+            try:
+                return future.result()
+            except BrokenProcessPool:  # a worker died (killed, out of memory): solve here instead
+                return _solve_or_error(job)
+
+        return answer
 
 
 def _workers(problems: Sequence[PartitionProblem]) -> int:

@@ -102,6 +102,7 @@ class PartitionProblem:
     replicate: bool = False
     recompute: bool = False
     recompute_all: bool = False  # every stage recomputes (the user asked for it)
+    max_stages: int = 0  # plans of at most this many stages (0: as many as blocks and devices allow)
     # Bytes of each block's parameters (its gradient in a replica all-reduce); None: ``state_bytes``.
     param_bytes: list[float] | None = None
     # Gradient bytes sent back over each cut in training (tensors that depend on no trainable parameter,

@@ -265,6 +265,9 @@ def validate_problem(problem) -> None:
     m = problem.microbatches
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
         raise _fail("microbatches", f"must be a positive integer, got {m!r}", "pass microbatches >= 1")
+    cap = problem.max_stages
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < 0:
+        raise _fail("max_stages", f"must be a non-negative integer, got {cap!r}", "0: no cap")
     _check_vector("state_bytes", problem.state_bytes, n)
     _check_vector("act_bytes", problem.act_bytes, n)
     _check_vector("cut_bytes", problem.cut_bytes, n - 1)

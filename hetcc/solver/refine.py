@@ -129,11 +129,13 @@ def _tuple(values) -> tuple | None:
 
 
 def _moves(problem: PartitionProblem, bounds, groups, recompute, warmup):
-    """Plans one move from ``(bounds, groups, recompute, warmup)``: the moves of ``_layouts``, each with
-    the schedule's warm-up (None) where it changes the stages' replica counts, else with ``warmup``;
-    then warm-up moves."""
-    counts = [len(g) for g in groups]
+    """Plans one move from ``(bounds, groups, recompute, warmup)``: the moves of ``_layouts`` (no more
+    stages than ``problem.max_stages``), each with the schedule's warm-up (None) where it changes the
+    stages' replica counts, else with ``warmup``; then warm-up moves."""
+    counts, cap = [len(g) for g in groups], problem.max_stages or len(problem.blocks)
     for moved_bounds, moved_groups, moved_recompute in _layouts(problem, bounds, groups, recompute):
+        if len(moved_groups) > cap:
+            continue
         same = len(moved_groups) == len(counts) and all(len(g) == c for g, c in zip(moved_groups, counts))
         yield moved_bounds, moved_groups, moved_recompute, warmup if same else None
     if not problem.training or problem.schedule == "gpipe":  # no backward, or every forward first
