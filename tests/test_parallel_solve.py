@@ -56,6 +56,19 @@ def test_workers_answer_exactly_as_solving_one_after_another(forced):
     assert together[0].simulated_s != together[2].simulated_s  # two different problems, two answers
 
 
+def test_jobs_started_before_the_callers_own_search_answer_as_solved_alone(forced):
+    """``Solves`` starts a job as it is submitted, so the caller searches meanwhile ("auto" solves the
+    pipelines interleaving is laid on while it searches); each answer is the job's own ``solve``."""
+    jobs = _jobs()
+    with parallel.Solves(jobs) as solves:
+        early = [solves.submit(job) for job in jobs[:2]]
+        searched = search_plans(jobs[2], rerank=1)  # the caller's own work, while the workers solve
+        late = solves.submit(jobs[2], 1, searched)
+        answers = [answer() for answer in (*early, late)]
+    assert answers[0] == solve(jobs[0]) and isinstance(answers[1], InfeasiblePlanError)
+    assert answers[2] == solve(jobs[2], rerank=1)
+
+
 def test_small_jobs_are_solved_in_this_process():
     jobs = _jobs()
     assert sum(len(p.blocks) * len(p.devices) * p.microbatches for p in jobs) < parallel.PARALLEL_WORK

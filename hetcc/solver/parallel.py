@@ -40,7 +40,9 @@ def solve_each(
     only re-ranks and refines (``solve.solve_searched``); None: the job searches. Where a worker dies,
     its jobs are solved again in this process."""
     with Solves(problems) as solves:
-        pending = [solves.submit(p, rerank, found) for p, found in zip(problems, searched or [None] * len(problems))]
+        pending = [
+            solves.submit(p, rerank, found) for p, found in zip(problems, searched or [None] * len(problems))
+        ]
         return [answer() for answer in pending]
 
 
