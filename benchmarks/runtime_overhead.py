@@ -9,6 +9,7 @@ split before the clock starts (aim: <= 1.05x).
 
     python benchmarks/runtime_overhead.py --schedule 1f1b --microbatches 4 --steps 30
     python benchmarks/runtime_overhead.py --schedule interleaved-1f1b --chunks 2   # 4 stages, 2 per rank
+    python benchmarks/runtime_overhead.py --schedule zbv   # 4 stages in a V: rank 0 runs 0 and 3
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from hetcc.runtime.executor import StageExecutor, run_chunks
 from hetcc.runtime.groups import Links
 from hetcc.runtime.interop import pipelining_schedule
 from hetcc.runtime.layout import RankLayout
-from hetcc.runtime.placement import interleaved_ranks, ranks_for
+from hetcc.runtime.placement import interleaved_ranks, ranks_for, zbv_ranks
 from hetcc.runtime.store import load_stages, save_stages
-from hetcc.solver.schedules import INTERLEAVED
+from hetcc.solver.schedules import INTERLEAVED, ZBV
 from hetcc.train.data import RankData, RankInputs
 
 
@@ -60,16 +61,17 @@ def hetcc_step(stages, rank, x, y, args, data_path: bool = False):
     """One training step of hetcc's executor and an SGD step on this rank, as a closure. Each step takes
     the next batch of a shuffled dataset of ``x, y`` rows: drawn through ``hetcc.train.data`` at the step
     (``data_path``: indices, this rank's items fetched and collated, checked), or split beforehand."""
-    links = Links(["cpu", "cpu"], [], 60.0)
     meta = PipelineMeta(len(stages), args.schedule, args.microbatches, placement=placement_for(args))
     layout = RankLayout.from_meta(meta)
+    links = Links(["cpu", "cpu"], [], 60.0, channels=layout.channels(args.schedule))
     executors = [StageExecutor(stages[k], links, args.microbatches, F.mse_loss, layout=layout)
                  for k in layout.ranks[rank].stages]  # fmt: skip
     optimizer = torch.optim.SGD([p for executor in executors for p in executor.params], lr=1e-3)
     actions = layout.actions(args.schedule, rank)
     name, rows = stages[0].inputs[0], x.shape[0] // args.microbatches
-    needs = RankInputs(stages[rank].inputs, args.microbatches, rows, tuple(range(args.microbatches)),
-                       dict(stages[rank].input_shapes), model_inputs=(name,), target=rank == 1)  # fmt: skip
+    first, last = stages[0].index in layout.ranks[rank].stages, stages[-1].index in layout.ranks[rank].stages
+    needs = RankInputs(stages[0].inputs if first else (), args.microbatches, rows, tuple(range(args.microbatches)),
+                       dict(stages[0].input_shapes) if first else {}, model_inputs=(name,), target=last)  # fmt: skip
     batches = RankData(torch.utils.data.TensorDataset(x.repeat(4, 1), y.repeat(4, 1)), needs)
     if not data_path:  # the same batches, split before the clock starts
         batches = itertools.cycle(
@@ -89,24 +91,26 @@ def pipelining_step(stages, rank, x, y, args):
     schedule = pipelining_schedule(stages, rank, args.microbatches, args.schedule, F.mse_loss, ranks=2)
     held = schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]
     optimizer = torch.optim.SGD([p for stage in held for p in stage.submod.parameters()], lr=1e-3)
+    indices = [stage.stage_index for stage in held]  # under ZB-V rank 0 holds the first and the last
+    inputs = (x,) if 0 in indices else ()
+    targets = {"target": y, "losses": []} if len(stages) - 1 in indices else {}
 
     def step():
         optimizer.zero_grad()
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y, losses=[])
+        schedule.step(*inputs, **targets)
         optimizer.step()
 
     return step
 
 
 def stage_count(args) -> int:
-    return 2 * args.chunks if args.schedule == INTERLEAVED else 2
+    return 2 * args.chunks if args.schedule == INTERLEAVED else 4 if args.schedule == ZBV else 2
 
 
 def placement_for(args):
-    """Two ranks: one stage each, or ``--chunks`` stages each under interleaved 1F1B."""
+    """Two ranks: one stage each, ``--chunks`` stages each under interleaved 1F1B, or a V of two each."""
+    if args.schedule == ZBV:
+        return zbv_ranks(2)
     return interleaved_ranks(2, args.chunks) if args.schedule == INTERLEAVED else ranks_for([1, 1])
 
 
@@ -160,7 +164,7 @@ def worker(rank: int, port: int, directory: str, args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zb-h1", INTERLEAVED))
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "zb-h1", INTERLEAVED, ZBV))
     parser.add_argument("--chunks", type=int, default=2, help="stages per rank under interleaved-1f1b")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--microbatch", type=int, default=16)

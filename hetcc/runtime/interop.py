@@ -16,15 +16,15 @@ import torch
 from hetcc.errors import PlanFormatError
 from hetcc.passes.codegen import compute_module
 from hetcc.passes.comm import StageGraph
-from hetcc.solver.schedules import INTERLEAVED
+from hetcc.solver.schedules import INTERLEAVED, ZBV, rank_stages
 
 # hetcc's schedules and torch.distributed.pipelining's: ZB-H1 is torch's interleaved zero-bubble
 # schedule with one stage per rank (a schedule of several stages per rank: it takes a list of them).
 _SCHEDULES = {
     "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "zb-h1": "ScheduleInterleavedZeroBubble",
-    INTERLEAVED: "ScheduleInterleaved1F1B",
+    INTERLEAVED: "ScheduleInterleaved1F1B", ZBV: "ScheduleZBVZeroBubble",
 }  # fmt: skip
-_MULTI_STAGE = ("zb-h1", INTERLEAVED)
+_MULTI_STAGE = ("zb-h1", INTERLEAVED, ZBV)
 
 
 class PipeliningModule(torch.nn.Module):
@@ -55,8 +55,9 @@ def pipelining_schedule(
     ranks: int | None = None,
 ):
     """This rank's ``torch.distributed.pipelining`` schedule for a chain-shaped split: of its one stage,
-    or under interleaved 1F1B over ``ranks`` ranks of its stages rank, rank + ranks, ... (hetcc's
-    placement, ``placement.interleaved_ranks``)."""
+    under interleaved 1F1B over ``ranks`` ranks of its stages rank, rank + ranks, ... (hetcc's
+    placement, ``placement.interleaved_ranks``), under ZB-V of its stages rank and 2 * ranks - 1 - rank
+    (``placement.zbv_ranks``)."""
     if schedule not in _SCHEDULES:
         raise PlanFormatError(
             f"hetcc hands torch.distributed.pipelining its {', '.join(_SCHEDULES)} schedules, not {schedule!r}",
@@ -72,7 +73,11 @@ def pipelining_schedule(
             len(stages),
             torch.device(device),
         )
-        for k in range(rank, len(stages), ranks or len(stages))
+        for k in (
+            rank_stages(ZBV, len(stages) // 2, rank, 2)
+            if schedule == ZBV
+            else range(rank, len(stages), ranks or len(stages))
+        )
     ]
     stages_here = held if schedule in _MULTI_STAGE else held[0]
     return getattr(pipelining, _SCHEDULES[schedule])(stages_here, microbatches, loss_fn=loss_fn)
