@@ -7,10 +7,10 @@ the longest chunk on its device is shortest, then moves single cuts while the si
 gets shorter and memory still fits. ``solve_interleaved`` plans it for ``hetcc.compile(...,
 schedule="interleaved-1f1b")``: on the devices of the best 1F1B pure pipeline of at most N / 2 stages
 (two blocks per device at least), and where the problem replicates, on the positions of the best such
-pure pipeline of groups of R identical devices (the pipeline
-replicated whole, each replica running M / R microbatches: Megatron-LM's data x pipeline parallelism),
-each v from 2 to ``MAX_CHUNKS`` tried, the fastest simulated kept; the runtime runs it with position r
-holding stages r, r + p, ... on each of its replicas (``runtime.placement.interleaved_ranks``).
+pure pipeline of groups of R identical devices (the pipeline replicated whole, each replica running
+M / R microbatches: Megatron-LM's data x pipeline parallelism), each v from 2 to ``MAX_CHUNKS`` tried,
+the fastest simulated kept; the runtime runs it with position r holding stages r, r + p, ... on each
+of its replicas (``runtime.placement.interleaved_ranks``).
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def solve_interleaved(
     """(the problem it was planned on, the plan, a note) of interleaved 1F1B for ``problem``: for each
     pipeline of ``interleaving_pipelines`` (every device alone, and where the problem replicates, groups of
     n identical devices, the pipeline replicated whole), the positions of its best 1F1B pure pipeline of
-    at most N / 2 stages (``solve(..., rerank)``), cut into v chunks per position by ``interleave`` (recomputing on a position
-    whose chunks do not fit otherwise, where the problem allows it) for each v from 2 to ``MAX_CHUNKS``
-    the blocks allow, the fastest simulated kept. The solution's stage j runs on the group of position
+    at most N / 2 stages (``solve(..., rerank)``), cut into v chunks per position by ``interleave``
+    (recomputing on a position whose chunks do not fit otherwise, where the problem allows it) for each
+    v from 2 to ``MAX_CHUNKS`` the blocks allow, the fastest simulated kept. The solution's stage j runs on the group of position
     j mod p; its bound leaves out the fill and the tied sums, which suppose one stage per device
     (``interleaved_bound``). ``pipelines``: those pipelines' answers, solved already (beside other
     solves), else solved here. A plan is refined only where its start simulates within ``REFINE_MARGIN``
@@ -257,9 +257,9 @@ def interleave(
     longest chunk's time on its device (``_balanced_cuts``; where they do not fit, those that balance
     each device's bytes against its memory, and where these do not fit either, none is looked for: the
     step is inf), then, where that start simulates below ``refine_below_s``, single cuts moved by one or
-    two blocks while the simulated step shortens and memory fits. Where the problem allows recomputation and a
-    device's chunks do not fit, every chunk of that device recomputes (``_evaluated``; all of them under
-    ``recompute_all``)."""
+    two blocks while the simulated step shortens and memory fits. Where the problem allows recomputation
+    and a device's chunks do not fit, every chunk of that device recomputes (``_evaluated``; all of them
+    under ``recompute_all``)."""
     ranks, n = len(devices), len(problem.blocks)
     replicas = len(devices[0]) if isinstance(devices[0], (tuple, list)) else 1
     layout = ZBV if problem.schedule == ZBV else INTERLEAVED
@@ -313,7 +313,8 @@ def _balanced_cuts(problem: PartitionProblem, placed: Sequence[Device], chunks: 
         device = problem.devices[first[d]]
         if chunks:
             held = np.add(problem.state_for(device.type), problem.act_for(device.type))
-            costs[d] = span_sums(held / (device.memory_bytes / chunks))
+            memory = max(device.memory_bytes, 1.0)  # a device of no memory: as if of one byte
+            costs[d] = span_sums(held * chunks / memory)
         else:
             costs[d] = span_sums(problem.block_cost_s(device.type))
     return min_max_split([costs[d] for d in placed])[1]
