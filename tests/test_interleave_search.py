@@ -79,11 +79,12 @@ def test_interleave_starts_from_cuts_that_fit_and_gives_up_where_none_do():
 
 def test_a_start_far_above_the_fastest_plan_is_not_refined():
     """Unequal blocks: moving cuts shortens the step from 144 to 135 units; with a faster plan in hand
-    (``refine_below_s`` under the start) the start is returned as it is, after one costing."""
+    (``fastest_s``, more than ``REFINE_MARGIN`` under the start) the start is returned as it is, after
+    one costing."""
     costs = [1.0, 3.0, 2.0, 3.0, 3.0, 3.0, 1.0, 2.0]
     problem = dataclasses.replace(_equal(8, 2, 4), fwd_s={"t": costs}, bwd_s={"t": [2 * c for c in costs]})
     refined, _ = _evaluations(problem)
-    start, costed = _evaluations(problem, refine_below_s=140.0)
+    start, costed = _evaluations(problem, fastest_s=130.0)  # 10% above it: 143 units, below the start
     assert (refined.cuts, refined.step_s) == ([0, 3, 4, 5, 8], 135.0)
     assert (start.cuts, start.step_s, costed) == ([0, 2, 4, 5, 8], 144.0, 1)
     with mock.patch.object(interleave_module, "MAX_CHUNKS", 2):

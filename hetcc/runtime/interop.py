@@ -66,6 +66,7 @@ def pipelining_schedule(
     _check_chain(stages)
     from torch.distributed import pipelining  # 0.4-4 s to import: only where a schedule is built
 
+    positions = len(stages) // 2 if schedule == ZBV else ranks or len(stages)  # ranks holding stages
     held = [
         pipelining.PipelineStage(
             PipeliningModule(stages[k], stages[k - 1] if k else None).to(device),
@@ -73,11 +74,7 @@ def pipelining_schedule(
             len(stages),
             torch.device(device),
         )
-        for k in (
-            rank_stages(ZBV, len(stages) // 2, rank, 2)
-            if schedule == ZBV
-            else range(rank, len(stages), ranks or len(stages))
-        )
+        for k in rank_stages(schedule, positions, rank, len(stages) // positions)
     ]
     stages_here = held if schedule in _MULTI_STAGE else held[0]
     return getattr(pipelining, _SCHEDULES[schedule])(stages_here, microbatches, loss_fn=loss_fn)

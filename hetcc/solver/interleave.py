@@ -49,9 +49,9 @@ def solve_interleaved(
     n identical devices, the pipeline replicated whole), the positions of its best 1F1B pure pipeline of
     at most N / 2 stages (``solve(..., rerank)``), cut into v chunks per position by ``interleave``
     (recomputing on a position whose chunks do not fit otherwise, where the problem allows it) for each
-    v from 2 to ``MAX_CHUNKS`` the blocks allow, the fastest simulated kept. The solution's stage j runs on the group of position
-    j mod p; its bound leaves out the fill and the tied sums, which suppose one stage per device
-    (``interleaved_bound``). ``pipelines``: those pipelines' answers, solved already (beside other
+    v from 2 to ``MAX_CHUNKS`` the blocks allow, the fastest simulated kept. The solution's stage j runs
+    on the group of position j mod p; its bound leaves out the fill and the tied sums, which suppose one
+    stage per device (``interleaved_bound``). ``pipelines``: those pipelines' answers, solved already (beside other
     solves), else solved here. A plan is refined only where its start simulates within ``REFINE_MARGIN``
     of the fastest found so far, or of ``beat_s`` (a plan of another schedule)."""
     candidates = interleaving_pipelines(problem)
@@ -68,7 +68,7 @@ def solve_interleaved(
             continue
         for v in range(2, min(MAX_CHUNKS, len(problem.blocks) // ranks) + 1):
             fastest_s = min([beat_s, *(found.step_s for found, _, _ in tried.values())])
-            found = interleave(plain, positions, v, fastest_s * (1 + REFINE_MARGIN))
+            found = interleave(plain, positions, v, fastest_s)
             tried[(replicas, v)] = (found, positions, pipeline.simulated_s)
     if not tried:
         raise InfeasiblePlanError(
@@ -114,7 +114,7 @@ def interleaving_pipelines(problem: PartitionProblem) -> list[tuple[PartitionPro
     divides M, groups of n devices of one type and memory (``_replica_groups``), each group one position
     that its n replicas run over M / n microbatches each (its first device standing for it). Each is
     solved for at most N / 2 stages: a position runs two chunks at least."""
-    plain = replace(pure_pipeline(problem), max_stages=len(problem.blocks) // 2)
+    plain = _laid(problem)
     found = [(plain, [(i,) for i in range(len(problem.devices))])]
     for replicas in REPLICA_COUNTS if problem.replicate else ():
         groups = _replica_groups(problem, replicas)
@@ -150,6 +150,11 @@ def _replica_groups(problem: PartitionProblem, replicas: int) -> list[tuple[int,
             tuple(left[k : k + replicas]) for k in range(0, len(left) - len(left) % replicas, replicas)
         ]
     return sorted(groups)
+
+
+def _laid(problem: PartitionProblem) -> PartitionProblem:
+    """The pure pipeline of single devices interleaving and ZB-V are laid on: at most N / 2 stages."""
+    return replace(pure_pipeline(problem), max_stages=len(problem.blocks) // 2)
 
 
 def _solved(problem: PartitionProblem, rerank: int) -> PartitionSolution | InfeasiblePlanError:
@@ -191,7 +196,7 @@ def solve_zbv(
     ``REFINE_MARGIN``); one replica per stage, every backward but the first stage's and recomputing
     ones' split."""
     pure = pure_pipeline(problem)
-    pipeline = _solved(interleaving_pipelines(problem)[0][0], rerank) if pipeline is None else pipeline
+    pipeline = _solved(_laid(problem), rerank) if pipeline is None else pipeline
     if isinstance(pipeline, InfeasiblePlanError):
         raise pipeline
     devices, ranks = pipeline.devices, len(pipeline.stages)
@@ -202,7 +207,7 @@ def solve_zbv(
             hint="use schedule='zb-h1', 'zb-h2' or 'auto', or a cluster whose plan spans 2+ devices",
         )
     plain = replace(pure, schedule=ZBV)
-    found = interleave(plain, devices, 2, beat_s * (1 + REFINE_MARGIN))
+    found = interleave(plain, devices, 2, beat_s)
     if math.isinf(found.step_s):
         raise InfeasiblePlanError(
             f"{ZBV}: no V over the {ranks} devices of the best 1F1B pipeline fits in memory (each device holds two "
@@ -249,15 +254,15 @@ class Interleaved(NamedTuple):
 
 
 def interleave(
-    problem: PartitionProblem, devices: Sequence[Device], chunks: int, refine_below_s: float = math.inf
+    problem: PartitionProblem, devices: Sequence[Device], chunks: int, fastest_s: float = math.inf
 ) -> Interleaved:
     """The interleaved 1F1B plan over the p ``devices`` (in pipeline order; each a device, or a group of R
     identical ones: the pipeline replicated whole), or under ``problem.schedule`` ``ZBV`` the V of two
     stages per device, with ``chunks`` per device: the cuts that minimise the
     longest chunk's time on its device (``_balanced_cuts``; where they do not fit, those that balance
     each device's bytes against its memory, and where these do not fit either, none is looked for: the
-    step is inf), then, where that start simulates below ``refine_below_s``, single cuts moved by one or
-    two blocks while the simulated step shortens and memory fits. Where the problem allows recomputation
+    step is inf), then, where that start simulates within ``REFINE_MARGIN`` of ``fastest_s`` (the fastest
+    plan found already), single cuts moved by one or two blocks while the simulated step shortens and memory fits. Where the problem allows recomputation
     and a device's chunks do not fit, every chunk of that device recomputes (``_evaluated``; all of them
     under ``recompute_all``)."""
     ranks, n = len(devices), len(problem.blocks)
@@ -286,7 +291,7 @@ def interleave(
         best_s, recompute = _evaluated(problem, cuts, placed, chunks)
         if math.isinf(best_s):
             return Interleaved(cuts, best_s, recompute)
-    budget, improved = MOVES, best_s < refine_below_s
+    budget, improved = MOVES, best_s < fastest_s * (1 + REFINE_MARGIN)
     while improved and budget > 0:
         improved = False
         for index in range(1, len(cuts) - 1):

@@ -144,6 +144,10 @@ class PartitionProblem:
         """Raise PlanFormatError naming the first inconsistent field."""
         validate_problem(self)
 
+    def stage_limit(self) -> int:
+        """The most stages a plan may have: one block and one device each at least, and ``max_stages``."""
+        return min(len(self.blocks), len(self.devices), self.max_stages or len(self.blocks))
+
     def block_cost_s(self, device_type: str) -> list[float]:
         """Seconds per microbatch of each block on ``device_type`` (forward, plus backward if training)."""
         if not self.training:

@@ -132,7 +132,7 @@ def _moves(problem: PartitionProblem, bounds, groups, recompute, warmup):
     """Plans one move from ``(bounds, groups, recompute, warmup)``: the moves of ``_layouts`` (no more
     stages than ``problem.max_stages``), each with the schedule's warm-up (None) where it changes the
     stages' replica counts, else with ``warmup``; then warm-up moves."""
-    counts, cap = [len(g) for g in groups], problem.max_stages or len(problem.blocks)
+    counts, cap = [len(g) for g in groups], problem.stage_limit()
     for moved_bounds, moved_groups, moved_recompute in _layouts(problem, bounds, groups, recompute):
         if len(moved_groups) > cap:
             continue

@@ -94,7 +94,7 @@ def search(problem: PartitionProblem, keep: int = 1):
     chain = Chain(problem)
     groups = interchangeable_groups(problem)
     sizes = [len(g) for g in groups]
-    max_length = min(len(problem.blocks), len(problem.devices), problem.max_stages or len(problem.blocks))
+    max_length = problem.stage_limit()
     total = count_sequences(sizes, max_length, config.exact_order_limit + 1, problem.replicate)
     state = _Search(chain, groups, max_length, keep)
     exact = total <= config.exact_order_limit
