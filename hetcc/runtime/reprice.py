@@ -27,6 +27,7 @@ from hetcc.plan import Plan, read_plan, recorded_warmup
 from hetcc.report.data import CLUSTER_FILE, plan_layout, read_problem
 from hetcc.solver.objective import replica_seconds, stage_costs
 from hetcc.solver.problem import PartitionProblem
+from hetcc.solver.schedules import rank_stages
 from hetcc.solver.simulate import simulate
 
 PREFIX = "hetcc.launch:"
@@ -46,7 +47,8 @@ class Substitution:
     found_memory_bytes: float
     priced_as: str  # the problem's type whose seconds it gets
     pricing: str  # how those seconds were found (a type of the plan, or a peak ratio)
-    slowdown: float  # the stage's forward+backward seconds per microbatch on it / as planned
+    slowdown: float  # its stages' forward+backward seconds per microbatch on it / as planned
+    stages: tuple[int, ...] = ()  # every stage the rank runs (``stage`` first): several when interleaved
 
 
 @dataclass(frozen=True)
@@ -84,10 +86,9 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
     if split:  # a device of a tensor group prices the group's composite row, not its own
         why = f"stages {split} are tensor parallel: a plan with tensor-parallel stages is not re-priced"
         return Repricing(plan.step_time_s, math.nan, not_repriced=why)
-    if plan.chunks > 1:
-        why = f"{plan.schedule} runs {plan.chunks} stages per rank: an interleaved plan is not re-priced"
-        return Repricing(plan.step_time_s, math.nan, not_repriced=why)
-    ranks = [(s.index, r, name) for s in plan.stages for r, name in enumerate(s.devices)]
+    # The ranks are the first plan.ranks stages' devices (a rank of an interleaved or ZB-V plan runs its
+    # other stages on the same device: substituting the device re-prices them all).
+    ranks = [(s.index, r, name) for s in plan.stages[: plan.ranks] for r, name in enumerate(s.devices)]
     if any(not 0 <= rank < len(ranks) for rank in found):
         raise PlanFormatError(f"ranks {sorted(found)}: the plan has ranks 0..{len(ranks) - 1}")
     priced = {rank: _price(problem, cluster, ranks[rank][2], found[rank], rank) for rank in sorted(found)}
@@ -98,20 +99,21 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
     for rank, pricing in priced.items():
         substituted = _substitute(substituted, ranks[rank][2], pricing)
     boundaries, groups, recompute = plan_layout(plan.stages, problem)
+    layout = (boundaries, groups, recompute)
     subs = tuple(
-        _describe(
-            problem, substituted, ranks[rank], rank, found[rank], priced[rank], boundaries, groups, recompute
-        )
+        _describe(problem, substituted, ranks[rank], rank, found[rank], priced[rank], plan, layout)
         for rank in priced
     )
     codecs = [s.codecs for s in plan.stages] if problem.codecs is not None else None
     stages = stage_costs(
-        substituted, boundaries, groups, recompute, codecs=codecs, warmup=recorded_warmup(plan.stages)
+        substituted, *layout, codecs=codecs, warmup=recorded_warmup(plan.stages), chunks=plan.chunks
     )
-    overflows = tuple(
-        Overflow(j, s.memory_bytes, s.memory_capacity_bytes) for j, s in enumerate(stages) if not s.fits
+    overflows = tuple(  # a rank's stages share its memory: said once, for its first stage
+        Overflow(j, s.memory_bytes, s.memory_capacity_bytes)
+        for j, s in enumerate(stages[: plan.ranks])
+        if not s.fits
     )
-    step = simulate(substituted, boundaries, groups, recompute, events=False, stages=stages).step_time_s
+    step = simulate(substituted, *layout, events=False, stages=stages, chunks=plan.chunks).step_time_s
     return Repricing(plan.step_time_s, step, subs, overflows)
 
 
@@ -135,9 +137,11 @@ def format_repricing(repricing: Repricing) -> list[str]:
     for s in repricing.substitutions:
         replica = f" replica {s.replica}" if s.replicas > 1 else ""
         change = _change(s.slowdown)
+        stages = s.stages or (s.stage,)
+        which = f"stage {s.stage}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
         lines.append(
-            f"  stage {s.stage}{replica} on {s.found_name} ({format_bytes(s.found_memory_bytes)}) instead of "
-            f"{s.planned_type} ({s.planned_device}): stage forward+backward {change} ({s.pricing})"
+            f"  {which}{replica} on {s.found_name} ({format_bytes(s.found_memory_bytes)}) instead of "
+            f"{s.planned_type} ({s.planned_device}): {which.split()[0]} forward+backward {change} ({s.pricing})"
         )
     for o in repricing.overflows:
         lines.append(
@@ -236,17 +240,19 @@ def _substitute(problem: PartitionProblem, device: str, pricing: _Pricing) -> Pa
 _CODEC_TIMES = ("encode_s_per_byte", "decode_s_per_byte", "call_s")
 
 
-def _describe(
-    problem, substituted, where, rank, found, pricing, boundaries, groups, recompute
-) -> Substitution:
-    """One substituted rank: its stage's forward+backward seconds per microbatch before and after."""
-    stage, replica, device = where
-    index, (start, stop) = groups[stage][replica], boundaries[stage : stage + 2]
-    before = sum(replica_seconds(problem, start, stop, index, recompute[stage]))
-    after = sum(replica_seconds(substituted, start, stop, index, recompute[stage]))
+def _describe(problem, substituted, where, rank, found, pricing, plan: Plan, layout) -> Substitution:
+    """One substituted rank: its stages' forward+backward seconds per microbatch before and after."""
+    (stage, replica, device), (boundaries, groups, recompute) = where, layout
+    mine = rank_stages(plan.schedule, plan.ranks, stage, plan.chunks) if plan.chunks > 1 else (stage,)
+    index = groups[stage][replica]
+
+    def seconds(priced: PartitionProblem) -> float:
+        return sum(sum(replica_seconds(priced, *boundaries[j : j + 2], index, recompute[j])) for j in mine)
+
+    before, after = seconds(problem), seconds(substituted)
     return Substitution(
         rank=rank, stage=stage, replica=replica, replicas=len(groups[stage]), planned_device=device,
         planned_type=problem.devices[index].type, found_name=str(found["name"]),
         found_memory_bytes=float(found.get("memory_bytes") or 0), priced_as=pricing.kind,
-        pricing=pricing.how, slowdown=after / before if before > 0 else 1.0,
+        pricing=pricing.how, slowdown=after / before if before > 0 else 1.0, stages=mine,
     )  # fmt: skip

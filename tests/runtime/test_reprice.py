@@ -23,13 +23,17 @@ def _cluster() -> hetcc.Cluster:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def build(tmp_path_factory):
+def _mlp() -> torch.nn.Module:
     """A four-layer MLP wide enough that its stages' times are FLOPs, not kernel launches."""
     torch.manual_seed(0)
-    layers = [m for _ in range(4) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())]
-    model = torch.nn.Sequential(*layers)
-    compiled = hetcc.compile(model, _cluster(), (torch.randn(1024, 1024),), microbatches=2, replicate=False)
+    return torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())])
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    compiled = hetcc.compile(  # one stage per rank (a ZB-V plan's ranks: the test below)
+        _mlp(), _cluster(), (torch.randn(1024, 1024),), microbatches=2, replicate=False, schedule="1f1b"
+    )
     folder = compiled.save_plan(tmp_path_factory.mktemp("reprice"))
     return folder, compiled
 
@@ -69,6 +73,40 @@ def test_a_type_of_the_cluster_is_priced_with_its_own_times(build):
     assert headline.startswith("hetcc.launch: re-priced for the devices found: simulated step ")
     assert f"stage {sub.stage} on Tesla T4 (16 GiB) instead of A100-80GB" in line
     assert "x slower (T4: a type of the plan)" in line
+
+
+def test_a_zbv_plan_is_priced_with_both_stages_of_the_rank_on_the_device_found(tmp_path):
+    """A rank of a ZB-V plan runs two stages (its V): the device found re-prices both, and the step is the
+    simulator's for the plan's two-stage ranks on it."""
+    compiled = hetcc.compile(
+        _mlp(), _cluster(), (torch.randn(1024, 1024),), microbatches=4, replicate=False, schedule="zbv"
+    )
+    plan = compiled.plan
+    assert plan.chunks == 2 and plan.ranks == 2, plan.explain()
+    folder = compiled.save_plan(tmp_path)
+    rank, device = _a100_rank(compiled)
+    result = reprice(folder, {rank: {"vendor": "nvidia", "name": "Tesla T4", "memory_bytes": 16 * GIB}})
+    (sub,) = result.substitutions
+    assert sub.stages == (rank, 2 * plan.ranks - 1 - rank) and sub.priced_as == "T4"
+    problem = PartitionProblem.from_json(compiled.problem.to_json())
+    bounds = compiled.solution.boundaries
+    blocks = [i for j in sub.stages for i in range(bounds[j], bounds[j + 1])]
+
+    def seconds(kind: str) -> float:
+        return sum(problem.fwd_s[kind][i] + problem.bwd_s[kind][i] for i in blocks)
+
+    assert sub.slowdown == pytest.approx(seconds("T4") / seconds("A100-80GB")) and sub.slowdown > 1.5
+    problem.devices[device] = dataclasses.replace(
+        problem.devices[device], type="T4", memory_bytes=16 * GIB * (1 - RESERVE)
+    )
+    solution = compiled.solution
+    expected = simulate(problem, solution.boundaries, solution.groups, solution.recompute, chunks=2)
+    assert result.step_s == pytest.approx(expected.step_time_s) and result.step_s > result.planned_step_s
+    line = format_repricing(result)[1]
+    assert line.startswith(
+        f"  stages {', '.join(map(str, sub.stages))} on Tesla T4 (16 GiB) instead of A100-80GB"
+    )
+    assert "stages forward+backward" in line
 
 
 def test_a_preset_outside_the_cluster_is_priced_by_the_peak_ratio(build):
