@@ -69,12 +69,14 @@ def train_scaled_copy(planned) -> None:
     ids = torch.randint(0, 256, (MICROBATCHES, 16), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids, "use_cache": False}
     eager = copy.deepcopy(model)
-    small = hetcc.compile(model, CLUSTER, example_kwargs=batch, microbatches=MICROBATCHES)
+    # the big plan's schedule, where it runs one stage per rank (the copy runs one rank per stage)
+    schedule = planned.plan.schedule if planned.plan.chunks == 1 else "1f1b"
+    small = hetcc.compile(model, CLUSTER, example_kwargs=batch, microbatches=MICROBATCHES, schedule=schedule)
     same_split = _same_split(small, planned.plan)
     stages = len(same_split.pipeline.stages)
     print(
-        f"\n== the same {stages}-stage split (same blocks per stage), GPT-2 with hidden 32, on {stages} local "
-        "CPU processes (one per stage; a replica group runs as one rank here) =="
+        f"\n== the same {stages}-stage split (same blocks per stage) under {schedule}, GPT-2 with hidden 32, on "
+        f"{stages} local CPU processes (one per stage; a replica group runs as one rank here) =="
     )
     started = time.perf_counter()
     result = hetcc.run_local(same_split, batch, steps=STEPS, optimizer={"name": "sgd", "lr": LR})

@@ -120,7 +120,7 @@ def compile(  # noqa: A001 - the public API name
     example_inputs: tuple = (),
     example_kwargs: dict[str, Any] | None = None,
     microbatches: int | str = "auto",
-    schedule: str = "1f1b",
+    schedule: str = "auto",
     training: bool = True,
     optimizer: str = "adam",
     dtype: object | None = None,
@@ -143,7 +143,7 @@ def compile(  # noqa: A001 - the public API name
     backward, where memory holds them), "interleaved-1f1b" (2-4 stages on each device of the best 1F1B
     pipeline; ``solver.interleave``), "zbv" (two stages per device of the best 1F1B pipeline in a V,
     every backward split) or "auto" (plans 1f1b, zb-h1, zb-h2, interleaved-1f1b and zbv at every count
-    tried and keeps the fastest simulated; the plan's notes give each figure). Every plan but a GPipe one also
+    tried and keeps the fastest simulated; the plan's notes give each figure; the default). Every plan but a GPipe one also
     tunes, by simulation, the forwards each stage runs before its first backward.
 
     ``precision``: "fp32", "bf16-mixed" or "fp16-mixed" (autocast, fp32 master weights and optimizer

@@ -241,13 +241,13 @@ def _add_compile(commands) -> None:
     compile_cmd.add_argument(
         "--no-replicate", action="store_true", help="one device per stage (no replicated stages)"
     )
-    compile_cmd.add_argument("--schedule", choices=(*PIPELINE_SCHEDULES, "auto"), default="1f1b",
+    compile_cmd.add_argument("--schedule", choices=(*PIPELINE_SCHEDULES, "auto"), default="auto",
                              help="pipeline schedule: 1f1b holds fewer activations, gpipe runs all "
                              "forwards first, zb-h1 defers weight gradients into 1F1B's bubbles, zb-h2 "
                              "also warms up with more forwards, interleaved-1f1b runs 2-4 stages per device "
                              "of the best 1F1B pipeline (its bubble over that count), zbv lays that pipeline "
                              "in a V of two stages per device, auto plans all but "
-                             "gpipe and keeps the fastest (default 1f1b)")  # fmt: skip
+                             "gpipe and keeps the fastest (default auto)")  # fmt: skip
     compile_cmd.add_argument("--shard", type=lambda t: t if t == "auto" else int(t), choices=("auto", 0, 1),
                              default="auto", help="ZeRO-1 of replicated stages (optimizer state split over the "
                              "replicas): auto where it pays (default), 1 always, 0 never")  # fmt: skip

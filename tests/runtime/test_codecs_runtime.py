@@ -30,8 +30,8 @@ def coded(tmp_path_factory):
     state = sum(p.numel() * 4 for p in model.parameters()) * 4
     cluster = tmp_path_factory.mktemp("codecs") / "cluster.yaml"
     cluster.write_text(slow_cards([2, 1], int(state * 0.8), inter_node="10 Mb/s"))
-    compiled = hetcc.compile(
-        model, cluster, example_kwargs=inputs, microbatches=4, compress=PINS, replicate=False
+    compiled = hetcc.compile(  # 1F1B: codecs are planned on one stage per device
+        model, cluster, example_kwargs=inputs, microbatches=4, compress=PINS, replicate=False, schedule="1f1b"
     )
     return model, inputs, compiled, cluster
 
@@ -90,7 +90,7 @@ def test_codecs_run_under_every_schedule_recompute_and_autocast(coded, coded_run
     encodes to the same payload size) train as the 1F1B run does."""
     model, inputs, compiled, cluster = coded
     other = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=4, compress=PINS, replicate=False,
-                          **options)  # fmt: skip
+                          **{"schedule": "1f1b", **options})  # fmt: skip
     assert [s.codecs for s in other.plan.stages[:-1]] == [("int8", "bf16")] * (len(other.plan.stages) - 1)
     result = hetcc.run_local(other, inputs, steps=STEPS, optimizer=ADAM)
     if "precision" in options:  # autocast: close to fp32's, and training

@@ -25,7 +25,7 @@ ADAM = {"name": "adam", "lr": 0.01}
 
 
 def _compiled(model, inputs, cards: int, tmp_path_factory, microbatches: int):
-    """``model`` planned on ``cards`` slow cards, one stage each (fusion off: a fused group would make
+    """``model`` planned on ``cards`` slow cards, one 1F1B stage each (fusion off: a fused group would make
     the tensor-parallel pass gather around it)."""
     state = sum(p.numel() * 4 for p in model.parameters()) * 4
     cluster = tmp_path_factory.mktemp("tp") / "cluster.yaml"
@@ -33,7 +33,7 @@ def _compiled(model, inputs, cards: int, tmp_path_factory, microbatches: int):
     fuse, config.fuse = config.fuse, "off"
     try:
         return hetcc.compile(
-            model, cluster, example_kwargs=inputs, microbatches=microbatches, replicate=False
+            model, cluster, example_kwargs=inputs, microbatches=microbatches, replicate=False, schedule="1f1b"
         )
     finally:
         config.fuse = fuse
