@@ -384,7 +384,8 @@ def explain(plan: Plan) -> str:
     if plan.chunks > 1:
         turn = f"{2 * plan.ranks - 1} - j" if plan.schedule == ZBV else f"j + {plan.ranks}, ..."
         lines.append(
-            f"{plan.schedule}: device of stage j runs stages j, {turn}; memory: all its stages hold"
+            f"{plan.schedule}: device of stage j runs stages j, {turn}; memory: all its stages hold; bubble: "
+            "its idle share of the step"
             + ("; each replica runs its own microbatches" if len(plan.stages[0].devices) > 1 else "")
         )
     if split:

@@ -303,14 +303,19 @@ def _on_devices(problem: PartitionProblem, count: int) -> PartitionProblem:
 )
 def test_interleaved_1f1b_on_equal_chunks_has_1f1bs_bubble_over_v(ranks, chunks, microbatches):
     """p devices holding v one-block chunks each (F = 1, B = 2 a block): interleaved 1F1B takes
-    3vM + 3(p - 1), 1F1B on v-block stages 3v(M + p - 1): the bubble over v (Narayanan et al., sec. 2.2);
-    in inference vM + p - 1 forwards."""
+    3vM + 3(p - 1), 1F1B on v-block stages 3v(M + p - 1): the bubble over v (Narayanan et al., sec. 2.2),
+    each device idle 3(p - 1); in inference vM + p - 1 forwards."""
     k = ranks * chunks
     problem = _on_devices(homogeneous(k, microbatches, "1f1b"), ranks)
     bounds, devices = list(range(k + 1)), [j % ranks for j in range(k)]
     sim = simulate(problem, bounds, devices, chunks=chunks)
     assert sim.step_time_s == pytest.approx(3 * chunks * microbatches + 3 * (ranks - 1))
     assert sim.busy_s == tuple([3.0 * microbatches] * k)
+    # a stage's bubble is its device's idle, shared by the device's chunks: 3(p - 1) of the step
+    idle = 3 * (ranks - 1) / sim.step_time_s
+    assert sim.bubble_fraction == pytest.approx([idle] * k) and sim.overall_bubble_fraction == pytest.approx(
+        idle
+    )
     plain = simulate(problem, list(range(0, k + 1, chunks)), list(range(ranks)))
     assert plain.step_time_s == pytest.approx(3 * chunks * (microbatches + ranks - 1))
     for device in {e.device for e in sim.events}:  # a device runs one of its chunks' actions at a time

@@ -64,8 +64,9 @@ class Event:
 
 @dataclass(frozen=True)
 class Simulation:
-    """The simulated step: its length, per-stage compute busy time and idle (bubble) fractions (the
-    mean over a stage's replicas)."""
+    """The simulated step: its length, per stage its compute busy time and the share of the step its
+    devices idle (bubble; both the mean over a stage's replicas). A device running several stages
+    (interleaved 1F1B, ZB-V) idles while none of them computes: its stages share its bubble."""
 
     step_time_s: float
     busy_s: tuple[float, ...]
@@ -309,14 +310,17 @@ class _Timeline:
     def result(self, lanes: list[_Lane], num_stages: int) -> Simulation:
         step = self.last_s
         busy_s: list[list[float]] = [[] for _ in range(num_stages)]  # per stage: its lanes' compute
+        device_busy_s: list[list[float]] = [[] for _ in range(num_stages)]  # per stage: its lanes' in all
         for lane in lanes:
             if len(lane.stages) == 1:
                 busy_s[lane.stages[0]].append(lane.busy_s)
             else:  # an interleaved lane's, by its steps
                 for (stage, _, _), _, seconds, *_ in lane.steps:
                     busy_s[stage].append(seconds)
+            for stage in lane.stages:
+                device_busy_s[stage].append(lane.busy_s)
         busy = tuple(math.fsum(b) / len(self.stages[j].group) for j, b in enumerate(busy_s))
-        bubble = tuple(1 - b / step if step > 0 else 0.0 for b in busy)
+        bubble = tuple(1 - math.fsum(b) / len(b) / step if step > 0 and b else 0.0 for b in device_busy_s)
         overall = 1 - sum(lane.busy_s for lane in lanes) / (step * len(lanes)) if step > 0 else 0.0
         events = tuple(sorted(self.events, key=lambda e: (e.start_s, e.stage, e.replica, e.kind)))
         return Simulation(step, busy, bubble, overall, events)
