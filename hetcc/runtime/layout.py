@@ -14,7 +14,7 @@ each replica of the pipeline runs that order over the microbatches routed to it
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 from hetcc.runtime.contract import PipelineMeta
@@ -84,11 +84,13 @@ class RankLayout:
         )[placement.stage]  # fmt: skip
         return [a for a in every if self.routing[placement.stage][a.microbatch] == placement.replica]
 
-    def channels(self, schedule: str) -> list[tuple[int, int, int, int]]:
+    def channels(
+        self, schedule: str, peers: Sequence[Collection[int]] | None = None
+    ) -> list[tuple[int, int, int, int]]:
         """(rank a, rank b, stage s, stage t) per pair of stages on two ranks whose messages keep an order of
         their own (``groups.Links``): under ZB-V, whose ranks post and take a rank pair's messages in
-        different orders, every such pair (a stage's peers are not known here: each pair gets one);
-        none under the other schedules, whose rank pairs keep one order."""
+        different orders, every such pair that talks (``peers[s]``: the stages stage s receives from or
+        sends to; None: every pair); none under the other schedules, whose rank pairs keep one order."""
         if schedule != ZBV:
             return []
         stages = len(self.routing)
@@ -97,7 +99,7 @@ class RankLayout:
             (ranks[s], ranks[t], s, t)
             for s in range(stages)
             for t in range(s + 1, stages)
-            if ranks[s] != ranks[t]
+            if ranks[s] != ranks[t] and (peers is None or t in peers[s] or s in peers[t])
         ]
 
     def replica_groups(self) -> list[list[int]]:

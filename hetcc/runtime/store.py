@@ -115,6 +115,7 @@ class StageOutline:
     inputs: tuple[str, ...]
     input_shapes: dict[str, tuple[int | str, ...]]  # traced (microbatch) shapes
     input_dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # traced dtypes (absent: unchecked)
+    peers: frozenset[int] = frozenset()  # the stages it receives from or sends to (its checked edges)
 
     @property
     def is_last(self) -> bool:
@@ -147,6 +148,7 @@ def read_outline(directory: str) -> PipelineOutline:
             tuple(entry["inputs"]),
             {name: tuple(shape) for name, shape in entry.get("input_shapes", {}).items()},
             _input_dtypes(entry),
+            frozenset(e["src"] for e in entry["recvs"]) | frozenset(e["dst"] for e in entry["sends"]),
         )  # fmt: skip
         for entry in document["stages"]
     )

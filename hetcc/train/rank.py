@@ -333,7 +333,7 @@ class PipelineRank:
         return Links(
             vendors, tied_ranks, timeout_s, self.device,
             replica_ranks=self.layout.replica_groups(), tensor_ranks=self.layout.tensor_groups(),
-            channels=self.layout.channels(self.schedule),
+            channels=self.layout.channels(self.schedule, [s.peers for s in self.outline.stages]),
         )  # fmt: skip
 
     def _share(self, batch: RankBatch | Mapping[str, Any]) -> RankBatch:

@@ -329,6 +329,16 @@ def test_zbv_ranks_run_their_rows_and_keep_an_order_per_stage_pair():
     channels = layout.channels(ZBV)
     assert (0, 1, 0, 1) in channels and (1, 0, 4, 5) in channels and (1, 2, 1, 2) in channels
     assert not any(a == b for a, b, _, _ in channels)  # stages 2 and 3 share rank 2: handed over in memory
+    # only the pairs that talk: a chain, and a skip from stage 0 to stage 4 (say, an attention mask)
+    peers = [{1, 4}, {0, 2}, {1, 3}, {2, 4}, {0, 3, 5}, {4}]
+    assert layout.channels(ZBV, peers) == [
+        (0, 1, 0, 1),
+        (0, 1, 0, 4),
+        (1, 2, 1, 2),
+        (2, 1, 3, 4),
+        (1, 0, 4, 5),
+    ]
+    assert len(channels) == 12  # of the 15 pairs, all but the three on one rank
     assert layout.channels(INTERLEAVED) == []
     with pytest.raises(PlanFormatError, match=r"rank 0 runs stages \[0, 2\] .* stages r and 2p - 1 - r"):
         PipelineMeta(4, schedule=ZBV, microbatches=4, placement=interleaved_ranks(2, 2))
