@@ -325,9 +325,10 @@ def _block_range(blocks: tuple[str, ...]) -> str:
 
 
 def _group(stage: PlanStage) -> str:
+    """The stage's device, or its first device and how many more ("a100-0 +3 more", not a device name)."""
     if len(stage.devices) == 1:
         return stage.device
-    return f"{stage.devices[0]}+{len(stage.devices) - 1} (x{len(stage.devices)})"
+    return f"{stage.devices[0]} +{len(stage.devices) - 1} more"
 
 
 def _memory(used: float, avail: float) -> str:
