@@ -48,7 +48,7 @@ class Substitution:
     priced_as: str  # the problem's type whose seconds it gets
     pricing: str  # how those seconds were found (a type of the plan, or a peak ratio)
     slowdown: float  # its stages' forward+backward seconds per microbatch on it / as planned
-    stages: tuple[int, ...] = ()  # every stage the rank runs (``stage`` first): several when interleaved
+    stages: tuple[int, ...]  # every stage the rank runs (``stage`` first): several when interleaved
 
 
 @dataclass(frozen=True)
@@ -137,11 +137,11 @@ def format_repricing(repricing: Repricing) -> list[str]:
     for s in repricing.substitutions:
         replica = f" replica {s.replica}" if s.replicas > 1 else ""
         change = _change(s.slowdown)
-        stages = s.stages or (s.stage,)
-        which = f"stage {s.stage}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+        noun = "stage" if len(s.stages) == 1 else "stages"
         lines.append(
-            f"  {which}{replica} on {s.found_name} ({format_bytes(s.found_memory_bytes)}) instead of "
-            f"{s.planned_type} ({s.planned_device}): {which.split()[0]} forward+backward {change} ({s.pricing})"
+            f"  {noun} {', '.join(map(str, s.stages))}{replica} on {s.found_name} "
+            f"({format_bytes(s.found_memory_bytes)}) instead of {s.planned_type} ({s.planned_device}): "
+            f"{noun} forward+backward {change} ({s.pricing})"
         )
     for o in repricing.overflows:
         lines.append(
