@@ -102,6 +102,8 @@ def test_interleaving_replicates_the_pipeline_whole_where_that_is_faster(replica
     )
     (note,) = [n for n in plan.notes if n.startswith(f"schedule: {INTERLEAVED}")]
     assert "on each of the 2 groups of 2 replicas" in note and "R = 1, v = 2" in note
+    half = plan.microbatches // 2  # the 1F1B figure is one replica's, before the gradients are summed
+    assert f"pipeline (one replica's {half} microbatches, no all-reduce: " in note
     assert f"{k} stages on 4 devices ({plan.chunks} stages each)" in plan.explain()
     placement = compiled.pipeline.meta.placement
     assert [(r.stage, r.replica, r.stages) for r in placement] == [

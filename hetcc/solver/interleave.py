@@ -96,9 +96,15 @@ def solve_interleaved(
         for r, c in sorted(tried)
     )
     on = f"{ranks} devices" if replicas == 1 else f"{ranks} groups of {replicas} replicas"
+    # a replicated pipeline's 1F1B figure is one replica's M / R microbatches, without the all-reduce
+    whose = (
+        ""
+        if replicas == 1
+        else f"one replica's {problem.microbatches // replicas} microbatches, no all-reduce: "
+    )
     note = (
         f"schedule: {INTERLEAVED} with {v} chunks on each of the {on} of the best 1F1B pipeline "
-        f"({pipeline_s * 1e3:.2f} ms under 1F1B; {figures})"
+        f"({whose}{pipeline_s * 1e3:.2f} ms under 1F1B; {figures})"
         + ("; no codecs: they are not planned with it" if problem.codecs is not None else "")
     )
     return solved, solution, note
