@@ -53,11 +53,13 @@ class Substitution:
 
 @dataclass(frozen=True)
 class Overflow:
-    """A stage whose fullest replica no longer fits its (found) device."""
+    """A stage whose fullest replica no longer fits its (found) device; ``stages``: every stage that
+    device holds (``stage`` first; several when interleaved), whose memory is counted together."""
 
     stage: int
     needs_bytes: float
     usable_bytes: float
+    stages: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
         substituted, *layout, codecs=codecs, warmup=recorded_warmup(plan.stages), chunks=plan.chunks
     )
     overflows = tuple(  # a rank's stages share its memory: said once, for its first stage
-        Overflow(j, s.memory_bytes, s.memory_capacity_bytes)
+        Overflow(j, s.memory_bytes, s.memory_capacity_bytes, _rank_stages(plan, j))
         for j, s in enumerate(stages[: plan.ranks])
         if not s.fits
     )
@@ -139,16 +141,25 @@ def format_repricing(repricing: Repricing) -> list[str]:
         change = _change(s.slowdown)
         noun = "stage" if len(s.stages) == 1 else "stages"
         lines.append(
-            f"  {noun} {', '.join(map(str, s.stages))}{replica} on {s.found_name} "
-            f"({format_bytes(s.found_memory_bytes)}) instead of {s.planned_type} ({s.planned_device}): "
-            f"{noun} forward+backward {change} ({s.pricing})"
+            f"  {_stages(s.stages)}{replica} on {s.found_name} ({format_bytes(s.found_memory_bytes)}) "
+            f"instead of {s.planned_type} ({s.planned_device}): {noun} forward+backward {change} ({s.pricing})"
         )
     for o in repricing.overflows:
+        fits = "fits" if len(o.stages) == 1 else "fit (one device)"
         lines.append(
-            f"  stage {o.stage} no longer fits: needs {format_bytes(o.needs_bytes)}, "
+            f"  {_stages(o.stages)} no longer {fits}: needs {format_bytes(o.needs_bytes)}, "
             f"has {format_bytes(o.usable_bytes)} usable"
         )
     return lines
+
+
+def _stages(stages: tuple[int, ...]) -> str:
+    return f"stage {stages[0]}" if len(stages) == 1 else f"stages {', '.join(map(str, stages))}"
+
+
+def _rank_stages(plan: Plan, stage: int) -> tuple[int, ...]:
+    """The stages the device of ``stage`` (one of the first ``plan.ranks``) runs: it alone, or its chunks."""
+    return rank_stages(plan.schedule, plan.ranks, stage, plan.chunks) if plan.chunks > 1 else (stage,)
 
 
 def _ms(seconds: float) -> str:
@@ -243,7 +254,7 @@ _CODEC_TIMES = ("encode_s_per_byte", "decode_s_per_byte", "call_s")
 def _describe(problem, substituted, where, rank, found, pricing, plan: Plan, layout) -> Substitution:
     """One substituted rank: its stages' forward+backward seconds per microbatch before and after."""
     (stage, replica, device), (boundaries, groups, recompute) = where, layout
-    mine = rank_stages(plan.schedule, plan.ranks, stage, plan.chunks) if plan.chunks > 1 else (stage,)
+    mine = _rank_stages(plan, stage)
     index = groups[stage][replica]
 
     def seconds(priced: PartitionProblem) -> float:

@@ -107,6 +107,12 @@ def test_a_zbv_plan_is_priced_with_both_stages_of_the_rank_on_the_device_found(t
         f"  stages {', '.join(map(str, sub.stages))} on Tesla T4 (16 GiB) instead of A100-80GB"
     )
     assert "stages forward+backward" in line
+    tiny = reprice(folder, {rank: {"vendor": "nvidia", "name": "Tesla T4", "memory_bytes": 2**20}})
+    (overflow,) = tiny.overflows  # the device's two stages, counted together, once
+    assert overflow.stage == rank and overflow.stages == sub.stages
+    assert format_repricing(tiny)[-1].startswith(
+        f"  stages {', '.join(map(str, sub.stages))} no longer fit (one device)"
+    )
 
 
 def test_a_preset_outside_the_cluster_is_priced_by_the_peak_ratio(build):
