@@ -39,7 +39,7 @@ def run(codecs: tuple[str, str], tokens: Path, steps: int, seq: int, cluster: Pa
     model, inputs = gpt2_bytes(seq=seq)
     pins = {"intra-node": codecs, "inter-node": codecs} if codecs != ("none", "none") else "off"
     compiled = hetcc.compile(
-        model, cluster, example_kwargs=inputs, microbatches=4, compress=pins, replicate=False
+        model, cluster, example_kwargs=inputs, microbatches=4, compress=pins, replicate=False, schedule="1f1b"
     )
     started = time.perf_counter()
     result = hetcc.run_local(

@@ -70,7 +70,9 @@ def compare(model, batch, label: str, cluster_text: str) -> None:
         plans, seconds = {}, {}
         for compress in ("off", "auto"):
             started = time.perf_counter()
-            plans[compress] = hetcc.compile(model, cluster, example_kwargs=batch, compress=compress).plan
+            plans[compress] = hetcc.compile(
+                model, cluster, example_kwargs=batch, compress=compress, schedule="1f1b"
+            ).plan
             seconds[compress] = time.perf_counter() - started
     off, auto = plans["off"], plans["auto"]
     print(f"GPT-2 medium, batch 32 x 1024, fp32, {label}")

@@ -97,7 +97,7 @@ class Session:
             with hetcc.config.patch(fuse=fuse):
                 self.builds[key] = hetcc.compile(
                     self.model, cluster, example_kwargs=inputs | {"use_cache": False},
-                    microbatches=self.args.microbatches, precision=precision, replicate=False,
+                    microbatches=self.args.microbatches, precision=precision, replicate=False, schedule="1f1b",
                 )  # fmt: skip
             took = time.perf_counter() - start
             print(f"# compiled {precision}, fusion {fuse}, {devices} devices ({took:.1f} s)")

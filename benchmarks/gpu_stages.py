@@ -63,7 +63,7 @@ def run(args, model, ids, device, type_name: str, calibrations, precision: str, 
     with hetcc.config.patch(fuse="all" if fuse else "off"):
         compiled = hetcc.compile(
             model, _cluster(type_name, calibrations), example_kwargs=cpu_inputs,
-            microbatches=args.microbatches, precision=precision, replicate=False,
+            microbatches=args.microbatches, precision=precision, replicate=False, schedule="1f1b",
         )  # fmt: skip
     compile_s = time.perf_counter() - start
     size = args.batch // args.microbatches

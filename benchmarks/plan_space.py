@@ -69,13 +69,13 @@ def gpt2_clusters() -> None:
         cluster = CLUSTERS / name
         print(f"GPT-2 medium, batch 32 x 1024, fp32, Adam, 1F1B on {name}")
         start = time.perf_counter()
-        ours = hetcc.compile(model, cluster, example_kwargs=batch)
+        ours = hetcc.compile(model, cluster, example_kwargs=batch, schedule="1f1b")
         took = time.perf_counter() - start
-        pure = hetcc.compile(model, cluster, example_kwargs=batch, replicate=False)
+        pure = hetcc.compile(model, cluster, example_kwargs=batch, replicate=False, schedule="1f1b")
         start = time.perf_counter()
         auto = hetcc.compile(model, cluster, example_kwargs=batch, schedule="auto")
         auto_took = time.perf_counter() - start
-        at8 = hetcc.compile(model, cluster, example_kwargs=batch, microbatches=8)
+        at8 = hetcc.compile(model, cluster, example_kwargs=batch, microbatches=8, schedule="1f1b")
         peer_s = simulate(at8.problem, bounds, _groups(at8.problem, prefixes)).step_time_s
         print(_plan_line("hetcc", ours.plan) + f"   (compile {took:.0f} s)")
         print(_plan_line("hetcc, pure pipeline", pure.plan))
