@@ -63,7 +63,7 @@ def hetcc_step(stages, rank, x, y, args, data_path: bool = False):
     (``data_path``: indices, this rank's items fetched and collated, checked), or split beforehand."""
     meta = PipelineMeta(len(stages), args.schedule, args.microbatches, placement=placement_for(args))
     layout = RankLayout.from_meta(meta)
-    peers = [{e.src for e in s.recvs} | {e.dst for e in s.sends} for s in stages]
+    peers = [s.peers for s in stages]
     links = Links(["cpu", "cpu"], [], 60.0, channels=layout.channels(args.schedule, peers))
     executors = [StageExecutor(stages[k], links, args.microbatches, F.mse_loss, layout=layout)
                  for k in layout.ranks[rank].stages]  # fmt: skip

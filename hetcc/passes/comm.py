@@ -107,6 +107,11 @@ class StageGraph:
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
 
+    @property
+    def peers(self) -> frozenset[int]:
+        """The stages it receives from or sends to."""
+        return frozenset(e.src for e in self.recvs) | frozenset(e.dst for e in self.sends)
+
 
 def split_stages(
     gm: fx.GraphModule,

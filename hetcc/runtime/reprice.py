@@ -35,10 +35,10 @@ PREFIX = "hetcc.launch:"
 
 @dataclass(frozen=True)
 class Substitution:
-    """One rank on another device than planned, the type it is priced as, and what that does to its stage."""
+    """One rank on another device than planned, the type it is priced as, and what that does to its stages."""
 
     rank: int
-    stage: int
+    stages: tuple[int, ...]  # every stage the rank runs: one, or several when interleaved
     replica: int
     replicas: int  # of its stage
     planned_device: str
@@ -48,18 +48,26 @@ class Substitution:
     priced_as: str  # the problem's type whose seconds it gets
     pricing: str  # how those seconds were found (a type of the plan, or a peak ratio)
     slowdown: float  # its stages' forward+backward seconds per microbatch on it / as planned
-    stages: tuple[int, ...]  # every stage the rank runs (``stage`` first): several when interleaved
+
+    @property
+    def stage(self) -> int:
+        """The rank's first stage (its pipeline position)."""
+        return self.stages[0]
 
 
 @dataclass(frozen=True)
 class Overflow:
-    """A stage whose fullest replica no longer fits its (found) device; ``stages``: every stage that
-    device holds (``stage`` first; several when interleaved), whose memory is counted together."""
+    """Stages whose fullest replica no longer fits its (found) device: one, or every stage that device
+    holds when interleaved, whose memory is counted together."""
 
-    stage: int
+    stages: tuple[int, ...]
     needs_bytes: float
     usable_bytes: float
-    stages: tuple[int, ...]
+
+    @property
+    def stage(self) -> int:
+        """The first of them."""
+        return self.stages[0]
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,7 @@ def reprice(directory: str | Path, found: Mapping[int, Mapping[str, Any]]) -> Re
         substituted, *layout, codecs=codecs, warmup=recorded_warmup(plan.stages), chunks=plan.chunks
     )
     overflows = tuple(  # a rank's stages share its memory: said once, for its first stage
-        Overflow(j, s.memory_bytes, s.memory_capacity_bytes, _rank_stages(plan, j))
+        Overflow(_rank_stages(plan, j), s.memory_bytes, s.memory_capacity_bytes)
         for j, s in enumerate(stages[: plan.ranks])
         if not s.fits
     )
@@ -262,8 +270,8 @@ def _describe(problem, substituted, where, rank, found, pricing, plan: Plan, lay
 
     before, after = seconds(problem), seconds(substituted)
     return Substitution(
-        rank=rank, stage=stage, replica=replica, replicas=len(groups[stage]), planned_device=device,
+        rank=rank, stages=mine, replica=replica, replicas=len(groups[stage]), planned_device=device,
         planned_type=problem.devices[index].type, found_name=str(found["name"]),
         found_memory_bytes=float(found.get("memory_bytes") or 0), priced_as=pricing.kind,
-        pricing=pricing.how, slowdown=after / before if before > 0 else 1.0, stages=mine,
+        pricing=pricing.how, slowdown=after / before if before > 0 else 1.0,
     )  # fmt: skip

@@ -235,7 +235,7 @@ def _edge_from_json(data: dict[str, Any]) -> CommEdge:
 
 
 def _stage_entry(stage: StageGraph) -> dict[str, Any]:
-    peers = sorted({e.src for e in stage.recvs} | {e.dst for e in stage.sends})
+    peers = sorted(stage.peers)
     return {
         "index": stage.index,
         "inputs": list(stage.inputs),
