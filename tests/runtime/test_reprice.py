@@ -48,15 +48,17 @@ def _a100_rank(compiled) -> tuple[int, int]:
 
 
 def _simulated_with(compiled, device: int, kind: str, memory_bytes: float) -> float:
-    """The simulator's step for the saved problem with ``device`` of type ``kind``, computed directly."""
+    """The simulator's step for the saved problem with ``device`` of type ``kind``, computed directly (its
+    stages per device as the plan runs them)."""
     problem = PartitionProblem.from_json(compiled.problem.to_json())
     problem.devices[device] = dataclasses.replace(
         problem.devices[device], type=kind, memory_bytes=memory_bytes
     )
     solution = compiled.solution
     return simulate(
-        problem, solution.boundaries, solution.groups, solution.recompute, warmup=solution.warmup
-    ).step_time_s
+        problem, solution.boundaries, solution.groups, solution.recompute, warmup=solution.warmup,
+        chunks=compiled.plan.chunks,
+    ).step_time_s  # fmt: skip
 
 
 def test_a_type_of_the_cluster_is_priced_with_its_own_times(build):
@@ -96,12 +98,8 @@ def test_a_zbv_plan_is_priced_with_both_stages_of_the_rank_on_the_device_found(t
         return sum(problem.fwd_s[kind][i] + problem.bwd_s[kind][i] for i in blocks)
 
     assert sub.slowdown == pytest.approx(seconds("T4") / seconds("A100-80GB")) and sub.slowdown > 1.5
-    problem.devices[device] = dataclasses.replace(
-        problem.devices[device], type="T4", memory_bytes=16 * GIB * (1 - RESERVE)
-    )
-    solution = compiled.solution
-    expected = simulate(problem, solution.boundaries, solution.groups, solution.recompute, chunks=2)
-    assert result.step_s == pytest.approx(expected.step_time_s) and result.step_s > result.planned_step_s
+    expected = _simulated_with(compiled, device, "T4", 16 * GIB * (1 - RESERVE))
+    assert result.step_s == pytest.approx(expected) and result.step_s > result.planned_step_s
     line = format_repricing(result)[1]
     assert line.startswith(
         f"  stages {', '.join(map(str, sub.stages))} on Tesla T4 (16 GiB) instead of A100-80GB"
