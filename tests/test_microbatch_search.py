@@ -41,9 +41,9 @@ def searched():
         calls.append(kwargs.get("dynamic_shapes"))
         return real(*args, **kwargs)
 
-    def keeping(problems, schedule):
+    def keeping(problems, schedule, multi_stage=True):
         priced.extend(problems)
-        return plan_counts(problems, schedule)
+        return plan_counts(problems, schedule, multi_stage)
 
     api.analyze, microbatches._plan_counts = counting, keeping
     try:

@@ -18,6 +18,19 @@ def test_export_is_the_front_end_and_every_tensor_node_has_a_fake_value():
     )
 
 
+def test_a_trace_only_priced_records_no_source_lines_and_the_setting_is_restored():
+    from hetcc.passes.trace import without_stack_traces
+
+    x = torch.randn(4, 8)
+    kept = [n for n in hetcc.trace(MLP(), (x,)).gm.graph.nodes if n.op == "call_function"]
+    assert kept and all(n.meta.get("stack_trace") for n in kept)
+    with pytest.raises(RuntimeError, match="inside"), without_stack_traces():
+        dropped = [n for n in hetcc.trace(MLP(), (x,)).gm.graph.nodes if n.op == "call_function"]
+        assert dropped and not any(n.meta.get("stack_trace") for n in dropped)
+        raise RuntimeError("inside")
+    assert not torch.fx.config.do_not_emit_stack_traces
+
+
 def test_traced_graph_runs_equal_to_eager():
     model = gpt2().eval()
     kwargs = lm_kwargs(token_ids(2, 8))

@@ -159,7 +159,9 @@ def compile(  # noqa: A001 - the public API name
     ``tensor_parallel``: stages on groups of t like devices of one node, each holding 1/t of the weights
     (Megatron-style, ``passes.tensor_parallel``): False never, a degree t (every device class with t on a
     node runs at t), or "auto" (2, 4, 8 priced, each class at the degree whose plan simulates fastest,
-    degree 1 included). The microbatch search prices plans without it."""
+    degree 1 included, where a device may also run several stages: interleaved 1F1B, ZB-V). The
+    microbatch search prices plans without it (with a degree pinned, under the schedules that run one
+    stage per device)."""
     check_compile_args(model, cluster, example_inputs, example_kwargs, schedule, training, dump_dir)
     cluster = cluster if isinstance(cluster, Cluster) else Cluster.from_file(cluster)
     optimizer_entry(optimizer)  # reject an unknown optimizer before the slow steps

@@ -23,6 +23,7 @@ from hetcc.passes.cost import block_times_at
 from hetcc.passes.fuse import fusion_candidates
 from hetcc.passes.partition import PlanSettings, build_problem
 from hetcc.passes.schedule_search import schedule_bound, solve_schedules
+from hetcc.passes.trace import without_stack_traces
 from hetcc.solver.problem import PartitionProblem
 from hetcc.train.data import split_microbatches
 
@@ -59,7 +60,7 @@ def search_microbatches(
             name: ({0: batch} if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows else None)
             for name, v in bound.arguments.items()
         }
-        with _quiet():
+        with _quiet(), without_stack_traces():  # priced only: no source lines wanted
             symbolic = analyze(model, args, kwargs, dynamic_shapes=shapes, training=settings.training)
         symbol = symbolic.dim_symbols["batch"]
     except (HetccError, TypeError, KeyError, RuntimeError, ValueError) as error:
@@ -79,7 +80,8 @@ def search_microbatches(
             symbolic.graph, at.blocks, at.tied_params, cluster, replace(settings, microbatches=m),
             (fwd, bwd), act_change=change, subs=subs,
         ))  # fmt: skip
-    tried, notes = _plan_counts(priced, settings.schedule)
+    # a pinned tensor degree: each count under the schedules the compile may keep (one stage per device)
+    tried, notes = _plan_counts(priced, settings.schedule, settings.tensor_parallel in (False, "auto"))
     best_s, best_m = min((s, m) for m, s in tried)
     if math.isinf(best_s):
         return fallback, tried, [*notes, f"microbatches: no count fits in memory; kept {fallback}"]
@@ -87,13 +89,13 @@ def search_microbatches(
 
 
 def _plan_counts(
-    problems: list[PartitionProblem], schedule: str
+    problems: list[PartitionProblem], schedule: str, multi_stage: bool = True
 ) -> tuple[list[tuple[int, float]], list[str]]:
     """((M, simulated step) of each count planned, in order of M; notes): ``problems`` (one per count)
     planned in order of their lower bounds (``schedule_search.schedule_bound``: the least over the
     schedules tried), skipping each whose bound exceeds the fastest plan found so far: no plan of it can be faster,
     so the count kept is the one planning every count would keep; a note names those skipped."""
-    bounds = [schedule_bound(p, schedule) for p in problems]
+    bounds = [schedule_bound(p, schedule, multi_stage) for p in problems]
     tried, skipped, best_s = [], [], math.inf
     for bound, problem in sorted(zip(bounds, problems), key=lambda item: (item[0], item[1].microbatches)):
         m = problem.microbatches
@@ -101,7 +103,7 @@ def _plan_counts(
             skipped.append(f"M={m} ({bound * 1e3:.2f} ms)")
             continue
         try:
-            step_s = solve_schedules(problem, schedule)[1].simulated_s
+            step_s = solve_schedules(problem, schedule, multi_stage)[1].simulated_s
         except InfeasiblePlanError:
             step_s = math.inf
         tried.append((m, step_s))

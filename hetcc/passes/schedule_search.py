@@ -6,8 +6,8 @@ assignments (``solver.tensor.solve_tensor``). ``schedule="auto"`` tries every sc
 under its own replay (the searches see these schedules alike: ``solver.solve.Searched``), then
 interleaved 1F1B with its v and ZB-V (``solver.interleave``), on pure pipelines solved beside those
 re-rankings; with ``tensor_parallel="auto"`` too, the degrees are searched once, under the first, and
-the others planned on the degrees found and on degree 1 (interleaved 1F1B and ZB-V, which take no
-tensor parts, are not tried where tensor parallelism is on). Solves that do not depend
+the others planned on the degrees found and on degree 1, interleaved 1F1B and ZB-V (which take no
+tensor parts) at degree 1 (not where a degree is pinned). Solves that do not depend
 on each other run side by side, and beside the search (``solver.parallel.Solves``).
 """
 
@@ -39,36 +39,39 @@ RERANK = 6  # best sequences replayed in the simulator; the fastest simulated wi
 AUTO_SCHEDULES = ("1f1b", "zb-h1", "zb-h2")
 
 
-def schedule_bound(problem: PartitionProblem, schedule: str) -> float:
-    """A step no plan ``solve_schedules(problem, schedule)`` may return simulates below: the schedule's
-    lower bound, under "auto" the least over the schedules it tries."""
+def schedule_bound(problem: PartitionProblem, schedule: str, multi_stage: bool = True) -> float:
+    """A step no plan ``solve_schedules(problem, schedule, multi_stage)`` may return simulates below: the
+    schedule's lower bound, under "auto" the least over the schedules it tries."""
     if schedule == INTERLEAVED:  # planned on a 1F1B problem, its devices running several stages each
         return interleaved_bound(problem)
     if schedule == ZBV:
         return zbv_bound(problem)
     if schedule == "auto":
-        return min(schedule_bound(problem, name) for name in (*AUTO_SCHEDULES, *MULTI_STAGE))
+        names = (*AUTO_SCHEDULES, *(MULTI_STAGE if multi_stage else ()))
+        return min(schedule_bound(problem, name) for name in names)
     return lower_bound(replace(problem, schedule=schedule))
 
 
 def solve_schedules(
-    problem: PartitionProblem, schedule: str
+    problem: PartitionProblem, schedule: str, multi_stage: bool = True
 ) -> tuple[PartitionProblem, PartitionSolution, str]:
     """``problem`` solved under ``schedule``, or under ``"auto"`` once per schedule of ``AUTO_SCHEDULES``
-    and as interleaved 1F1B and ZB-V (a schedule no plan fits under is skipped); the problem and
-    solution kept (``chunks`` > 1: several stages per device), and a note saying what each tried
-    schedule simulated (empty unless ``"auto"``)."""
-    return solve_each_schedule(problem, schedule)[:3]
+    and, with ``multi_stage``, as interleaved 1F1B and ZB-V (a schedule no plan fits under is skipped);
+    the problem and solution kept (``chunks`` > 1: several stages per device), and a note saying what
+    each tried schedule simulated (empty unless ``"auto"``). ``multi_stage=False``: "auto" as a compile
+    with tensor parallelism on tries it (its stages' devices run one stage each)."""
+    return solve_each_schedule(problem, schedule, multi_stage=multi_stage)[:3]
 
 
 def solve_each_schedule(
-    problem: PartitionProblem, schedule: str, tensor: bool | int | str = False
+    problem: PartitionProblem, schedule: str, tensor: bool | int | str = False, multi_stage: bool = True
 ) -> tuple[PartitionProblem, PartitionSolution, str, DeviceMap]:
     """``solve_schedules`` with each schedule solved by ``solve_one`` (``tensor``: its tensor degrees),
     and the device map of the solution kept. With ``tensor="auto"`` the degrees are searched once, under
     the first schedule (every assignment tried costs a ``solve``: a search per schedule would double the
     compile), and each other schedule is planned on the degrees it chose and on degree 1
-    (``_on_searched_degrees``)."""
+    (``_on_searched_degrees``); with ``multi_stage``, interleaved 1F1B and ZB-V at degree 1 too (they take
+    no tensor parts), so that "auto" never loses a plan ``tensor=False`` finds."""
     if schedule in MULTI_STAGE:  # planned on pure pipelines: a rank runs whole stages
         solved, solution, note = (solve_zbv if schedule == ZBV else solve_interleaved)(problem, RERANK)
         return solved, solution, note, _identity(solved)
@@ -80,7 +83,7 @@ def solve_each_schedule(
         scheduled = [replace(problem, schedule=name) for name in AUTO_SCHEDULES]
         problem.validate()
         # the pure pipelines interleaved 1F1B and ZB-V are laid on, solved while the search runs
-        pipelines = [pure for pure, _ in interleaving_pipelines(problem)]
+        pipelines = [pure for pure, _ in interleaving_pipelines(problem)] if multi_stage else []
         with Solves([*scheduled, *pipelines]) as solves:
             laid = [solves.submit(pure, RERANK) for pure in pipelines]
             searched = search_plans(scheduled[0], RERANK)  # InfeasiblePlanError: no schedule has a plan
@@ -91,7 +94,8 @@ def solve_each_schedule(
                 else:
                     tried.append((each, answer, _identity(problem)))
             fastest_s = min((found[1].simulated_s for found in tried), default=math.inf)
-            tried += _multi_stage(problem, [answer() for answer in laid], fastest_s)
+            if multi_stage:
+                tried += _multi_stage(problem, [answer() for answer in laid], fastest_s)
     elif tensor == "auto":
         try:
             tried.append(solve_one(replace(problem, schedule=AUTO_SCHEDULES[0]), tensor))
@@ -102,6 +106,10 @@ def solve_each_schedule(
                 first_error = first_error or answer
             else:
                 tried.append(answer)
+        if multi_stage:  # at degree 1 a device may run several stages, as with tensor parallelism off
+            plain = replace(problem, tensor_splits=None)
+            pipelines = solve_each([pure for pure, _ in interleaving_pipelines(plain)], RERANK)
+            tried += _multi_stage(plain, pipelines, min((f[1].simulated_s for f in tried), default=math.inf))
     else:
         for name in AUTO_SCHEDULES:
             try:

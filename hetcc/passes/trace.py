@@ -110,6 +110,19 @@ def _is_transformers_model(model: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
+def without_stack_traces() -> Iterator[None]:
+    """Traces made inside record no ``meta["stack_trace"]`` (the model's source line of each node): a
+    fifth of an 80-layer export's time, and of no use to a graph that is only priced, never shown or
+    run. The graphs hetcc compiles keep them: torch names that line when an op fails on a node."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
+
+
+@contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
     """Hold back what torch prints while export fails (a symbolic_shapes warning, the partial graph
     twice: ~20 lines before hetcc's own error). It is passed on when export succeeds, and shown with the

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import eager_training
-from runtime_models import export, stages_by_module, tiny_gpt2
+from models import eager_training, gpt2, token_ids
+from runtime_models import export, slow_cards, stages_by_module, tiny_gpt2
 
 import hetcc
 from hetcc.errors import PlanFormatError
@@ -342,3 +342,25 @@ def test_zbv_ranks_run_their_rows_and_keep_an_order_per_stage_pair():
     assert layout.channels(INTERLEAVED) == []
     with pytest.raises(PlanFormatError, match=r"rank 0 runs stages \[0, 2\] .* stages r and 2p - 1 - r"):
         PipelineMeta(4, schedule=ZBV, microbatches=4, placement=interleaved_ranks(2, 2))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_auto_keeps_and_trains_an_interleaved_plan_where_degree_one_wins(tmp_path):
+    """Two nodes of two slow cards on a 1 Gb/s link, a 6-layer GPT-2 in 4 microbatches: no tensor degree
+    pays, and interleaving (each card several stages) beats one stage per card; ``tensor_parallel="auto"``
+    keeps that plan, as ``False`` would, and it trains like eager."""
+    model = gpt2(n_layer=6, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    ids = token_ids(4, 16)
+    cluster = tmp_path / "cards.yaml"
+    cluster.write_text(slow_cards([2, 2], 2**30, inter_node="1 Gb/s").replace("20 GFLOP/s", "1 GFLOP/s"))
+    inputs = {"input_ids": ids, "labels": ids}
+    compiled = hetcc.compile(model, cluster, example_kwargs=inputs, microbatches=4, tensor_parallel="auto")
+    plan = compiled.plan
+    assert plan.schedule == INTERLEAVED and all(s.tensor == 1 for s in plan.stages), plan.notes
+    assert len(plan.stages) > plan.ranks and "tensor parallel: degrees priced 2" in " ".join(plan.notes)
+    result = hetcc.run_local(compiled, inputs, steps=2, optimizer=ADAM)
+    _check_fp32(
+        result,
+        eager_training(model, {**inputs, "use_cache": False}, None, None, 2, 4, ADAM),
+        {"lm_head.weight"},
+    )
