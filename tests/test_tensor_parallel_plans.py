@@ -304,3 +304,21 @@ def test_gpt2_small_on_a100s_and_t4s_auto_is_no_slower_and_names_its_degrees():
         assert (
             len(stage.devices) % stage.tensor == 0 and len(stage.shares) == len(stage.devices) // stage.tensor
         )
+
+
+def test_the_microbatch_search_says_its_figures_are_without_tensor_parallelism(tmp_path):
+    """The search prices counts at degree 1; the count kept is planned with tensor groups, and the note
+    says which figure is which (a degree-2 stage here, faster than the search's figure)."""
+    case = model_zoo.llama()
+    cluster = _cluster(tmp_path, [4, 4], inter_node="10 Gb/s")
+    plan = hetcc.compile(case.model, cluster, example_kwargs=case.inputs, tensor_parallel="auto").plan
+    head = (
+        f"microbatches: M={plan.microbatches} priced again from its own trace and planned with tensor "
+        f"parallelism: {plan.step_time_s * 1e3:.2f} ms (the symbolic trace, without it, gave "
+    )
+    (note,) = [n for n in plan.notes if n.startswith(head)]
+    assert (
+        any(s.tensor > 1 for s in plan.stages)
+        and float(note[len(head) :].split()[0]) > plan.step_time_s * 1e3
+    )
+    assert dict(plan.microbatch_search)[plan.microbatches] == plan.step_time_s  # the plan's own figure

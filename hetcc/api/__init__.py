@@ -198,9 +198,12 @@ def compile(  # noqa: A001 - the public API name
         if chosen not in figures or math.isclose(figures[chosen], step_s, rel_tol=1e-9):
             return compiled
         # The trace at this count is not the symbolic one evaluated there (export specialises a 1-row
-        # batch, a model may branch on its size): its own plan is the figure; keep the fastest again.
-        notes = [*notes, f"microbatches: M={chosen} priced again from its own trace: {step_s * 1e3:.2f} ms "
-                         f"(the symbolic trace gave {figures[chosen] * 1e3:.2f} ms)"]  # fmt: skip
+        # batch, a model may branch on its size), and the search plans without tensor parallelism: its
+        # own plan is the figure; keep the fastest again.
+        tensor_note = (" and planned with tensor parallelism", ", without it,") if tensor else ("", "")
+        notes = [*notes, f"microbatches: M={chosen} priced again from its own trace{tensor_note[0]}: "
+                         f"{step_s * 1e3:.2f} ms (the symbolic trace{tensor_note[1]} gave "
+                         f"{figures[chosen] * 1e3:.2f} ms)"]  # fmt: skip
         figures[chosen] = step_s
         best = min(figures, key=lambda m: (figures[m], m))
         if best == chosen:
