@@ -59,7 +59,7 @@ def solve_schedules(
     and, with ``multi_stage``, as interleaved 1F1B and ZB-V (a schedule no plan fits under is skipped);
     the problem and solution kept (``chunks`` > 1: several stages per device), and a note saying what
     each tried schedule simulated (empty unless ``"auto"``). ``multi_stage=False``: "auto" as a compile
-    with tensor parallelism on tries it (its stages' devices run one stage each)."""
+    with a tensor degree pinned tries it (its stages' devices run one stage each)."""
     return solve_each_schedule(problem, schedule, multi_stage=multi_stage)[:3]
 
 
