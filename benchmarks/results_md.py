@@ -65,11 +65,12 @@ def _plan_section(rows) -> list[str]:
     out = [
         "## Plan quality",
         "",
-        "Step time per training step (16 microbatches, 1F1B) of hetcc's plan: the search's formula and the",
-        "simulator's replay (what the plan reports), the bound on any plan's simulated step, and each",
-        "baseline (simulated) on all devices in listed order (`inf`: does not fit).",
+        'Step time per training step (16 microbatches, the schedule `schedule="auto"` kept) of hetcc\'s plan:',
+        "the search's formula and the simulator's replay (what the plan reports), the bound on any",
+        "plan's simulated step, and each baseline (simulated, 1F1B) on all devices in listed order (`inf`:",
+        "does not fit).",
         "",
-        "| model | cluster | stages / devices | formula ms | simulated ms | bound ms | gap | uniform ms | "
+        "| model | cluster | stages / devices, schedule | formula ms | simulated ms | bound ms | gap | uniform ms | "
         "parameters ms | flops ms | vs best baseline |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -79,7 +80,8 @@ def _plan_section(rows) -> list[str]:
             continue
         base = r["baselines_ms"]
         out.append(
-            f"| {r['model']} | {r['cluster']} | {r['stages']} / {r['devices']} | {r['step_ms']:.1f} | "
+            f"| {r['model']} | {r['cluster']} | {r['stages']} / {r['devices']}, {r.get('schedule', '1f1b')} | "
+            f"{r['step_ms']:.1f} | "
             f"{r['simulated_ms']:.1f} | {r['bound_ms']:.1f} | {r['gap']:.1%} | "
             + " | ".join(_ms(base.get(k, math.nan)) for k in ("uniform", "parameters", "flops"))
             + (f" | {r['speedup']:.2f}x ({r['best']}) |" if r["best"] else " | no baseline fits |")

@@ -66,7 +66,7 @@ def plan_quality(mode: str) -> list[dict]:
             finite = {k: v for k, v in plan.baselines.items() if math.isfinite(v)}
             best = min(finite, key=finite.get) if finite else None
             rows.append({
-                "model": model_name, "cluster": cluster, "stages": len(plan.stages),
+                "model": model_name, "cluster": cluster, "stages": len(plan.stages), "schedule": plan.schedule,
                 "devices": len(compiled.problem.devices), "step_ms": plan.objective_s * 1e3,
                 "simulated_ms": getattr(plan, "simulated_step_s", math.nan) * 1e3,
                 "bound_ms": plan.lower_bound_s * 1e3, "gap": plan.gap,
