@@ -5,6 +5,9 @@ report and trained by the runtime equal to eager PyTorch."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 from models import eager_training
@@ -12,7 +15,9 @@ from models import eager_training
 import hetcc
 from hetcc.cli import main
 from hetcc.errors import HetccError, InfeasiblePlanError
+from hetcc.passes.schedule_search import planned_schedule, solve_each_schedule
 from hetcc.report.data import load, simulate_plan
+from hetcc.solver.problem import PartitionProblem, ProblemDevice, TensorSplit
 from hetcc.solver.schedules import INTERLEAVED, ZBV
 
 ADAM = {"name": "adam", "lr": 0.01}
@@ -163,3 +168,32 @@ def test_each_multi_stage_build_trains_like_eager(build, request, tmp_path):
     assert set(grads) - set(result.grads) == {"lm_head.weight"}  # tied to wte, reported once
     for name, grad in result.grads.items():
         torch.testing.assert_close(grad, grads[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_auto_keeps_a_plan_whose_devices_run_several_stages_where_it_wins_at_degree_one():
+    """Two slow nodes of two cards each (4 blocks, 2 microbatches), a degree-2 row that gains nothing: with
+    tensor parallelism off, ZB-V (each card two stages of a V) beats every one-stage-per-card plan; with
+    ``tensor="auto"`` the search must find it too, at degree 1, not stop at the schedules tensor parts take."""
+    n, inf = 4, math.inf
+    fwd, bwd = {"x": [0.5] * n, "y": [0.8] * n}, {"x": [1.0] * n, "y": [1.6] * n}
+    devices = [
+        ProblemDevice(f"{k}{i}", k, 6.6 if k == "x" else 4.9, f"node_{k}") for k in "xy" for i in range(2)
+    ]
+    row = TensorSplit(
+        2, fwd, bwd, None, [0.5, 0.5, 0.5, 1.1], [0.9, 0.8, 0.6, 0.5], [0.125] * 3 + [0.275], None
+    )
+    problem = PartitionProblem(
+        blocks=[f"b{i}" for i in range(n)], fwd_s=fwd, bwd_s=bwd, state_bytes=[1.0, 1.0, 1.0, 2.2],
+        act_bytes=[1.0] * n, cut_bytes=[0.9, 1 / 3, 0.1], devices=devices,
+        bandwidth_bps=[[inf if a == b else (20.0 if (a < 2) == (b < 2) else 3.5) for b in range(4)] for a in range(4)],
+        latency_s=[[0.0 if a == b else 0.01 for b in range(4)] for a in range(4)], microbatches=2, tensor_splits=[row],
+    )  # fmt: skip
+    off = solve_each_schedule(dataclasses.replace(problem, tensor_splits=None), "auto")
+    one_stage = solve_each_schedule(problem, "auto", "auto", multi_stage=False)
+    solved, solution, note, device_map = solve_each_schedule(problem, "auto", "auto")
+    assert planned_schedule(*off[:2]) == "zbv" and off[1].simulated_s < one_stage[1].simulated_s
+    assert "zbv" not in one_stage[2] and "interleaved" not in one_stage[2]  # as with a degree pinned
+    assert planned_schedule(solved, solution) == "zbv" and solution.chunks == 2
+    assert solution.simulated_s == pytest.approx(off[1].simulated_s, rel=1e-12)
+    assert device_map == [(0,), (1,), (2,), (3,)] and f"zbv {solution.simulated_s * 1e3:.2f} ms" in note
+    assert solution.lower_bound_s <= solution.simulated_s
