@@ -40,7 +40,7 @@ def local_search(
         current, spent = None, 0
         while current is None and spent < per_start:
             spent += 1
-            time_s, plan = simulated(problem, _random_plan(problem, rng))
+            time_s, plan = simulated(problem, random_plan(problem, rng))
             current = (time_s, plan) if time_s < math.inf else None
         failed = 0
         while current is not None and spent < per_start and failed < patience:
@@ -59,7 +59,7 @@ def local_search(
     return best
 
 
-def _random_plan(problem: PartitionProblem, rng: random.Random) -> Plan:
+def random_plan(problem: PartitionProblem, rng: random.Random) -> Plan:
     n, devices = len(problem.blocks), list(range(len(problem.devices)))
     k = rng.randint(1, min(n, len(devices)))
     rng.shuffle(devices)

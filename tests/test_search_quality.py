@@ -5,20 +5,22 @@ local search finds with a generous budget (numbers only, no torch)."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from local_search import local_search
+from local_search import local_search, random_plan
 from test_plan_space import problems
 
 from hetcc.errors import InfeasiblePlanError
 from hetcc.passes.schedule_search import RERANK
-from hetcc.solver.objective import evaluate
+from hetcc.solver import refine
+from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem
-from hetcc.solver.simulate import simulate
+from hetcc.solver.simulate import simulate, step_floor
 from hetcc.solver.solve import solve
 
 # 20 random starts, each climbing until 300 moves in a row fail, 20,000 simulations at most.
@@ -70,3 +72,53 @@ def test_recompute_true_keeps_every_stage_recomputing_through_the_refinement():
     )
     found = solve(replace(problem, recompute=True, recompute_all=True), rerank=RERANK)
     assert all(found.recompute)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    problems(max_blocks=8, max_devices=6),
+    st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2"]),
+    st.sampled_from([0.0, 0.5]),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_the_step_floor_never_exceeds_the_simulated_step(problem, schedule, share, training, seed):
+    """``simulate.step_floor`` stands for a plan's step where the refinement skips simulating it, so it
+    must bound every simulated step: random plans with replicas of mixed types, recomputation, a tied
+    weight, split backwards, inference."""
+    problem = replace(
+        problem,
+        schedule=schedule,
+        training=training,
+        wgrad_s={t: [b * share for b in v] for t, v in problem.bwd_s.items()},
+    )
+    rng = random.Random(seed)
+    for _ in range(10):
+        bounds, groups, recompute, _ = random_plan(problem, rng)
+        recompute = [r and training for r in recompute]
+        stages = stage_costs(problem, bounds, groups, recompute)
+        step_s = simulate(problem, bounds, groups, recompute, events=False, stages=stages).step_time_s
+        assert step_floor(problem, stages) <= step_s * (1 + 1e-12), (bounds, groups, recompute)
+
+
+def test_the_refinement_finds_the_same_plans_without_simulating_what_its_floor_rules_out(monkeypatch):
+    """Skipping the moves whose floor cannot beat the climb's plan changes no plan ``solve`` returns,
+    and skips simulations (the three-node GPT-2 medium problem, each schedule)."""
+    problem = PartitionProblem.from_json(
+        (Path(__file__).parent / "data" / "gpt2_medium_three_nodes.problem.json").read_text()
+    )
+    replays = []
+    counted = lambda *args, **kwargs: replays.append(1) or simulate(*args, **kwargs)  # noqa: E731
+    monkeypatch.setattr(refine, "simulate", counted)
+    for schedule in ("1f1b", "zb-h2"):
+        scheduled = replace(problem, schedule=schedule)
+        found, replayed = solve(scheduled, rerank=RERANK), len(replays)
+        with monkeypatch.context() as unfloored:
+            unfloored.setattr(refine, "step_floor", lambda problem, stages: 0.0)
+            every = solve(scheduled, rerank=RERANK)
+        assert (found.boundaries, found.groups, found.recompute, found.warmup) == (
+            every.boundaries, every.groups, every.recompute, every.warmup
+        )  # fmt: skip
+        assert found.simulated_s == every.simulated_s
+        assert replayed < (len(replays) - replayed) * 0.8, (replayed, len(replays) - replayed)
+        replays.clear()

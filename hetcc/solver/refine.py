@@ -10,7 +10,7 @@ import random
 from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.solver.schedules import least_warmups, recorded_warmup, warmup_forwards
-from hetcc.solver.simulate import simulate
+from hetcc.solver.simulate import simulate, step_floor
 
 REFINE_SIMULATIONS = 1000  # simulations (and memory-rejected moves) spent refining, at most
 REFINE_ACTIONS = 60_000  # ... and about this many replayed microbatch-replica actions in all
@@ -91,7 +91,7 @@ class _Climber:
                 for moved in _moves(self.problem, *current):
                     if self.budget <= 0:
                         break
-                    moved, time_s = self.simulated(moved, repair)
+                    moved, time_s = self.simulated(moved, repair, beat_s=simulated_s)
                     if time_s < simulated_s * (1 - 1e-12):
                         simulated_s, current, improved = time_s, moved, True
                         break
@@ -99,16 +99,23 @@ class _Climber:
                     break
         return current, simulated_s
 
-    def simulated(self, plan, repair: bool = False):
+    def simulated(self, plan, repair: bool = False, beat_s: float = math.inf):
         """(plan, its simulated step; inf where memory overflows); with ``repair``, an overflowing stage
-        recomputes instead."""
+        recomputes instead. A plan whose ``step_floor`` is not below ``beat_s`` is not simulated: its
+        floor stands for its step, which cannot beat ``beat_s`` either, until a caller asks with a higher
+        ``beat_s`` (a climb from a slower start) or none (a kick). Each plan costs the budget once,
+        simulated or not, so skipping changes no plan the refinement returns, only its time."""
         key = (tuple(plan[0]), tuple(map(tuple, plan[1])), tuple(plan[2]), _tuple(plan[3]), repair)
-        if key not in self._simulated:
-            self._simulated[key] = self._simulate(plan, repair)
-        return self._simulated[key]
+        known = self._simulated.get(key)
+        if known is None:
+            known = self._simulated[key] = self._simulate(plan, repair, beat_s)
+        elif known[2] is not None and known[1] < beat_s * (1 - 1e-12):  # floored; may beat this caller
+            known = self._simulated[key] = (known[0], self._replay(known[0], known[2]), None)
+        return known[:2]
 
-    def _simulate(self, plan, repair: bool):
-        """(the plan with the warm-ups its stages took, its simulated step or inf)."""
+    def _simulate(self, plan, repair: bool, beat_s: float):
+        """(the plan with the warm-ups its stages took; its simulated step, its floor, or inf; its stages
+        where the floor stood for the step, else None)."""
         bounds, groups, recompute, warmup = plan
         stages = stage_costs(self.problem, bounds, groups, recompute, warmup=warmup)
         if repair and not all(stage.fits for stage in stages):
@@ -117,11 +124,16 @@ class _Climber:
         plan = (bounds, groups, recompute, recorded_warmup(stages))
         if not all(stage.fits for stage in stages):
             self.budget -= REJECTED_COST
-            return plan, math.inf
+            return plan, math.inf, None
         self.budget -= 1
-        return plan, simulate(
-            self.problem, bounds, groups, recompute, events=False, stages=stages
-        ).step_time_s
+        floor_s = step_floor(self.problem, stages)
+        if floor_s >= beat_s * (1 - 1e-12):
+            return plan, floor_s, stages
+        return plan, self._replay(plan, stages), None
+
+    def _replay(self, plan, stages) -> float:
+        bounds, groups, recompute, _ = plan
+        return simulate(self.problem, bounds, groups, recompute, events=False, stages=stages).step_time_s
 
 
 def _tuple(values) -> tuple | None:

@@ -145,6 +145,27 @@ def simulate(
     return timeline.result(lanes, k)
 
 
+def step_floor(problem: PartitionProblem, stages: Sequence[StageCost]) -> float:
+    """A lower bound of ``simulate``'s step for a plan of one stage per device (``stages``: its
+    ``stage_costs``), from the costs alone: a replica computes its share of the microbatches, none
+    before the first forward has crossed every stage before it; after its last action, an unsplit
+    backward (its lane's last action) still crosses those stages back, and a replicated stage sums its
+    gradients. The search's refinement skips simulating a move whose floor cannot beat its plan."""
+    split = splits_backward(problem.schedule, [s.recompute for s in stages])
+    floor, fill, drain = 0.0, 0.0, 0.0
+    for j, stage in enumerate(stages):
+        seconds = [replica_seconds(problem, *stage.blocks, d, stage.recompute) for d in stage.group]
+        work = max(count * (f + b) for count, (f, b) in zip(stage.shares, seconds))
+        after = stage.allreduce_s + stage.allgather_s
+        floor = max(floor, fill + work + max(after, 0.0 if split[j] else drain))
+        fill += min(f for f, _ in seconds)
+        drain += min(
+            b - (weight_grad_s(problem, *stage.blocks, d) if split[j] else 0.0)
+            for d, (_, b) in zip(stage.group, seconds)
+        )
+    return floor
+
+
 @functools.lru_cache(maxsize=1024)
 def _lane_actions(
     schedule: str, microbatches: int, training: bool, replicas: tuple[int, ...], recompute: tuple[bool, ...],
