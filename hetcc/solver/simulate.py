@@ -147,23 +147,55 @@ def simulate(
 
 def step_floor(problem: PartitionProblem, stages: Sequence[StageCost]) -> float:
     """A lower bound of ``simulate``'s step for a plan of one stage per device (``stages``: its
-    ``stage_costs``), from the costs alone: a replica computes its share of the microbatches, none
-    before the first forward has crossed every stage before it; after its last action, an unsplit
-    backward (its lane's last action) still crosses those stages back, and a replicated stage sums its
-    gradients. The search's refinement skips simulating a move whose floor cannot beat its plan."""
+    ``stage_costs``), from the costs alone. A replica computes its share of the microbatches, none
+    before the first forward has crossed every stage before it; on one device, its ``warmup`` forwards
+    come before its first backward, which also waits for that microbatch's forward and backward
+    through every later stage. After its last compute a stage's devices sum its replicas' gradients,
+    then the weights it ties to other stages (``_Timeline.tied_sums``); after its last backward (the
+    input gradient, where split: W may follow) the gradient still crosses the stages before it back,
+    and the first stage's devices then sum theirs. Transfers only add, and are left out. The search's
+    refinement skips simulating a move whose floor cannot beat its plan."""
     split = splits_backward(problem.schedule, [s.recompute for s in stages])
-    floor, fill, drain = 0.0, 0.0, 0.0
+    seconds = []  # per stage, per replica: F, B (the input gradient, where split) and W of one microbatch
     for j, stage in enumerate(stages):
-        seconds = [replica_seconds(problem, *stage.blocks, d, stage.recompute) for d in stage.group]
-        work = max(count * (f + b) for count, (f, b) in zip(stage.shares, seconds))
-        after = stage.allreduce_s + stage.allgather_s
-        floor = max(floor, fill + work + max(after, 0.0 if split[j] else drain))
-        fill += min(f for f, _ in seconds)
-        drain += min(
-            b - (weight_grad_s(problem, *stage.blocks, d) if split[j] else 0.0)
-            for d, (_, b) in zip(stage.group, seconds)
-        )
+        seconds.append([])
+        for d in stage.group:
+            f, b = replica_seconds(problem, *stage.blocks, d, stage.recompute)
+            w = weight_grad_s(problem, *stage.blocks, d) if split[j] else 0.0
+            seconds[j].append((f, b - w, w))
+    trips = [0.0] * len(stages)  # from a stage's forward of a microbatch to its backward of it
+    for j in range(len(stages) - 2, -1, -1):
+        trips[j] = trips[j + 1] + min(f + b for f, b, _ in seconds[j + 1])
+    # what each stage's devices do after their last compute: its replicas' all-reduce (and all-gather),
+    # then the sums of weights tied to other stages; the first stage's ends every drain
+    ends = [s.allreduce_s + s.allgather_s + t for s, t in zip(stages, _tied_s(problem, stages))]
+    floor, fill, drain, m = 0.0, 0.0, 0.0, problem.microbatches
+    for j, stage in enumerate(stages):
+        if len(stage.group) == 1 and problem.training:
+            (f, b, w), ahead = seconds[j][0], max(stage.warmup, 1)
+            first_b = fill + max(f + trips[j], ahead * f)  # its first backward's start
+            last_b = first_b + (m - ahead) * f + m * b
+            work, to_last_b = last_b + m * w - fill, last_b - fill
+        else:
+            work = max(count * sum(t) for count, t in zip(stage.shares, seconds[j]))
+            to_last_b = max(count * (f + b) for count, (f, b, _) in zip(stage.shares, seconds[j]))
+        floor = max(floor, fill + work + ends[j], fill + to_last_b + drain + ends[0])
+        fill += min(f for f, _, _ in seconds[j])
+        drain += min(b for _, b, _ in seconds[j])
     return floor
+
+
+def _tied_s(problem: PartitionProblem, stages: Sequence[StageCost]) -> list[float]:
+    """Per stage, the seconds its devices spend summing weights tied across stages at step end
+    (``_Timeline.tied_sums``)."""
+    tied = [0.0] * len(stages)
+    for users, nbytes in zip(problem.tied_blocks or [], problem.tied_bytes or []) if problem.training else ():
+        holders = [j for j, s in enumerate(stages) if any(s.blocks[0] <= b < s.blocks[1] for b in users)]
+        if len(holders) >= 2 and nbytes > 0:
+            seconds = device_ring_s(problem, [d for j in holders for d in stages[j].group], nbytes)
+            for j in holders:
+                tied[j] += seconds
+    return tied
 
 
 @functools.lru_cache(maxsize=1024)
