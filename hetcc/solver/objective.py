@@ -103,12 +103,15 @@ def stage_costs(
     shard: Sequence[bool] | None = None,
     warmup: Sequence[int] | None = None,
     chunks: int = 1,
+    memo: dict | None = None,
 ) -> tuple[StageCost, ...]:
     """Every stage's costs, memory, replica shares and outgoing codecs (validates the plan; ``codecs``
     and ``shard`` as in ``evaluate``). ``warmup`` pins each stage's forwards before its first backward
     (``schedules.stage_actions``); None: the schedule's, less where memory is short (``most_fitting``).
     ``chunks`` > 1: an interleaved 1F1B plan, or under ``ZBV`` a V of two stages per device
-    (``_interleaved``)."""
+    (``_interleaved``). ``memo``: a dict kept across calls on the same problem (the refinement's, whose
+    moves change one or two stages of a plan): a stage's footprint, memory and costs are worked out
+    once per distinct set of what they depend on."""
     groups = [tuple(d) if isinstance(d, (tuple, list)) else (d,) for d in devices]
     recompute = [False] * len(groups) if recompute is None else [bool(r) for r in recompute]
     codecs = [None] * len(groups) if codecs is None else list(codecs)
@@ -122,7 +125,9 @@ def stage_costs(
     ]
     routes = [route_microbatches(problem.microbatches, tuple(s)) for s in seconds]
     split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
-    footprints = [group_footprint(problem, *boundaries[j : j + 2], g) for j, g in enumerate(groups)]
+    memo = {} if memo is None else memo
+    spans = [(boundaries[j], boundaries[j + 1], g) for j, g in enumerate(groups)]  # what a footprint keys on
+    footprints = [_memoized(memo, span, group_footprint, problem, *span) for span in spans]
     if chunks > 1:
         return _interleaved(
             problem, boundaries, groups, routes, seconds, footprints, recompute, codecs, chunks, split
@@ -138,8 +143,13 @@ def stage_costs(
         return held_counts(problem.microbatches, forwards, deferred if split[j] else None, tuple(routes[j]),
                      len(groups[j]))  # fmt: skip
 
+    def memory(j: int, deferred: int, forwards: int) -> Memory:
+        held_j = held(j, deferred, forwards)
+        key = ("memory", spans[j], held_j, recompute[j], shard[j])
+        return _memoized(memo, key, group_memory, problem, footprints[j], held_j, recompute[j], shard[j])
+
     def fits(j: int, deferred: int, forwards: int) -> bool:
-        return group_memory(problem, footprints[j], held(j, deferred, forwards), recompute[j], shard[j]).fits
+        return memory(j, deferred, forwards).fits
 
     most = zb_deferrals(replicas)
     deferrals = [0] * k
@@ -152,22 +162,23 @@ def stage_costs(
         if warmup is None:
             cap = min(wanted[j], warmups[j - 1]) if j else wanted[j]
             warmups[j] = most_fitting(lambda w, j=j: fits(j, deferrals[j], w), least[j], cap)
-    return tuple(
-        _stage_plan(
-            problem,
-            boundaries,
-            groups,
-            routes,
-            seconds[j],
-            group_memory(problem, footprints[j], held(j, d, warmups[j]), recompute[j], shard[j]),
-            recompute[j],
-            j,
-            codecs[j],
-            d,
-            warmups[j],
-        )  # fmt: skip
-        for j, d in enumerate(deferrals)
-    )
+
+    def stage(j: int) -> StageCost:
+        after = (groups[j + 1], routes[j + 1]) if j + 1 < k else None  # the outgoing cut's receivers
+        used = memory(j, deferrals[j], warmups[j])
+        key = ("stage", spans[j], routes[j], after, used.held, recompute[j], shard[j], codecs[j], deferrals[j],
+               warmups[j])  # fmt: skip
+        return _memoized(memo, key, _stage_plan, problem, boundaries, groups, routes, seconds[j], used,
+                         recompute[j], j, codecs[j], deferrals[j], warmups[j])  # fmt: skip
+
+    return tuple(stage(j) for j in range(k))
+
+
+def _memoized(memo: dict, key, compute, *args):
+    """``compute(*args)``, worked out once per ``key`` in ``memo``."""
+    if key not in memo:
+        memo[key] = compute(*args)
+    return memo[key]
 
 
 def _interleaved(

@@ -78,6 +78,7 @@ class _Climber:
     def __init__(self, problem: PartitionProblem, budget: int):
         self.problem, self.budget = problem, budget
         self._simulated: dict[tuple, tuple] = {}
+        self._memo: dict = {}  # ``stage_costs``'s, shared by every plan the climbs cost
 
     def climb(self, current, simulated_s: float):
         """(the plan the climb from ``current`` ends on, its simulated step). Where no move improves
@@ -117,10 +118,10 @@ class _Climber:
         """(the plan with the warm-ups its stages took; its simulated step, its floor, or inf; its stages
         where the floor stood for the step, else None)."""
         bounds, groups, recompute, warmup = plan
-        stages = stage_costs(self.problem, bounds, groups, recompute, warmup=warmup)
+        stages = stage_costs(self.problem, bounds, groups, recompute, warmup=warmup, memo=self._memo)
         if repair and not all(stage.fits for stage in stages):
             recompute = [r or not stage.fits for r, stage in zip(recompute, stages)]
-            stages = stage_costs(self.problem, bounds, groups, recompute, warmup=warmup)
+            stages = stage_costs(self.problem, bounds, groups, recompute, warmup=warmup, memo=self._memo)
         plan = (bounds, groups, recompute, recorded_warmup(stages))
         if not all(stage.fits for stage in stages):
             self.budget -= REJECTED_COST
