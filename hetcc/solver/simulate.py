@@ -172,7 +172,7 @@ def step_floor(problem: PartitionProblem, stages: Sequence[StageCost]) -> float:
     floor, fill, drain, m = 0.0, 0.0, 0.0, problem.microbatches
     for j, stage in enumerate(stages):
         if len(stage.group) == 1 and problem.training:
-            (f, b, w), ahead = seconds[j][0], max(stage.warmup, 1)
+            (f, b, w), ahead = seconds[j][0], min(max(stage.warmup, 1), m)
             first_b = fill + max(f + trips[j], ahead * f)  # its first backward's start
             last_b = first_b + (m - ahead) * f + m * b
             work, to_last_b = last_b + m * w - fill, last_b - fill
