@@ -103,7 +103,7 @@ def test_the_step_floor_never_exceeds_the_simulated_step(problem, schedule, shar
 
 def test_the_refinement_finds_the_same_plans_without_simulating_what_its_floor_rules_out(monkeypatch):
     """Skipping the moves whose floor cannot beat the climb's plan changes no plan ``solve`` returns,
-    and skips simulations (the three-node GPT-2 medium problem, each schedule)."""
+    and skips simulations (the three-node GPT-2 medium problem, under 1F1B and ZB-H2)."""
     problem = PartitionProblem.from_json(
         (Path(__file__).parent / "data" / "gpt2_medium_three_nodes.problem.json").read_text()
     )

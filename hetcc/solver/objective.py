@@ -125,7 +125,6 @@ def stage_costs(
     ]
     routes = [route_microbatches(problem.microbatches, tuple(s)) for s in seconds]
     split = splits_backward(problem.schedule, recompute) if problem.training else [False] * k
-    memo = {} if memo is None else memo
     spans = [(boundaries[j], boundaries[j + 1], g) for j, g in enumerate(groups)]  # what a footprint keys on
     footprints = [_memoized(memo, span, group_footprint, problem, *span) for span in spans]
     if chunks > 1:
@@ -174,8 +173,10 @@ def stage_costs(
     return tuple(stage(j) for j in range(k))
 
 
-def _memoized(memo: dict, key, compute, *args):
-    """``compute(*args)``, worked out once per ``key`` in ``memo``."""
+def _memoized(memo: dict | None, key, compute, *args):
+    """``compute(*args)``, worked out once per ``key`` in ``memo`` (None: every time)."""
+    if memo is None:
+        return compute(*args)
     if key not in memo:
         memo[key] = compute(*args)
     return memo[key]

@@ -189,13 +189,22 @@ def _tied_s(problem: PartitionProblem, stages: Sequence[StageCost]) -> list[floa
     """Per stage, the seconds its devices spend summing weights tied across stages at step end
     (``_Timeline.tied_sums``)."""
     tied = [0.0] * len(stages)
-    for users, nbytes in zip(problem.tied_blocks or [], problem.tied_bytes or []) if problem.training else ():
-        holders = [j for j, s in enumerate(stages) if any(s.blocks[0] <= b < s.blocks[1] for b in users)]
-        if len(holders) >= 2 and nbytes > 0:
-            seconds = device_ring_s(problem, [d for j in holders for d in stages[j].group], nbytes)
-            for j in holders:
-                tied[j] += seconds
+    for holders, nbytes in _tied_holders(problem, stages):
+        seconds = device_ring_s(problem, [d for j in sorted(holders) for d in stages[j].group], nbytes)
+        for j in holders:
+            tied[j] += seconds
     return tied
+
+
+def _tied_holders(problem: PartitionProblem, stages: Sequence[StageCost]) -> list[tuple[set[int], float]]:
+    """Per weight tied across stages (training only): the stages holding one of its users, and its
+    bytes; where only one stage holds it, or it has no bytes, there is nothing to sum."""
+    summed = []
+    for users, nbytes in zip(problem.tied_blocks or [], problem.tied_bytes or []) if problem.training else ():
+        holders = {j for j, s in enumerate(stages) if any(s.blocks[0] <= b < s.blocks[1] for b in users)}
+        if len(holders) >= 2 and nbytes > 0:
+            summed.append((holders, nbytes))
+    return summed
 
 
 @functools.lru_cache(maxsize=1024)
@@ -344,17 +353,9 @@ class _Timeline:
     def tied_sums(self, lanes: list[_Lane]) -> None:
         """Then every tied parameter held by several stages is summed over all their devices (a ring
         over the slowest link among them), as the runtime does after the replica sums."""
-        problem = self.problem
-        if not problem.training or not problem.tied_blocks:
-            return
-        for users, nbytes in zip(problem.tied_blocks, problem.tied_bytes or []):
-            holders = {
-                j for j, s in enumerate(self.stages) if any(s.blocks[0] <= b < s.blocks[1] for b in users)
-            }
+        for holders, nbytes in _tied_holders(self.problem, self.stages):
             mine = [lane for lane in lanes if holders.intersection(lane.stages)]
-            if len(holders) < 2 or nbytes <= 0:
-                continue
-            seconds = device_ring_s(problem, [lane.device for lane in mine], nbytes)
+            seconds = device_ring_s(self.problem, [lane.device for lane in mine], nbytes)
             start = max(lane.free_s for lane in mine)
             for lane in mine:
                 lane.free_s = start + seconds
