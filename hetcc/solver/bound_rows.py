@@ -35,12 +35,17 @@ class BoundRows:
         self.chain = chain
         self.count, self.width = len(bounds_s), chain.n + 1
         self._starts = np.arange(self.width)
+        self._pair_base = self._starts * (self.width + 2) + 1  # start a, last end hi -> a * (N+3) + hi + 1
+        self._row_bases: dict[int, np.ndarray] = {}
         self.slack = chain._slack(np.asarray(bounds_s, dtype=float))
         self.trip_slack = (
             self.slack if trip_bounds_s is None else chain._slack(np.asarray(trip_bounds_s, dtype=float))
         )
         self._costs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._windows: dict[tuple, Window] = {}
+        # Per slot record (the chain keeps one per kind alive, so its id names it): its costs and window,
+        # found through the keys above once, as a sequence repeats a kind of stage.
+        self._of_stage: dict[int, tuple[tuple[np.ndarray, np.ndarray], Window]] = {}
         self._reaches: dict[tuple, np.ndarray] = {}
         # Per mode count: (levels, modes, rows, N+2); column N+1 of level 0 stays inf (the empty window's
         # answer), and level k's last 2**k - 1 columns are never written.
@@ -56,8 +61,10 @@ class BoundRows:
         """g_j from g_{j+1} (rows × N+1). With ``kept`` appends, per mode of the stage, (h of row 0,
         window ends of row 0, g of row 0 in that mode) for backtracking."""
         width = self.width
-        cost, sum_prefix = self._cost(stage)
-        window = self._window(stage)
+        found_for = self._of_stage.get(id(stage))
+        if found_for is None:
+            found_for = self._of_stage[id(stage)] = (self._cost(stage), self._window(stage))
+        (cost, sum_prefix), window = found_for
         table = self._table(len(stage.modes))
         np.add(g, cost, out=table[0, :, :, :width])  # h[i] = S-prefix(i) + C_j(i) + g_{j+1}(i)
         for level in range(window.levels):
@@ -119,13 +126,18 @@ class BoundRows:
         return self._reaches[key]
 
     def _indices(self, hi: np.ndarray) -> Window:
-        modes, columns = len(hi), self.width + 1
-        length = hi - self._starts
-        level = self.chain._log2.take(np.maximum(length, 1))  # 0 where the window is empty
-        row_base = np.arange(modes * self.count).reshape(modes, self.count, 1) * columns
-        base = level * (modes * self.count * columns) + row_base
-        empty = length <= 0
-        inf_column = row_base + self.width  # level 0, column N+1
-        left = np.where(empty, inf_column, base + self._starts + 1)
-        right = np.where(empty, inf_column, base + hi + 1 - np.left_shift(1, level))
-        return Window(hi, left, right, int(level.max()))
+        """The window's table indices: per (start, last end), its level and the columns of its two halves
+        (``Chain.window_columns``), offset by that level's plane and the mode and row."""
+        modes = len(hi)
+        level, left, right = self.chain.window_columns()
+        pair = hi + self._pair_base  # (start, last end) -> its entry; a last end below start is empty
+        plane = level.take(pair)
+        offset = plane * (modes * self.count * (self.width + 1)) + self._row_base(modes)
+        return Window(hi, left.take(pair) + offset, right.take(pair) + offset, int(plane.max()))
+
+    def _row_base(self, modes: int) -> np.ndarray:
+        """Per mode and row, the flat index of its first column in a table plane."""
+        if modes not in self._row_bases:
+            rows = np.arange(modes * self.count).reshape(modes, self.count, 1)
+            self._row_bases[modes] = rows * (self.width + 1)
+        return self._row_bases[modes]
