@@ -25,6 +25,15 @@ class Window(NamedTuple):
     levels: int  # sparse-table levels above the first that some window needs
 
 
+class Table(NamedTuple):
+    """A sparse table, (levels, modes, rows, N+2), through views made once: level 0's columns 0..N
+    (h), the whole flat, and per level k its two halves 2**k apart with level k+1's columns they fill."""
+
+    first: np.ndarray
+    flat: np.ndarray
+    levels: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
 class BoundRows:
     """Bounds b (``trip_bounds_s`` replaces b in the round-trip limits) and per-kind caches for them.
 
@@ -43,13 +52,13 @@ class BoundRows:
         )
         self._costs: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
         self._windows: dict[tuple, Window] = {}
-        # Per slot record (the chain keeps one per kind alive, so its id names it): its costs and window,
-        # found through the keys above once, as a sequence repeats a kind of stage.
-        self._of_stage: dict[int, tuple[tuple[np.ndarray, np.ndarray], Window]] = {}
+        # Per slot record (the chain keeps one per kind alive, so its id names it): its costs, window and
+        # round-trip limit per row, found through the keys above once, as a sequence repeats a kind of stage.
+        self._of_stage: dict[int, tuple[tuple[np.ndarray, np.ndarray], Window, np.ndarray | None]] = {}
         self._reaches: dict[tuple, np.ndarray] = {}
         # Per mode count: (levels, modes, rows, N+2); column N+1 of level 0 stays inf (the empty window's
         # answer), and level k's last 2**k - 1 columns are never written.
-        self._tables: dict[int, np.ndarray] = {}
+        self._tables: dict[int, Table] = {}
 
     def last_suffix(self) -> np.ndarray:
         """g_K: nothing left to place costs 0 at the chain's end and is impossible before it."""
@@ -60,37 +69,39 @@ class BoundRows:
     def relax(self, stage, g: np.ndarray, kept: list | None = None) -> np.ndarray:
         """g_j from g_{j+1} (rows × N+1). With ``kept`` appends, per mode of the stage, (h of row 0,
         window ends of row 0, g of row 0 in that mode) for backtracking."""
-        width = self.width
         found_for = self._of_stage.get(id(stage))
         if found_for is None:
-            found_for = self._of_stage[id(stage)] = (self._cost(stage), self._window(stage))
-        (cost, sum_prefix), window = found_for
+            limit = (self.trip_slack * stage.slots)[:, None] if math.isfinite(stage.slots) else None
+            found_for = self._of_stage[id(stage)] = (self._cost(stage), self._window(stage), limit)
+        (cost, sum_prefix), window, limit = found_for
         table = self._table(len(stage.modes))
-        np.add(g, cost, out=table[0, :, :, :width])  # h[i] = S-prefix(i) + C_j(i) + g_{j+1}(i)
-        for level in range(window.levels):
-            span = 1 << level
-            np.minimum(table[level, ..., :-span], table[level, ..., span:], out=table[level + 1, ..., :-span])
-        flat = table.reshape(-1)
-        found = np.minimum(flat.take(window.left), flat.take(window.right))
+        np.add(g, cost, out=table.first)  # h[i] = S-prefix(i) + C_j(i) + g_{j+1}(i)
+        for low, high, out in table.levels[: window.levels]:
+            np.minimum(low, high, out=out)
+        found = np.minimum(table.flat.take(window.left), table.flat.take(window.right))
         found -= sum_prefix
         if kept is not None:
             kept.append(
                 [
-                    (table[0, m, 0, :width].copy(), window.hi[m, 0].copy(), found[m, 0].copy())
+                    (table.first[m, 0].copy(), window.hi[m, 0].copy(), found[m, 0].copy())
                     for m in range(len(found))
                 ]
             )
         best = found[0]
         for other in found[1:]:  # the best mode per row and start
             np.minimum(best, other, out=best)
-        if math.isfinite(stage.slots):  # a least suffix above the round-trip limit: every suffix is
-            best[best > (self.trip_slack * stage.slots)[:, None]] = math.inf
+        if limit is not None:  # a least suffix above the round-trip limit: every suffix is
+            best[best > limit] = math.inf
         return best
 
-    def _table(self, modes: int) -> np.ndarray:
+    def _table(self, modes: int) -> Table:
         if modes not in self._tables:
-            levels = len(self.chain._log2_levels)
-            self._tables[modes] = np.full((levels, modes, self.count, self.width + 1), math.inf)
+            array = np.full((len(self.chain._log2_levels), modes, self.count, self.width + 1), math.inf)
+            levels = [
+                (array[k, ..., :-span], array[k, ..., span:], array[k + 1, ..., :-span])
+                for k, span in enumerate(self.chain._log2_levels[:-1])
+            ]
+            self._tables[modes] = Table(array[0, ..., : self.width], array.reshape(-1), levels)
         return self._tables[modes]
 
     def _cost(self, stage) -> tuple[np.ndarray, np.ndarray]:
