@@ -99,7 +99,7 @@ def test_jobs_of_a_worker_that_dies_are_solved_in_this_process(forced, monkeypat
     monkeypatch.setattr(parallel, "_solve_or_error", _dying)
     jobs = _jobs()
     answers = parallel.solve_each(jobs)
-    assert answers[0] == _SOLVE((jobs[0], 0, None)) and isinstance(answers[1], InfeasiblePlanError)
+    assert answers[0] == _SOLVE((jobs[0], 0, None))[0] and isinstance(answers[1], InfeasiblePlanError)
 
 
 @settings(max_examples=5, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -138,16 +138,21 @@ def test_workers_answer_a_shared_search_as_solving_alone(forced):
 
 def test_the_schedules_on_the_searched_degrees_share_each_composites_search():
     """With ``tensor_parallel="auto"``, zb-h1 and zb-h2 are planned on the degrees searched under 1f1b and
-    on none: one search per composite serves both, and each plan is its composite's own ``solve``."""
+    on none: the degree search's own searches of both composites serve both, and each plan is its
+    composite's own ``solve``."""
     problem = _two_h100_nodes()
     half = {t: [b / 2 for b in v] for t, v in problem.bwd_s.items()}
     problem = replace(problem, wgrad_s=half, tensor_splits=[
         replace(row, wgrad_s={t: [b / 2 for b in v] for t, v in row.bwd_s.items()}) for row in problem.tensor_splits
     ])  # fmt: skip
     with mock.patch.object(schedule_search, "RERANK", 1):
-        first = schedule_search.solve_one(replace(problem, schedule="1f1b"), "auto")
-        answers = schedule_search._on_searched_degrees(problem, first, ("zb-h1", "zb-h2"))
+        searches = {}
+        first = schedule_search.solve_one(replace(problem, schedule="1f1b"), "auto", searches)
+        answers = schedule_search._on_searched_degrees(problem, first, ("zb-h1", "zb-h2"), searches)
     composites = [first[0], tensor.composite_problem(problem, {})[0]]
+    maps = [first[2], tensor.composite_problem(problem, {})[1]]
+    assert len(first[2]) < len(problem.devices)  # a tensor group: two composites
+    assert all(tensor.search_key(c, m) in searches for c, m in zip(composites, maps))
     for name, (composite, plan, _) in zip(("zb-h1", "zb-h2"), answers):
         alone = [solve(replace(c, schedule=name), rerank=1) for c in composites]
         fastest = min(alone, key=lambda found: found.simulated_s)

@@ -28,8 +28,8 @@ from hetcc.solver.interleave import (
 from hetcc.solver.parallel import Solves, solve_each
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.solver.schedules import INTERLEAVED, MULTI_STAGE, ZBV
-from hetcc.solver.solve import search_plans, solve
-from hetcc.solver.tensor import DeviceMap, composite_problem, solve_tensor, tensor_bound
+from hetcc.solver.solve import Searched, search_plans, solve
+from hetcc.solver.tensor import DeviceMap, composite_problem, search_key, solve_tensor, tensor_bound
 
 RERANK = 6  # best sequences replayed in the simulator; the fastest simulated wins
 
@@ -97,11 +97,12 @@ def solve_each_schedule(
             if multi_stage:
                 tried += _multi_stage(problem, [answer() for answer in laid], fastest_s)
     elif tensor == "auto":
+        searches: dict[tuple, Searched] = {}  # each composite's searches, made once for every schedule
         try:
-            tried.append(solve_one(replace(problem, schedule=AUTO_SCHEDULES[0]), tensor))
+            tried.append(solve_one(replace(problem, schedule=AUTO_SCHEDULES[0]), tensor, searches))
         except InfeasiblePlanError as error:
             first_error = error
-        for answer in _on_searched_degrees(problem, tried[0], AUTO_SCHEDULES[1:]) if tried else ():
+        for answer in _on_searched_degrees(problem, tried[0], AUTO_SCHEDULES[1:], searches) if tried else ():
             if isinstance(answer, InfeasiblePlanError):
                 first_error = first_error or answer
             else:
@@ -111,9 +112,10 @@ def solve_each_schedule(
             pipelines = solve_each([pure for pure, _ in interleaving_pipelines(plain)], RERANK)
             tried += _multi_stage(plain, pipelines, min((f[1].simulated_s for f in tried), default=math.inf))
     else:
+        searches = {}
         for name in AUTO_SCHEDULES:
             try:
-                tried.append(solve_one(replace(problem, schedule=name), tensor))
+                tried.append(solve_one(replace(problem, schedule=name), tensor, searches))
             except InfeasiblePlanError as error:
                 first_error = first_error or error
     if not tried:
@@ -156,20 +158,23 @@ def _name(problem: PartitionProblem, solution: PartitionSolution) -> str:
 
 
 def _on_searched_degrees(
-    problem: PartitionProblem, searched: tuple[PartitionProblem, PartitionSolution, DeviceMap], schedules
-) -> list[tuple[PartitionProblem, PartitionSolution, DeviceMap] | InfeasiblePlanError]:
+    problem: PartitionProblem, searched: tuple[PartitionProblem, PartitionSolution, DeviceMap], schedules,
+    searches: dict[tuple, Searched],
+) -> list[tuple[PartitionProblem, PartitionSolution, DeviceMap] | InfeasiblePlanError]:  # fmt: skip
     """Per schedule of ``schedules``, ``solve_one``'s answer on the degrees of ``searched`` (its composite
     problem) or on none (every class at degree 1, so "auto" stays no slower than
     ``tensor_parallel=False``), the faster simulated, its bound the tensor bound of ``problem`` under
     that schedule, valid for every assignment; InfeasiblePlanError where neither fits. Each composite is
-    searched once, for every schedule (``solver.solve.Searched``), and the re-rankings run at once."""
+    searched once, for every schedule (``solver.solve.Searched``; not again where ``searches``, the degree
+    search's, holds it), and the re-rankings run at once."""
     degrees = [(searched[0], searched[2])]
     if any(len(members) > 1 for members in searched[2]):  # else the search kept degree 1 already
         degrees.append(composite_problem(problem, {}))
     jobs, errors = [], []
     for composite, device_map in degrees:
+        composite = replace(composite, schedule=schedules[0])
         try:
-            found = search_plans(replace(composite, schedule=schedules[0]), RERANK)
+            found = searches.get(search_key(composite, device_map)) or search_plans(composite, RERANK)
         except InfeasiblePlanError as error:
             errors.append(error)
             continue
@@ -195,13 +200,13 @@ def _identity(problem: PartitionProblem) -> DeviceMap:
 
 
 def solve_one(
-    problem: PartitionProblem, tensor: bool | int | str = False
+    problem: PartitionProblem, tensor: bool | int | str = False, searches: dict[tuple, Searched] | None = None
 ) -> tuple[PartitionProblem, PartitionSolution, DeviceMap]:
     """``problem`` solved by ``solve``, or where ``tensor`` (a degree or "auto") is on and the problem has
     ``tensor_splits``, by ``solver.tensor.solve_tensor``: (the problem the solution's device indices name,
     for tensor parallelism the composite problem of the degrees chosen; the solution; per device of that
-    problem, the devices of ``problem`` it stands for)."""
+    problem, the devices of ``problem`` it stands for). ``searches``: ``solve_tensor``'s."""
     if not tensor or not problem.tensor_splits:
         return problem, solve(problem, rerank=RERANK), _identity(problem)
-    solution, assignment, device_map = solve_tensor(problem, tensor, rerank=RERANK)
+    solution, assignment, device_map = solve_tensor(problem, tensor, rerank=RERANK, searches=searches)
     return composite_problem(problem, assignment)[0], solution, device_map

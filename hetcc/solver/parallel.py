@@ -24,7 +24,7 @@ from concurrent.futures.process import BrokenProcessPool
 from hetcc import config
 from hetcc.errors import InfeasiblePlanError
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
-from hetcc.solver.solve import Searched, solve, solve_searched
+from hetcc.solver.solve import Searched, search_plans, solve_searched
 
 # Blocks x devices x microbatches summed over the jobs: below it they solve faster one after another
 # than processes start (the 70B problem's tensor groups are ~73,000 each, GPT-2 medium's ~7,000).
@@ -39,9 +39,18 @@ def solve_each(
     ``solve.search_plans`` found for it (or for it under a schedule its searches see alike), so that job
     only re-ranks and refines (``solve.solve_searched``); None: the job searches. Where a worker dies,
     its jobs are solved again in this process."""
+    return [answer for answer, _ in solve_each_searched(problems, rerank, searched)]
+
+
+def solve_each_searched(
+    problems: Sequence[PartitionProblem], rerank: int = 0, searched: Sequence[Searched | None] | None = None
+) -> list[tuple[PartitionSolution | InfeasiblePlanError, Searched | None]]:
+    """``solve_each``, each answer with what its searches found (``searched``'s where given; None where
+    no plan fits), for the caller to re-rank under another schedule without searching again."""
     with Solves(problems) as solves:
         pending = [
-            solves.submit(p, rerank, found) for p, found in zip(problems, searched or [None] * len(problems))
+            solves.submit_searched(p, rerank, found)
+            for p, found in zip(problems, searched or [None] * len(problems))
         ]
         return [answer() for answer in pending]
 
@@ -69,6 +78,13 @@ class Solves:
         self, problem: PartitionProblem, rerank: int = 0, searched: Searched | None = None
     ) -> Callable[[], PartitionSolution | InfeasiblePlanError]:
         """``solve_each``'s job for ``problem``, started; call what it returns for the answer."""
+        answer = self.submit_searched(problem, rerank, searched)
+        return lambda: answer()[0]
+
+    def submit_searched(
+        self, problem: PartitionProblem, rerank: int = 0, searched: Searched | None = None
+    ) -> Callable[[], tuple[PartitionSolution | InfeasiblePlanError, Searched | None]]:
+        """``submit``, its answer with what its searches found (``solve_each_searched``)."""
         job = (problem, rerank, searched)
         if self._pool is None:
             return lambda: _solve_or_error(job)
@@ -77,7 +93,7 @@ class Solves:
         except BrokenProcessPool:  # a worker died before: solve here instead
             return lambda: _solve_or_error(job)
 
-        def answer() -> PartitionSolution | InfeasiblePlanError:
+        def answer() -> tuple[PartitionSolution | InfeasiblePlanError, Searched | None]:
             try:
                 return future.result()
             except BrokenProcessPool:  # a worker died (killed, out of memory): solve here instead
@@ -95,12 +111,12 @@ def _workers(problems: Sequence[PartitionProblem]) -> int:
     return min(len(problems), config.solver_workers or os.cpu_count() or 1)
 
 
-def _solve_or_error(job: tuple) -> PartitionSolution | InfeasiblePlanError:
+def _solve_or_error(job: tuple) -> tuple[PartitionSolution | InfeasiblePlanError, Searched | None]:
+    """``solve(problem, rerank)`` (its searches skipped where ``searched`` is given), with what they found."""
     problem, rerank, searched = job
     try:
-        if searched is not None:
-            problem.validate()
-            return solve_searched(problem, searched, rerank)
-        return solve(problem, rerank=rerank)
+        problem.validate()
+        searched = search_plans(problem, rerank) if searched is None else searched
+        return solve_searched(problem, searched, rerank), searched
     except InfeasiblePlanError as error:
-        return error
+        return error, None

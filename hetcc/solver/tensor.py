@@ -27,9 +27,10 @@ from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.baselines import uniform_boundaries
 from hetcc.solver.bound import Way, lower_bound
 from hetcc.solver.objective import evaluate
-from hetcc.solver.parallel import solve_each
+from hetcc.solver.parallel import solve_each_searched
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, WireCodec
 from hetcc.solver.simulate import simulate
+from hetcc.solver.solve import Searched
 
 DeviceClass = tuple[str, float]  # (device type, memory_bytes)
 Assignment = Mapping[DeviceClass, int]  # device class -> tensor degree (1: none)
@@ -156,8 +157,9 @@ def tensor_bound(problem: PartitionProblem) -> float:
 
 
 def solve_tensor(
-    problem: PartitionProblem, degrees: str | int = "auto", rerank: int = 0
-) -> tuple[PartitionSolution, dict[DeviceClass, int], DeviceMap]:
+    problem: PartitionProblem, degrees: str | int = "auto", rerank: int = 0,
+    searches: dict[tuple, Searched] | None = None,
+) -> tuple[PartitionSolution, dict[DeviceClass, int], DeviceMap]:  # fmt: skip
     """The fastest simulated plan over degree assignments: (the plan on the composite problem, its
     assignment, the composite devices' original devices: ``composite_problem``).
 
@@ -173,6 +175,10 @@ def solve_tensor(
 
     The plan's ``lower_bound_s`` (and ``gap``) is ``tensor_bound``, valid for every assignment, or where
     every assignment of the space was solved and it is larger, the least of their own bounds.
+
+    ``searches`` (``search_key``: a composite's device map and schedule family -> ``solve.Searched``) is
+    read and filled: a composite searched before, for another schedule the searches see alike, is only
+    re-ranked and refined, and the caller may do so with those it solves here.
     """
     problem.validate()
     allowed = allowed_degrees(problem)
@@ -181,14 +187,21 @@ def solve_tensor(
     first_error: list[InfeasiblePlanError] = []
 
     def solve_all(assignments: list[dict]) -> None:
-        """Solve the assignments not tried yet, at once (``parallel.solve_each``)."""
+        """Solve the assignments not tried yet, at once (``parallel.solve_each_searched``)."""
         todo = {}
         for assignment in assignments:
             key = tuple(sorted(assignment.items()))
             if key not in tried and key not in todo:
                 todo[key] = composite_problem(problem, assignment)
-        answers = solve_each([composite for composite, _ in todo.values()], rerank)
-        for (key, (_, device_map)), answer in zip(todo.items(), answers):
+        known = {} if searches is None else searches
+        jobs = [
+            (composite, known.get(search_key(composite, device_map)))
+            for composite, device_map in todo.values()
+        ]
+        answers = solve_each_searched([job[0] for job in jobs], rerank, [job[1] for job in jobs])
+        for (key, (composite, device_map)), (answer, searched) in zip(todo.items(), answers):
+            if searched is not None and searches is not None:
+                searches[search_key(composite, device_map)] = searched
             if isinstance(answer, InfeasiblePlanError):
                 tried[key] = None
                 first_error.append(answer)
@@ -216,6 +229,12 @@ def solve_tensor(
         bound = max(bound, min(s.lower_bound_s for s, _ in filter(None, tried.values())))
     gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf
     return replace(solution, lower_bound_s=bound, gap=gap), best, device_map
+
+
+def search_key(composite: PartitionProblem, device_map: DeviceMap) -> tuple:
+    """What names a composite's searches among a problem's (``solve_tensor``'s ``searches``): its devices'
+    groups, and GPipe or not (the searches see 1f1b, zb-h1 and zb-h2 alike: ``solve.Searched``)."""
+    return tuple(device_map), composite.schedule == "gpipe"
 
 
 def _space(allowed: dict[DeviceClass, tuple[int, ...]]) -> list[dict[DeviceClass, int]]:
