@@ -85,6 +85,41 @@ def test_the_degree_search_keeps_its_plan_with_workers(forced, exhaustive):
     assert together == alone
 
 
+def _two_kinds() -> PartitionProblem:
+    """``_two_h100_nodes`` with the second node's cards of another type as fast: two device classes, each
+    at degree 1, 2 or 4 (three candidates a step of the descent: two workers leave one idle)."""
+    problem = _two_h100_nodes()
+    devices = [replace(d, type="h100b") if d.node == "node1" else d for d in problem.devices]
+
+    def twice(table: dict) -> dict:
+        return {**table, "h100b": table["h100"]}
+
+    rows = [replace(row, fwd_s=twice(row.fwd_s), bwd_s=twice(row.bwd_s)) for row in problem.tensor_splits]
+    return replace(
+        problem, devices=devices, fwd_s=twice(problem.fwd_s), bwd_s=twice(problem.bwd_s), tensor_splits=rows
+    )
+
+
+def test_the_descent_guesses_on_idle_workers_and_keeps_its_plan(forced, monkeypatch):
+    """Where a class's candidates leave a worker idle, the next class's are begun there on a guess; the
+    descent still asks for, and decides on, what it asks for solved one after another."""
+    problem, guesses = _two_kinds(), []
+    start = tensor._Assignments.start
+
+    def noted(self, assignments, most=None):
+        fresh = start(self, assignments, most)
+        guesses.extend(fresh if most else [])
+        return fresh
+
+    monkeypatch.setattr(tensor._Assignments, "start", noted)
+    with mock.patch.object(tensor, "EXHAUSTIVE_ASSIGNMENTS", 0):
+        together = solve_tensor(problem, rerank=2)
+        assert guesses
+        with config.patch(solver_workers=1):
+            alone = solve_tensor(problem, rerank=2)
+    assert together == alone
+
+
 _PARENT = os.getpid()
 _SOLVE = parallel._solve_or_error
 

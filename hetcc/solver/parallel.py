@@ -63,9 +63,9 @@ class Solves:
     where it is left by an error."""
 
     def __init__(self, problems: Sequence[PartitionProblem]):
-        workers = _workers(problems)
-        context = multiprocessing.get_context("fork") if workers > 1 else None
-        self._pool = ProcessPoolExecutor(workers, mp_context=context) if context else None
+        self.workers = _workers(problems)  # 1: each job solved here, when its answer is asked for
+        context = multiprocessing.get_context("fork") if self.workers > 1 else None
+        self._pool = ProcessPoolExecutor(self.workers, mp_context=context) if context else None
 
     def __enter__(self) -> Solves:
         return self

@@ -20,14 +20,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.baselines import uniform_boundaries
 from hetcc.solver.bound import Way, lower_bound
 from hetcc.solver.objective import evaluate
-from hetcc.solver.parallel import solve_each_searched
+from hetcc.solver.parallel import Solves
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, WireCodec
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import Searched
@@ -169,7 +169,8 @@ def solve_tensor(
     most ``EXHAUSTIVE_ASSIGNMENTS``, else a coordinate descent from all degree 1 that gives each class in
     turn its best degree with the others fixed, until a pass changes nothing (at most
     ``DESCENT_ROUNDS`` passes): at most 1 + rounds * sum over classes of (its degrees - 1) solves,
-    each assignment solved once; where it ends on no feasible assignment, a second descent from each
+    each assignment solved once (and where a class's solves leave a worker idle, the next class's begun
+    there on a guess: ``_descend``); where it ends on no feasible assignment, a second descent from each
     class's largest degree (as many solves again, at most). Infeasible assignments are skipped; if every
     one tried is infeasible, the all-degree-1 problem's InfeasiblePlanError is raised.
 
@@ -183,46 +184,20 @@ def solve_tensor(
     problem.validate()
     allowed = allowed_degrees(problem)
     space = _pinned(allowed, problem, degrees) if degrees != "auto" else _space(allowed)
-    tried: dict[tuple, tuple | None] = {}
-    first_error: list[InfeasiblePlanError] = []
-
-    def solve_all(assignments: list[dict]) -> None:
-        """Solve the assignments not tried yet, at once (``parallel.solve_each_searched``)."""
-        todo = {}
-        for assignment in assignments:
-            key = tuple(sorted(assignment.items()))
-            if key not in tried and key not in todo:
-                todo[key] = composite_problem(problem, assignment)
-        known = {} if searches is None else searches
-        jobs = [
-            (composite, known.get(search_key(composite, device_map)))
-            for composite, device_map in todo.values()
-        ]
-        answers = solve_each_searched([job[0] for job in jobs], rerank, [job[1] for job in jobs])
-        for (key, (composite, device_map)), (answer, searched) in zip(todo.items(), answers):
-            if searched is not None and searches is not None:
-                searches[search_key(composite, device_map)] = searched
-            if isinstance(answer, InfeasiblePlanError):
-                tried[key] = None
-                first_error.append(answer)
-            else:
-                tried[key] = (answer, device_map)
-
-    def step_s(assignment: dict) -> float:
-        solve_all([assignment])
-        found = tried[tuple(sorted(assignment.items()))]
-        return math.inf if found is None else found[0].simulated_s
-
-    if len(space) <= EXHAUSTIVE_ASSIGNMENTS:
-        solve_all(space)
-        best = min(space, key=step_s)  # the first of equals: fewer, smaller groups first
-    else:
-        best = _descend(allowed, step_s, dict.fromkeys(allowed, 1), solve_all)
-        if step_s(best) == math.inf:  # nothing near degree 1 fits: descend again from the largest groups
-            best = _descend(allowed, step_s, {c: ds[-1] for c, ds in allowed.items()}, solve_all)
-    found = tried[tuple(sorted(best.items()))]
+    exhaustive = len(space) <= EXHAUSTIVE_ASSIGNMENTS
+    first = space if exhaustive else _candidates(allowed, dict.fromkeys(allowed, 1), next(iter(allowed)))
+    with _Assignments(problem, rerank, searches, first) as solves:
+        if exhaustive:
+            solves.start(space)
+            best = min(space, key=solves.step_s)  # the first of equals: fewer, smaller groups first
+        else:
+            best = _descend(allowed, solves, dict.fromkeys(allowed, 1))
+            if solves.step_s(best) == math.inf:  # nothing near degree 1 fits: again from the largest groups
+                best = _descend(allowed, solves, {c: ds[-1] for c, ds in allowed.items()})
+    tried = solves.tried
+    found = tried[_key(best)]
     if found is None:
-        raise first_error[0]
+        raise solves.errors[0]
     solution, device_map = found
     bound = tensor_bound(problem)
     if len(tried) == len(space):
@@ -257,21 +232,105 @@ def _pinned(allowed, problem: PartitionProblem, degree) -> list[dict[DeviceClass
 
 
 def _descend(
-    allowed: dict[DeviceClass, tuple[int, ...]], step_s, start: dict, solve_all
+    allowed: dict[DeviceClass, tuple[int, ...]], solves: _Assignments, start: dict
 ) -> dict[DeviceClass, int]:
-    """Coordinate descent from ``start``: each class in turn takes its best degree, the others fixed
-    (``solve_all`` solves a class's candidates at once before ``step_s`` compares them)."""
+    """Coordinate descent from ``start``: each class in turn takes its best degree, the others fixed.
+
+    A class's candidates are solved at once; where they leave a worker idle while the last of them runs,
+    the idle worker starts the next class's candidates on the degree the class is likeliest to take (the
+    best of its answers so far). A guess that proves wrong costs only that idle time: every decision is
+    the one the plain descent makes."""
     current = dict(start)
+    classes = list(allowed)
     for _ in range(DESCENT_ROUNDS):
         changed = False
-        for c, degrees in allowed.items():
-            solve_all([{**current, c: d} for d in degrees])
-            best = min(degrees, key=lambda d: (step_s({**current, c: d}), d != current[c]))
+        for k, c in enumerate(classes):
+            candidates = _candidates(allowed, current, c)
+            wait, idle = solves.idle_slots(solves.start(candidates))
+            for assignment in wait:  # the workers' full rounds: then only the last ones still run
+                solves.found(assignment)
+            answered = [a for a in candidates if solves.answered(a)]
+            if idle and answered:
+                likely = min(answered, key=lambda a: (solves.step_s(a), a[c] != current[c]))
+                solves.start(_candidates(allowed, likely, classes[(k + 1) % len(classes)]), most=idle)
+            best = min(allowed[c], key=lambda d: (solves.step_s({**current, c: d}), d != current[c]))
             changed |= best != current[c]
             current[c] = best
         if not changed:
             break
     return current
+
+
+def _candidates(allowed: dict[DeviceClass, tuple[int, ...]], current: dict, c: DeviceClass) -> list[dict]:
+    """The assignments of class ``c``'s step of the descent: ``current`` with each degree ``c`` allows."""
+    return [{**current, c: d} for d in allowed[c]]
+
+
+def _key(assignment: Mapping[DeviceClass, int]) -> tuple:
+    return tuple(sorted(assignment.items()))
+
+
+class _Assignments:
+    """Each degree assignment's composite problem solved once (``parallel.Solves``): started when first
+    named, waited for when its answer is first asked. A context manager over the workers, sized by the
+    assignments named ``first``."""
+
+    def __init__(self, problem, rerank: int, searches: dict[tuple, Searched] | None, first: list[dict]):
+        self.problem, self.rerank = problem, rerank
+        self.searches = {} if searches is None else searches
+        self.composites = {_key(a): composite_problem(problem, a) for a in first}
+        self.started: dict[tuple, Callable] = {}
+        self.tried: dict[tuple, tuple[PartitionSolution, DeviceMap] | None] = {}
+        self.errors: list[InfeasiblePlanError] = []
+        self._solves = Solves([composite for composite, _ in self.composites.values()])
+
+    def __enter__(self) -> _Assignments:
+        self._solves.__enter__()
+        return self
+
+    def __exit__(self, *error) -> None:
+        self._solves.__exit__(*error)
+
+    def start(self, assignments: list[dict], most: int | None = None) -> list[dict]:
+        """Start the assignments not started yet (the first ``most`` of them); those it started."""
+        fresh = [a for a in assignments if _key(a) not in self.started][:most]
+        for assignment in fresh:
+            key = _key(assignment)
+            if key not in self.composites:
+                self.composites[key] = composite_problem(self.problem, assignment)
+            composite, device_map = self.composites[key]
+            searched = self.searches.get(search_key(composite, device_map))
+            self.started[key] = self._solves.submit_searched(composite, self.rerank, searched)
+        return fresh
+
+    def idle_slots(self, fresh: list[dict]) -> tuple[list[dict], int]:
+        """Of jobs ``fresh`` started together: those the workers run in full rounds, and how many workers
+        the rest leave idle after them (0 where jobs are solved here, one after another)."""
+        workers = self._solves.workers
+        if workers < 2 or len(fresh) % workers == 0:
+            return fresh, 0
+        return fresh[: len(fresh) - len(fresh) % workers], workers - len(fresh) % workers
+
+    def answered(self, assignment: dict) -> bool:
+        return _key(assignment) in self.tried
+
+    def found(self, assignment: dict) -> tuple[PartitionSolution, DeviceMap] | None:
+        """The assignment's (plan, device map), None where no plan fits it; waits for its solve."""
+        key = _key(assignment)
+        if key not in self.tried:
+            self.start([assignment])
+            solution, searched = self.started[key]()
+            composite, device_map = self.composites[key]
+            if searched is not None:
+                self.searches[search_key(composite, device_map)] = searched
+            if isinstance(solution, InfeasiblePlanError):
+                self.errors.append(solution)
+            self.tried[key] = None if isinstance(solution, InfeasiblePlanError) else (solution, device_map)
+        return self.tried[key]
+
+    def step_s(self, assignment: dict) -> float:
+        found = self.found(assignment)
+        return math.inf if found is None else found[0].simulated_s
 
 
 def megatron_baseline(
