@@ -95,7 +95,12 @@ class _LocalValues(FakeInterpreter):
     def fetch_attr(self, target: str):
         value = super().fetch_attr(target)
         shard = self.layout.params.get(target)
-        return value if shard is None else shard.part(value, 0, self.layout.degree)
+        if shard is None or shard.dim is None:
+            return value
+        # A part is a contiguous t-th along its dim (``ParamShard.part``, whose copy of a fake weight
+        # only costs time): a fake tensor of that shape, made in the graph's fake mode.
+        local = [size // self.layout.degree if d == shard.dim else size for d, size in enumerate(value.shape)]
+        return torch.empty(local, dtype=value.dtype, device=value.device)
 
     def run_node(self, node: fx.Node):
         result = super().run_node(node)
