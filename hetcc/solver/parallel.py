@@ -9,11 +9,14 @@ that interleaved 1F1B is laid on are solved). The answers
 are the same either way: each job is the same ``solve`` call, and a forked worker inherits the
 parent's knobs (``hetcc.config``). The solver is numpy and Python: a worker never calls torch, so
 forking a process that has loaded it is safe there (torch's own DataLoader forks its workers too);
-macOS's system libraries are not fork-safe, so it solves one after another.
+macOS's system libraries are not fork-safe, so it solves one after another. A worker first freezes what
+it inherits (``gc.freeze``): its collector then never walks the compiling process's graphs, whose pages
+each walk would copy into the worker (copy-on-write) and which a solve never reads.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import sys
@@ -65,7 +68,9 @@ class Solves:
     def __init__(self, problems: Sequence[PartitionProblem]):
         self.workers = _workers(problems)  # 1: each job solved here, when its answer is asked for
         context = multiprocessing.get_context("fork") if self.workers > 1 else None
-        self._pool = ProcessPoolExecutor(self.workers, mp_context=context) if context else None
+        self._pool = (
+            ProcessPoolExecutor(self.workers, mp_context=context, initializer=gc.freeze) if context else None
+        )
 
     def __enter__(self) -> Solves:
         return self
