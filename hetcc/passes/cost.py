@@ -215,21 +215,27 @@ def _price(nodes, candidates, rates, how: _Pricing, fuse: str) -> _Priced:
     windows: dict[object, list[int]] = {}
     for i, node in enumerate(nodes):
         windows.setdefault(info(node).block, []).append(i)
+    # the blocks each candidate has members in: only groups chosen there change a block's window
+    touches = [{info(m).block for m in c.members} for c in candidates]
     fwd, bwd, fused, compared = {}, {}, {}, {}
     for t in rates:
         own = [p[t] for p in parts]
         group_parts = [k[t] for k in kernels]
         chosen: set[int] = set()
+        chosen_in: dict[object, set[int]] = {}  # per block, the chosen groups with members in it
         compared[t] = []
         for k, candidate in enumerate(candidates):
-            window = windows[info(candidate.members[-1]).block]
-            with_kernel = _window_s(window, own, members, group_parts, chosen | {k})
-            as_ops = _window_s(window, own, members, group_parts, chosen)
+            block = info(candidate.members[-1]).block
+            window, near = windows[block], chosen_in.get(block, set())
+            with_kernel = _window_s(window, own, members, group_parts, near | {k})
+            as_ops = _window_s(window, own, members, group_parts, near)
             compared[t].append((with_kernel, as_ops))
             # A CPU runs a fused group's ops either way (the same seconds; a rounding must not decide).
             cpu = rates[t].type.vendor == "cpu"
             if fuse == "all" or (fuse == "cost" and not cpu and with_kernel < as_ops):
                 chosen.add(k)
+                for touched in touches[k]:
+                    chosen_in.setdefault(touched, set()).add(k)
         sequence = _fused_sequence(range(len(nodes)), own, members, group_parts, chosen)
         queued_f, queued_b = _queue_both([part for _, part in sequence])
         fwd[t], bwd[t] = [0.0] * len(nodes), [0.0] * len(nodes)
@@ -417,7 +423,16 @@ def block_times_at(
     rates = {t.name: Rates(t) for t in device_types}
     owner = {name: i for i, names in enumerate(block_nodes) for name in names}
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
-    how = _Pricing(dtype, training, autocast, lambda v: number_at(v, subs))
+    known: dict = {}  # size -> number: the repeated layers share their symbolic sizes
+
+    def value(size) -> float:
+        if is_concrete(size):
+            return float(size)
+        if size not in known:
+            known[size] = number_at(size, subs)
+        return known[size]
+
+    how = _Pricing(dtype, training, autocast, value)
     priced = _price(nodes, candidates, rates, how, fuse)
     fwd, bwd = ({t: [0.0] * len(block_nodes) for t in rates} for _ in range(2))
     for total, times in ((fwd, priced.fwd), (bwd, priced.bwd)):
