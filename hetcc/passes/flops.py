@@ -311,18 +311,39 @@ def flops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
+# (op, call key) -> (forward FLOPs, assumption) of calls on concrete sizes, kept across graphs: the stages
+# of one model, and its graph at each tensor degree, repeat the same calls. Cleared when full.
+_COUNTED: dict[tuple, tuple[Any, str | None]] = {}
+_COUNTED_MOST = 8192
+
+
 def _count_calls(gm: torch.fx.GraphModule) -> None:
     fake_mode = FakeInterpreter(gm).fake_mode
-    counted: dict[tuple, tuple[Any, str | None]] = {}
+    own: dict[tuple, tuple[Any, str | None]] = {}  # calls with symbolic sizes or opaque constants
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
         args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta["val"])
         key = (node.target, call_key((args, kwargs)))
+        counted = _COUNTED if _concrete(key) else own
         if key not in counted:
+            if counted is _COUNTED and len(_COUNTED) >= _COUNTED_MOST:
+                _COUNTED.clear()
             with fake_mode, torch.no_grad():
                 counted[key] = _count(functools.partial(node.target, *args, **kwargs), node, args, kwargs)
         _annotate(node, *counted[key])
+
+
+def _concrete(key: Any) -> bool:
+    """Whether a call key (``fake_run.call_key``) names its call whatever the graph: every size a number,
+    no symbolic value, no constant known only by identity."""
+    if not isinstance(key, tuple) or not key:
+        return True
+    if key[0] in ("sym", "object"):
+        return False
+    if key[0] == "tensor":
+        return all(d.isdigit() for d in key[1])
+    return all(_concrete(part) for part in key)
 
 
 def format_flops(gm: torch.fx.GraphModule) -> str:

@@ -93,14 +93,14 @@ class _LocalValues(FakeInterpreter):
         self.layout = layout
 
     def fetch_attr(self, target: str):
-        value = super().fetch_attr(target)
         shard = self.layout.params.get(target)
         if shard is None or shard.dim is None:
-            return value
+            return super().fetch_attr(target)
         # A part is a contiguous t-th along its dim (``ParamShard.part``, whose copy of a fake weight
         # only costs time): a fake tensor of that shape, made in the graph's fake mode.
-        local = [size // self.layout.degree if d == shard.dim else size for d, size in enumerate(value.shape)]
-        return torch.empty(local, dtype=value.dtype, device=value.device)
+        whole = fx.Interpreter.fetch_attr(self, target)
+        local = [size // self.layout.degree if d == shard.dim else size for d, size in enumerate(whole.shape)]
+        return torch.empty(local, dtype=whole.dtype, device=whole.device)
 
     def run_node(self, node: fx.Node):
         result = super().run_node(node)

@@ -139,3 +139,20 @@ def test_the_recurrent_rule_reads_the_packed_overload_too():
     args = (data, batch_sizes, hidden, params, True, 1, 0.0, True, False)  # aten.lstm.data
     flop, note = FLOP_RULES["aten.lstm"](args, {}, None)
     assert flop == 2 * 10 * 64 * (8 + 16) and note.startswith("recurrent:")
+
+
+def test_a_call_on_concrete_sizes_is_counted_once_across_graphs(gpt2_12):
+    """The stages of a model repeat its calls: a call on concrete sizes is counted once and its figures
+    serve every graph; a call on symbolic sizes or an opaque constant stays its own graph's."""
+    from hetcc.passes import flops as flops_pass
+
+    model, analysis, ids = gpt2_12
+    again = hetcc.analyze(model, example_kwargs=lm_kwargs(ids.to("meta")))  # counted from the cache
+    assert [info(n).fwd_flops for n in again.graph.graph.nodes] == [
+        info(n).fwd_flops for n in analysis.graph.graph.nodes
+    ]
+    key = (torch.ops.aten.mm.default, ("tuple", ("tensor", ("2", "64"), torch.float32, False)))
+    assert flops_pass._concrete(key)
+    assert not flops_pass._concrete((key[0], ("tuple", ("tensor", ("s0", "64"), torch.float32, False))))
+    assert not flops_pass._concrete((key[0], ("tuple", ("sym", "s0"))))
+    assert not flops_pass._concrete((key[0], ("tuple", ("object", 1234))))
