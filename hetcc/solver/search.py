@@ -87,16 +87,18 @@ def count_sequences(sizes: list[int], max_length: int, cap: int, replicate: bool
     return min(sum(by_length) - 1, cap)
 
 
-def search(problem: PartitionProblem, keep: int = 1):
+def search(problem: PartitionProblem, keep: int = 1, solved: Solved | None = None):
     """The best plan found, or None if none fits: ``Found`` with its boundaries, replica groups,
     recompute flags, whether the search was exhaustive, how many sequences it solved, up to ``keep``
-    runner-up plans (``Found.candidates``, best first, the winner included) and its shard flags."""
-    chain = Chain(problem)
+    runner-up plans (``Found.candidates``, best first, the winner included) and its shard flags.
+    ``solved``: what another search of ``problem`` solved, shared (``Solved``)."""
+    solved = Solved(problem) if solved is None else solved
+    chain = solved.chain
     groups = interchangeable_groups(problem)
     sizes = [len(g) for g in groups]
     max_length = problem.stage_limit()
     total = count_sequences(sizes, max_length, config.exact_order_limit + 1, problem.replicate)
-    state = _Search(chain, groups, max_length, keep)
+    state = _Search(chain, groups, max_length, keep, solved)
     exact = total <= config.exact_order_limit
     if exact:
         for labels in itertools.chain(
@@ -131,11 +133,37 @@ class Found(NamedTuple):
     shard: list[bool]
 
 
+class Solved:
+    """The searches of one problem share its chain (``dp.Chain``: its cached slots and windows) and what
+    each sequence's DP found: the optimum, or that none beats a threshold. A sequence solved against
+    one threshold answers another exactly: its optimum where it found one (a plan beating the new
+    threshold or not), no plan below any threshold up to the one it was tried at."""
+
+    def __init__(self, problem: PartitionProblem):
+        self.chain = Chain(problem)
+        self._found: dict[tuple, tuple[SequenceOptimum | None, float]] = {}
+
+    def sequence(self, labels: tuple, devices: list, beat_s: float) -> SequenceOptimum | None:
+        """``dp.solve_sequence`` of the sequence ``labels`` (on ``devices``) against ``beat_s``."""
+        if labels in self._found:
+            optimum, tried_s = self._found[labels]
+            if optimum is not None:
+                return optimum if optimum.step_s < beat_s else None
+            if beat_s <= tried_s:
+                return None
+        found = solve_sequence(self.chain, devices, beat_s)
+        self._found[labels] = (found, beat_s)
+        return found
+
+
 class _Search:
     """Incumbent and memo shared by the seeds, the exhaustive sweep and the local search."""
 
-    def __init__(self, chain: Chain, groups: list[list[int]], max_length: int, keep: int = 1):
+    def __init__(
+        self, chain: Chain, groups: list[list[int]], max_length: int, keep: int = 1, solved: Solved | None = None
+    ):  # fmt: skip
         self.chain, self.groups, self.max_length, self.keep = chain, groups, max_length, keep
+        self.sequences = solved if solved is not None else Solved(chain.problem)
         self.replicate = chain.problem.replicate
         self._finalists: list[tuple[SequenceOptimum, tuple]] = []  # earlier incumbents, best last
         self.best_s = math.inf
@@ -216,7 +244,7 @@ class _Search:
         """The sequence's optimum if it beats the threshold (or ``incumbent_s``, if larger), else None;
         it becomes the incumbent when it beats it."""
         self.solved += 1
-        found = solve_sequence(self.chain, self.devices(labels), max(self.threshold_s, incumbent_s))
+        found = self.sequences.sequence(labels, self.devices(labels), max(self.threshold_s, incumbent_s))
         if found is None:
             return None
         self._finalists.append((found, labels))

@@ -20,7 +20,7 @@ from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import evaluate
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, inflight_microbatches
 from hetcc.solver.refine import REFINE_ACTIONS, REFINE_SIMULATIONS, REFINED_STARTS, refine_by_simulation
-from hetcc.solver.search import search
+from hetcc.solver.search import Solved, search
 from hetcc.solver.sharding import sharded_whole_chain
 from hetcc.solver.simulate import simulate
 
@@ -53,14 +53,15 @@ class Searched(NamedTuple):
 
 def search_plans(problem: PartitionProblem, rerank: int = 0) -> Searched:
     """``solve``'s searches; InfeasiblePlanError naming the tightest shortfall where no plan fits."""
-    found = search(problem, keep=max(1, rerank))
+    solved = Solved(problem)  # the single-best search below meets many of this one's sequences
+    found = search(problem, keep=max(1, rerank), solved=solved)
     if found is None:
         raise _infeasible_error(problem)
     candidates = list(found.candidates)
     if rerank > 1 and not found.exact:
         # Keeping runners-up, the heuristic search searches less far (``search.RERANKED_EVALUATIONS``):
         # the sequence the single-best search finds joins the re-ranking, so re-ranking never loses it.
-        single = search(problem, keep=1)
+        single = search(problem, keep=1, solved=solved)
         candidates += single.candidates if single is not None else []
     spaces = [(problem.replicate, tuple(candidates))]
     if rerank and problem.replicate:
