@@ -98,7 +98,7 @@ def search(problem: PartitionProblem, keep: int = 1, solved: Solved | None = Non
     sizes = [len(g) for g in groups]
     max_length = problem.stage_limit()
     total = count_sequences(sizes, max_length, config.exact_order_limit + 1, problem.replicate)
-    state = _Search(chain, groups, max_length, keep, solved)
+    state = _Search(solved, groups, max_length, keep)
     exact = total <= config.exact_order_limit
     if exact:
         for labels in itertools.chain(
@@ -159,19 +159,17 @@ class Solved:
 class _Search:
     """Incumbent and memo shared by the seeds, the exhaustive sweep and the local search."""
 
-    def __init__(
-        self, chain: Chain, groups: list[list[int]], max_length: int, keep: int = 1, solved: Solved | None = None
-    ):  # fmt: skip
-        self.chain, self.groups, self.max_length, self.keep = chain, groups, max_length, keep
-        self.sequences = solved if solved is not None else Solved(chain.problem)
-        self.replicate = chain.problem.replicate
+    def __init__(self, solved: Solved, groups: list[list[int]], max_length: int, keep: int = 1):
+        self.chain, self.groups, self.max_length, self.keep = solved.chain, groups, max_length, keep
+        self.sequences = solved
+        self.replicate = self.chain.problem.replicate
         self._finalists: list[tuple[SequenceOptimum, tuple]] = []  # earlier incumbents, best last
         self.best_s = math.inf
         self.best: SequenceOptimum | None = None
         self.best_labels: tuple[int, ...] | None = None
         self.seen: set[tuple[int, ...]] = set()
         self.solved = 0
-        self._type_of = [chain.problem.devices[g[0]].type for g in groups]
+        self._type_of = [self.chain.problem.devices[g[0]].type for g in groups]
         self._bounds: dict[tuple, float] = {}
 
     def devices(self, labels) -> list[tuple[int, ...]]:

@@ -53,7 +53,7 @@ class Searched(NamedTuple):
 
 def search_plans(problem: PartitionProblem, rerank: int = 0) -> Searched:
     """``solve``'s searches; InfeasiblePlanError naming the tightest shortfall where no plan fits."""
-    solved = Solved(problem)  # the single-best search below meets many of this one's sequences
+    solved = Solved(problem)  # the single-best search below meets some of this one's sequences
     found = search(problem, keep=max(1, rerank), solved=solved)
     if found is None:
         raise _infeasible_error(problem)
