@@ -12,11 +12,18 @@ from hypothesis import strategies as st
 from hetcc import config
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.solver.bound import lower_bound, objective_bound
-from hetcc.solver.dp import Chain, solve_sequence
+from hetcc.solver.dp import solve_sequence
 from hetcc.solver.objective import evaluate, step_time
 from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice
 from hetcc.solver.screen import Screen
-from hetcc.solver.search import _all_sequences, _neighbours, _Search, count_sequences, interchangeable_groups
+from hetcc.solver.search import (
+    Solved,
+    _all_sequences,
+    _neighbours,
+    _Search,
+    count_sequences,
+    interchangeable_groups,
+)
 from hetcc.solver.solve import solve
 
 TYPES = ("fast", "mid", "slow")
@@ -135,9 +142,10 @@ def test_heuristic_search_returns_a_feasible_plan_no_better_than_exact(problem):
 @given(st.one_of(problems(max_blocks=8), round_trip_problems(max_blocks=8)), st.booleans())
 def test_screen_is_a_plans_step_and_reusing_suffixes_changes_nothing(problem, replicate):
     problem.replicate = replicate
-    chain = Chain(problem)
+    solved = Solved(problem)
+    chain = solved.chain
     groups = interchangeable_groups(problem)
-    state = _Search(chain, groups, min(len(problem.blocks), len(problem.devices)))
+    state = _Search(solved, groups, min(len(problem.blocks), len(problem.devices)))
     incumbent = tuple((g, 1) for g in range(len(groups)))[: state.max_length]
     optimum = solve_sequence(chain, state.devices(incumbent))
     if optimum is None:
