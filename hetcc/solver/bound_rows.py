@@ -9,6 +9,7 @@ screen's) computes it once.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -96,10 +97,11 @@ class BoundRows:
 
     def _table(self, modes: int) -> Table:
         if modes not in self._tables:
-            array = np.full((len(self.chain._log2_levels), modes, self.count, self.width + 1), math.inf)
+            spans = _spans(self.width)
+            array = np.full((len(spans), modes, self.count, self.width + 1), math.inf)
             levels = [
                 (array[k, ..., :-span], array[k, ..., span:], array[k + 1, ..., :-span])
-                for k, span in enumerate(self.chain._log2_levels[:-1])
+                for k, span in enumerate(spans[:-1])
             ]
             self._tables[modes] = Table(array[0, ..., : self.width], array.reshape(-1), levels)
         return self._tables[modes]
@@ -138,9 +140,9 @@ class BoundRows:
 
     def _indices(self, hi: np.ndarray) -> Window:
         """The window's table indices: per (start, last end), its level and the columns of its two halves
-        (``Chain.window_columns``), offset by that level's plane and the mode and row."""
+        (``_window_columns``), offset by that level's plane and the mode and row."""
         modes = len(hi)
-        level, left, right = self.chain.window_columns()
+        level, left, right = _window_columns(self.width)
         pair = hi + self._pair_base  # (start, last end) -> its entry; a last end below start is empty
         plane = level.take(pair)
         offset = plane * (modes * self.count * (self.width + 1)) + self._row_base(modes)
@@ -152,3 +154,36 @@ class BoundRows:
             rows = np.arange(modes * self.count).reshape(modes, self.count, 1)
             self._row_bases[modes] = rows * (self.width + 1)
         return self._row_bases[modes]
+
+
+@functools.lru_cache(maxsize=16)
+def _log2(width: int) -> np.ndarray:
+    """floor(log2(k)) for k = 0 .. width (0 for k < 2)."""
+    out = np.zeros(width + 1, dtype=np.int64)
+    out[2:] = np.floor(np.log2(np.arange(2, width + 1))).astype(np.int64)
+    out.setflags(write=False)
+    return out
+
+
+@functools.lru_cache(maxsize=16)
+def _spans(width: int) -> list[int]:
+    """The sparse table's window spans 1, 2, 4, ... up to ``width`` ends (N+1 for N blocks)."""
+    return [1 << k for k in range(int(_log2(width)[width]) + 1)]
+
+
+@functools.lru_cache(maxsize=16)
+def _window_columns(width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per start a and last end hi of a chain of ``width`` = N+1 ends (entry a * (N+3) + hi + 1, hi from -1
+    to N+1): the sparse-table level covering the window of ends (a, hi] with two halves, and the columns of
+    the halves, ``a + 1`` and ``hi + 1 - 2**level`` (level 0 and column N+1, the table's inf column, where
+    the window is empty)."""
+    start, last = np.meshgrid(np.arange(width), np.arange(-1, width + 1), indexing="ij")
+    length = last - start
+    level = _log2(width).take(np.clip(length, 1, width))  # 0 where the window is empty
+    empty = length <= 0
+    left = np.where(empty, width, start + 1)
+    right = np.where(empty, width, last + 1 - np.left_shift(1, level))
+    columns = tuple(a.reshape(-1) for a in (level, left, right))
+    for a in columns:
+        a.setflags(write=False)
+    return columns

@@ -130,10 +130,6 @@ class Chain:
         self._sums: dict[tuple, np.ndarray] = {}
         self._candidates: dict[tuple, np.ndarray] = {}
         self._term_values: dict[tuple, np.ndarray] = {}
-        self._log2 = np.zeros(self.n + 2, dtype=np.int64)
-        self._log2[2:] = np.floor(np.log2(np.arange(2, self.n + 2))).astype(np.int64)
-        self._log2_levels = [1 << k for k in range(int(self._log2[self.n + 1]) + 1)]  # spans 1, 2, 4, ...
-        self._window_columns: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     def stages(self, groups: list) -> list[SequenceSlot]:
         """Slot records for running the chain on ``groups`` in this order (a device index, or a tuple of
@@ -264,22 +260,6 @@ class Chain:
             fits = within_memory(used, capacity) & (starts[:, None] < starts[None, :])
             self._windows[key] = starts + fits.sum(axis=1)  # the fitting ends are a prefix of (a, N]
         return self._windows[key]
-
-    def window_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per start a and last end hi (entry a * (N+3) + hi + 1, hi from -1 to N+1): the sparse-table
-        level covering the window of ends (a, hi] with two halves, and the columns of the halves,
-        ``a + 1`` and ``hi + 1 - 2**level`` (level 0 and column N+1, the table's inf column, where the
-        window is empty)."""
-        if self._window_columns is None:
-            width = self.n + 1
-            start, last = np.meshgrid(np.arange(width), np.arange(-1, width + 1), indexing="ij")
-            length = last - start
-            level = self._log2.take(np.clip(length, 1, width))  # 0 where the window is empty
-            empty = length <= 0
-            left = np.where(empty, width, start + 1)
-            right = np.where(empty, width, last + 1 - np.left_shift(1, level))
-            self._window_columns = tuple(a.reshape(-1) for a in (level, left, right))
-        return self._window_columns
 
     def term_values(self, stages: list[SequenceSlot]) -> np.ndarray:
         """Sorted distinct values a period term can take on this sequence: the candidate bottlenecks."""
