@@ -42,18 +42,9 @@ def solve_each(
     ``solve.search_plans`` found for it (or for it under a schedule its searches see alike), so that job
     only re-ranks and refines (``solve.solve_searched``); None: the job searches. Where a worker dies,
     its jobs are solved again in this process."""
-    return [answer for answer, _ in solve_each_searched(problems, rerank, searched)]
-
-
-def solve_each_searched(
-    problems: Sequence[PartitionProblem], rerank: int = 0, searched: Sequence[Searched | None] | None = None
-) -> list[tuple[PartitionSolution | InfeasiblePlanError, Searched | None]]:
-    """``solve_each``, each answer with what its searches found (``searched``'s where given; None where
-    no plan fits), for the caller to re-rank under another schedule without searching again."""
     with Solves(problems) as solves:
         pending = [
-            solves.submit_searched(p, rerank, found)
-            for p, found in zip(problems, searched or [None] * len(problems))
+            solves.submit(p, rerank, found) for p, found in zip(problems, searched or [None] * len(problems))
         ]
         return [answer() for answer in pending]
 
@@ -89,7 +80,8 @@ class Solves:
     def submit_searched(
         self, problem: PartitionProblem, rerank: int = 0, searched: Searched | None = None
     ) -> Callable[[], tuple[PartitionSolution | InfeasiblePlanError, Searched | None]]:
-        """``submit``, its answer with what its searches found (``solve_each_searched``)."""
+        """``submit``, its answer with what its searches found (None where no plan fits), for the caller to
+        re-rank under another schedule the searches see alike without searching again."""
         job = (problem, rerank, searched)
         if self._pool is None:
             return lambda: _solve_or_error(job)
