@@ -33,6 +33,7 @@ a symbolic trace the same way (``block_times_at``), so its figures are the plans
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections import Counter
@@ -423,15 +424,7 @@ def block_times_at(
     rates = {t.name: Rates(t) for t in device_types}
     owner = {name: i for i, names in enumerate(block_nodes) for name in names}
     nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE]
-    known: dict = {}  # size -> number: the repeated layers share their symbolic sizes
-
-    def value(size) -> float:
-        if is_concrete(size):
-            return float(size)
-        if size not in known:
-            known[size] = number_at(size, subs)
-        return known[size]
-
+    value = functools.cache(lambda size: number_at(size, subs))  # the repeated layers share their sizes
     how = _Pricing(dtype, training, autocast, value)
     priced = _price(nodes, candidates, rates, how, fuse)
     fwd, bwd = ({t: [0.0] * len(block_nodes) for t in rates} for _ in range(2))
