@@ -15,7 +15,7 @@ from test_plan_space import brute_force, problems, solves_like_brute_force
 
 from hetcc.errors import InfeasiblePlanError, PlanFormatError
 from hetcc.passes.schedule_search import RERANK, solve_each_schedule
-from hetcc.solver import tensor
+from hetcc.solver import refine, tensor
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.objective import evaluate
 from hetcc.solver.problem import PartitionProblem, ProblemDevice, TensorSplit
@@ -337,6 +337,22 @@ def test_a_pinned_degree_is_used_where_it_can_be():
         solve_tensor(problem, 8)
     with pytest.raises(PlanFormatError, match="'auto' or an integer"):
         solve_tensor(problem, "wide")
+
+
+def test_a_stages_replicas_are_tensor_groups_of_one_degree():
+    # The refinement mixes device classes in a group, but never tensor degrees: the runtime splits a stage
+    # one way (a tp2 pair and a lone card as replicas of one stage cannot be run).
+    composite, _ = composite_problem(_mixed_cluster(), {("x", 20.0): 2})
+    degrees = [d.tensor_degree for d in composite.devices]
+    assert degrees == [2, 1, 2, 2, 1, 1]
+    start = ([0, 1, 3], [(0,), (1,)], [False, False], None)  # g0+g1, then g2 ("y"); the rest idle
+    groups = [g for _, moved, _, _ in refine._moves(composite, *start) for g in moved if len(g) > 1]
+    assert any(len({composite.devices[d].type for d in g}) > 1 for g in groups)  # mixed classes: kept
+    assert groups and all(len({degrees[d] for d in g}) == 1 for g in groups)
+    with pytest.raises(PlanFormatError, match=r"\['g0\+g1', 'g6'\] run one stage as tensor groups of differ"):
+        simulate(composite, [0, 3], [(0, 4)], [False])
+    found = solve(composite, rerank=6)
+    assert all(len({degrees[d] for d in g}) == 1 for g in found.groups)
 
 
 # A realistic case --------------------------------------------------------------------------------------

@@ -32,6 +32,15 @@ def within_memory(used_bytes, capacity_bytes):
     return used_bytes <= capacity_bytes * (1 + MEMORY_RTOL)
 
 
+# A device type f"{type}/tp{t}" is a tensor group of t devices (``solver.tensor``).
+TENSOR_GROUP_MARK = "/tp"
+
+
+def composite_type(kind: str, degree: int) -> str:
+    """The device type of a tensor-parallel group of ``degree`` devices of type ``kind``."""
+    return f"{kind}{TENSOR_GROUP_MARK}{degree}"
+
+
 @dataclass(frozen=True)
 class ProblemDevice:
     """One device as the solver sees it: usable ``memory_bytes`` after runtime reserves."""
@@ -40,6 +49,12 @@ class ProblemDevice:
     type: str
     memory_bytes: float
     node: str
+
+    @property
+    def tensor_degree(self) -> int:
+        """The devices it stands for: t for a tensor group (``composite_type``), else 1."""
+        _, mark, degree = self.type.rpartition(TENSOR_GROUP_MARK)
+        return int(degree) if mark and degree.isdigit() else 1
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,10 @@ def check_plan(problem, boundaries, groups, recompute, codecs, shard, chunks: in
             f"{len(problem.devices)}",
             hint="use each device at most once",
         )
+    if mixed := next((g for g in groups if len({problem.devices[d].tensor_degree for d in g}) > 1), None):
+        names = [problem.devices[d].name for d in mixed]
+        raise PlanFormatError(f"devices {names} run one stage as tensor groups of different degrees",
+                              hint="a stage's replicas are tensor groups of one degree (it is split one way)")  # fmt: skip
     if len(recompute) != len(groups):
         raise PlanFormatError(
             f"recompute has {len(recompute)} entries for {len(groups)} stages", hint="one flag per stage"

@@ -30,12 +30,12 @@ def refine_by_simulation(
     allowed): move one cut by one or two blocks; with replicas allowed, merge two neighbouring stages
     into one group, move one device to the neighbouring stage's group, or add an idle device to a
     group (moves that make a group of mixed types, uneven shares by speed, which the search's
-    interchangeable groups never propose); swap two devices of different classes between stages, put
-    an idle device of another class in a device's place, leave a device out, or give an idle device
-    half a stage, or split a group in two stages; switch one stage's recomputation; give one stage one
-    more or one fewer forward before its first backward, or 1F1B's, ZB-H2's or the most it may take (a
-    move that changes the stages or their replica counts takes the schedule's warm-up, fewer where
-    memory is short). The objective is a formula; where it and the simulator disagree (a replicated
+    interchangeable groups never propose; never of tensor groups of different degrees); swap two
+    devices of different classes between stages, put an idle device of another class in a device's
+    place, leave a device out, or give an idle device half a stage, or split a group in two stages;
+    switch one stage's recomputation; give one stage one more or one fewer forward before its first
+    backward, or 1F1B's, ZB-H2's or the most it may take (a move that changes the stages or their
+    replica counts takes the schedule's warm-up, fewer where memory is short). The objective is a formula; where it and the simulator disagree (a replicated
     stage overlaps more than the formula credits, an order or cut it ranks lower simulates faster, a
     warm-up it does not model), the simulator decides."""
     first = starts[0][0]
@@ -144,10 +144,13 @@ def _tuple(values) -> tuple | None:
 def _moves(problem: PartitionProblem, bounds, groups, recompute, warmup):
     """Plans one move from ``(bounds, groups, recompute, warmup)``: the moves of ``_layouts`` (no more
     stages than ``problem.max_stages``), each with the schedule's warm-up (None) where it changes the
-    stages' replica counts, else with ``warmup``; then warm-up moves."""
+    stages' replica counts, else with ``warmup``; then warm-up moves. A group's replicas are tensor
+    groups of one degree (``ProblemDevice.tensor_degree``: the runtime splits a stage one way)."""
     counts, cap = [len(g) for g in groups], problem.stage_limit()
+    degrees = [d.tensor_degree for d in problem.devices]
+    mixes = (lambda gs: any(len({degrees[d] for d in g}) > 1 for g in gs)) if len(set(degrees)) > 1 else None
     for moved_bounds, moved_groups, moved_recompute in _layouts(problem, bounds, groups, recompute):
-        if len(moved_groups) > cap:
+        if len(moved_groups) > cap or (mixes and mixes(moved_groups)):
             continue
         same = len(moved_groups) == len(counts) and all(len(g) == c for g, c in zip(moved_groups, counts))
         yield moved_bounds, moved_groups, moved_recompute, warmup if same else None

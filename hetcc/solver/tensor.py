@@ -28,7 +28,14 @@ from hetcc.solver.baselines import uniform_boundaries
 from hetcc.solver.bound import Way, lower_bound
 from hetcc.solver.objective import evaluate
 from hetcc.solver.parallel import Solves
-from hetcc.solver.problem import PartitionProblem, PartitionSolution, ProblemDevice, WireCodec
+from hetcc.solver.problem import (
+    TENSOR_GROUP_MARK,
+    PartitionProblem,
+    PartitionSolution,
+    ProblemDevice,
+    WireCodec,
+    composite_type,
+)
 from hetcc.solver.simulate import simulate
 from hetcc.solver.solve import Searched
 
@@ -38,11 +45,6 @@ DeviceMap = list[tuple[int, ...]]  # per device of a composite problem: the orig
 
 EXHAUSTIVE_ASSIGNMENTS = 16  # "auto" solves every assignment up to this many, else descends
 DESCENT_ROUNDS = 4  # passes over the classes of the coordinate descent, at most
-
-
-def composite_type(kind: str, degree: int) -> str:
-    """The device type of a tensor-parallel group of ``degree`` devices of type ``kind``."""
-    return f"{kind}/tp{degree}"
 
 
 def group_name(names: Sequence[str]) -> str:
@@ -125,7 +127,8 @@ def _tensor_tables(problem: PartitionProblem, kinds: Iterable[tuple[str, int]]) 
         row, name = rows[degree], composite_type(kind, degree)
         if name in problem.fwd_s:
             raise PlanFormatError(
-                f"device type {name!r} is already in the problem", hint="rename it: '/tp' marks tensor groups"
+                f"device type {name!r} is already in the problem",
+                hint=f"rename it: {TENSOR_GROUP_MARK!r} marks tensor groups",
             )
         fwd[name], bwd[name], alias[name] = row.fwd_s[kind], row.bwd_s[kind], kind
         if wgrad is not None:
