@@ -409,6 +409,27 @@ def test_the_megatron_baseline_is_none_where_no_layout_fits():
     assert megatron_baseline(dataclasses.replace(problem, devices=tiny)) is None
 
 
+def test_the_megatron_baseline_runs_one_tensor_degree_on_every_rank():
+    """A node of four "x" cards (degrees 2 and 4 priced) and one of two "y" cards (degree 2): Megatron-LM
+    runs one degree everywhere, 2 here, so each stage's replicas are tensor groups of one degree."""
+    n = 4
+    kinds = ["x"] * 4 + ["y"] * 2
+    devices = [ProblemDevice(f"g{i}", k, 20.0, f"node_{k}") for i, k in enumerate(kinds)]
+    problem = PartitionProblem(
+        blocks=[f"b{i}" for i in range(n)], fwd_s={"x": [1.0] * n, "y": [1.5] * n},
+        bwd_s={"x": [2.0] * n, "y": [3.0] * n}, state_bytes=[8.0] * n, act_bytes=[1.0] * n,
+        cut_bytes=[0.5] * (n - 1), devices=devices,
+        bandwidth_bps=[[math.inf if a == b else 10.0 for b in range(6)] for a in range(6)],
+        latency_s=[[0.0 if a == b else 0.001 for b in range(6)] for a in range(6)],
+        microbatches=4, replicate=True, optimizer_bytes=[6.0] * n, param_bytes=[2.0] * n,
+        tensor_splits=[_split(2, ["x", "y"], n), _split(4, ["x"], n)],
+    )  # fmt: skip
+    megatron, degrees, device_map = megatron_baseline(problem)
+    assert degrees == {("x", 20.0): 2, ("y", 20.0): 2}
+    assert device_map == [(0, 1), (2, 3), (4, 5)]
+    assert math.isfinite(megatron.simulated_s)
+
+
 def test_the_megatron_baseline_recomputes_where_only_that_fits():
     """At tensor degree 4, 8 GB of activations per layer and microbatch: a card of two stages of four
     layers holds 40 GB of state and, without recomputation, 64 GB for the first stage's two microbatches in

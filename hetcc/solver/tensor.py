@@ -339,8 +339,9 @@ class _Assignments:
 def megatron_baseline(
     problem: PartitionProblem,
 ) -> tuple[PartitionSolution, dict[DeviceClass, int], DeviceMap] | None:
-    """Megatron-LM's usual layout, scored like any plan: tensor degree = GPUs per node (per class, the
-    largest degree it may run at that divides its device count on every node holding it), a pipeline
+    """Megatron-LM's usual layout, scored like any plan: tensor degree = GPUs per node, one degree on every
+    rank as Megatron-LM runs (the largest every class may run at that divides each node's count of like
+    devices: a stage's replicas are then groups of one degree, as the runtime needs), a pipeline
     of K stages over the composites with equal numbers of blocks per stage (``uniform_boundaries``),
     data parallel over the rest (stage j on composites j*r .. j*r + r - 1, r = composites // K, the
     leftover idle), for the fewest K whose stages fit their memory; where the problem allows
@@ -349,10 +350,10 @@ def megatron_baseline(
     assignment, device map) as ``solve_tensor``; None where no K fits."""
     problem.validate()
     per_node = Counter((d.type, d.memory_bytes, d.node) for d in problem.devices)
-    assignment = {
-        c: max(d for d in degrees if all(n % d == 0 for key, n in per_node.items() if key[:2] == c))
-        for c, degrees in allowed_degrees(problem).items()
-    }
+    allowed = allowed_degrees(problem)
+    common = set.intersection(*(set(degrees) for degrees in allowed.values()))
+    degree = max(d for d in common if all(n % d == 0 for n in per_node.values()))
+    assignment = dict.fromkeys(allowed, degree)
     composite, device_map = composite_problem(problem, assignment)
     units = len(composite.devices)
     modes = (True,) if problem.recompute_all else (False, True) if problem.recompute else (False,)
