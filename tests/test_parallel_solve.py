@@ -16,6 +16,7 @@ from test_plan_space import problems
 from test_tensor_plans import _two_h100_nodes
 
 from hetcc import config
+from hetcc.api import microbatches
 from hetcc.errors import InfeasiblePlanError
 from hetcc.passes import schedule_search
 from hetcc.passes.schedule_search import AUTO_SCHEDULES
@@ -122,6 +123,31 @@ def test_the_descent_guesses_on_idle_workers_and_keeps_its_plan(forced, monkeypa
 
 _PARENT = os.getpid()
 _SOLVE = parallel._solve_or_error
+
+
+def _at(problem: PartitionProblem, m: int) -> PartitionProblem:
+    """``problem`` at ``m`` microbatches of its batch: each one's seconds and activations scaled to its rows."""
+    k = problem.microbatches / m
+    scaled = {
+        name: {t: [x * k for x in v] for t, v in getattr(problem, name).items()}
+        for name in ("fwd_s", "bwd_s")
+    }
+    return replace(problem, microbatches=m, act_bytes=[x * k for x in problem.act_bytes],
+                   cut_bytes=[x * k for x in problem.cut_bytes], **scaled)  # fmt: skip
+
+
+def test_microbatch_counts_planned_side_by_side_keep_what_one_after_another_finds(monkeypatch):
+    problem = PartitionProblem.from_json((SAVED.parent / "formula_misranks.problem.json").read_text())
+    counts = [_at(problem, m) for m in (5, 10, 20)]
+    alone = microbatches._plan_counts(counts, "1f1b")
+    waves = []
+    spy = lambda function, jobs: waves.append(len(jobs)) or parallel.map_forked(function, jobs)  # noqa: E731
+    monkeypatch.setattr(microbatches, "map_forked", spy)
+    monkeypatch.setattr(microbatches, "PARALLEL_COUNT_S", 0.0)  # the first count "took long"
+    with config.patch(solver_workers=2):
+        together = microbatches._plan_counts(counts, "1f1b")
+    assert waves == [2]  # the first count alone, then the other two at once
+    assert together == alone and [m for m, _ in alone[0]] == [5, 10, 20]
 
 
 def _dying(job):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import time
 import warnings
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -22,10 +23,15 @@ from hetcc.hardware.cluster import Cluster
 from hetcc.passes.cost import block_times_at
 from hetcc.passes.fuse import fusion_candidates
 from hetcc.passes.partition import PlanSettings, build_problem
-from hetcc.passes.schedule_search import schedule_bound, solve_schedules
+from hetcc.passes.schedule_search import AUTO_SCHEDULES, schedule_bound, solve_schedules
 from hetcc.passes.trace import without_stack_traces
+from hetcc.solver.parallel import forks, map_forked, worker_count
 from hetcc.solver.problem import PartitionProblem
 from hetcc.train.data import split_microbatches
+
+# A count planned in this long, its schedules solved one after another, has the next counts planned side
+# by side (``_plan_counts``); shorter ones are not worth starting processes for.
+PARALLEL_COUNT_S = 1.0
 
 
 def search_microbatches(
@@ -94,25 +100,47 @@ def _plan_counts(
     """((M, simulated step) of each count planned, in order of M; notes): ``problems`` (one per count)
     planned in order of their lower bounds (``schedule_search.schedule_bound``: the least over the
     schedules tried), skipping each whose bound exceeds the fastest plan found so far: no plan of it can be faster,
-    so the count kept is the one planning every count would keep; a note names those skipped."""
+    so the count kept is the one planning every count would keep; a note names those skipped.
+
+    Where one count's planning took ``PARALLEL_COUNT_S`` or more and does not fork solvers of its own
+    (``parallel.forks``: a small problem on many devices, whose search is long), the next counts are
+    planned side by side (``parallel.map_forked``), as many at once as there are workers, each wave
+    skipping by the fastest plan of the waves before it: a count planned that one after another would
+    skip cannot be kept either, so the count kept is the same."""
     bounds = [schedule_bound(p, schedule, multi_stage) for p in problems]
-    tried, skipped, best_s = [], [], math.inf
-    for bound, problem in sorted(zip(bounds, problems), key=lambda item: (item[0], item[1].microbatches)):
-        m = problem.microbatches
-        if bound > best_s:
-            skipped.append(f"M={m} ({bound * 1e3:.2f} ms)")
-            continue
-        try:
-            step_s = solve_schedules(problem, schedule, multi_stage)[1].simulated_s
-        except InfeasiblePlanError:
-            step_s = math.inf
-        tried.append((m, step_s))
-        best_s = min(best_s, step_s)
+    waiting = sorted(zip(bounds, problems), key=lambda item: (item[0], item[1].microbatches))
+    tried, skipped, best_s, width = [], [], math.inf, 1
+    while waiting:
+        wave = []
+        while waiting and len(wave) < width:
+            bound, problem = waiting.pop(0)
+            if bound > best_s:
+                skipped.append(f"M={problem.microbatches} ({bound * 1e3:.2f} ms)")
+            else:
+                wave.append((problem, schedule, multi_stage))
+        start = time.perf_counter()
+        steps = map_forked(_planned_s, wave) if len(wave) > 1 else [_planned_s(job) for job in wave]
+        if (
+            wave
+            and time.perf_counter() - start >= PARALLEL_COUNT_S
+            and not forks([wave[0][0]] * len(AUTO_SCHEDULES))
+        ):
+            width = worker_count()
+        tried += [(job[0].microbatches, step_s) for job, step_s in zip(wave, steps)]
+        best_s = min([best_s, *steps])
     notes = [
         f"microbatches: not planned, as its lower bound exceeds the fastest plan ({best_s * 1e3:.2f} ms): "
         + ", ".join(skipped)
     ] if skipped else []  # fmt: skip
     return sorted(tried), notes
+
+
+def _planned_s(job: tuple[PartitionProblem, str, bool]) -> float:
+    """The simulated step of ``solve_schedules(*job)``'s plan; inf where no plan fits."""
+    try:
+        return solve_schedules(*job)[1].simulated_s
+    except InfeasiblePlanError:
+        return math.inf
 
 
 @contextmanager

@@ -11,7 +11,9 @@ parent's knobs (``hetcc.config``). The solver is numpy and Python: a worker neve
 forking a process that has loaded it is safe there (torch's own DataLoader forks its workers too);
 macOS's system libraries are not fork-safe, so it solves one after another. A worker first freezes what
 it inherits (``gc.freeze``): its collector then never walks the compiling process's graphs, whose pages
-each walk would copy into the worker (copy-on-write) and which a solve never reads.
+each walk would copy into the worker (copy-on-write) and which a solve never reads. ``map_forked`` runs
+other solver jobs side by side the same way (the microbatch search's counts, each solving its own
+problems one after another in its worker).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from typing import TypeVar
 
 from hetcc import config
 from hetcc.errors import InfeasiblePlanError
@@ -32,6 +35,8 @@ from hetcc.solver.solve import Searched, search_plans, solve_searched
 # Blocks x devices x microbatches summed over the jobs: below it they solve faster one after another
 # than processes start (the 70B problem's tensor groups are ~73,000 each, GPT-2 medium's ~7,000).
 PARALLEL_WORK = 200_000
+
+Job, Answer = TypeVar("Job"), TypeVar("Answer")
 
 
 def solve_each(
@@ -99,13 +104,48 @@ class Solves:
         return answer
 
 
+def forks(problems: Sequence[PartitionProblem]) -> bool:
+    """Whether ``Solves`` hands these problems' solves to forked workers (their work pays for it)."""
+    return _workers(problems) > 1
+
+
+def map_forked(function: Callable[[Job], Answer], jobs: Sequence[Job]) -> list[Answer]:
+    """``[function(job) for job in jobs]``, the jobs side by side in forked workers (one per CPU core, or
+    ``config.solver_workers``), each of which solves its own problems one after another (its ``Solves``
+    do not fork again); in this process where it does not fork, or for a job whose worker died.
+    ``function`` is a module-level function, its answers plain data (they are pickled back)."""
+    workers = min(len(jobs), worker_count())
+    if workers < 2 or not sys.platform.startswith("linux"):
+        return [function(job) for job in jobs]
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_serial_worker) as pool:
+        futures = [pool.submit(function, job) for job in jobs]
+        answers = []
+        for job, future in zip(jobs, futures):
+            try:
+                answers.append(future.result())
+            except BrokenProcessPool:  # a worker died (killed, out of memory): run it here instead
+                answers.append(function(job))
+        return answers
+
+
+def _serial_worker() -> None:
+    gc.freeze()
+    config.solver_workers = 1
+
+
 def _workers(problems: Sequence[PartitionProblem]) -> int:
     # Forks only on Linux: macOS's system libraries are not fork-safe.
     if len(problems) < 2 or not sys.platform.startswith("linux"):
         return 1
     if sum(len(p.blocks) * len(p.devices) * p.microbatches for p in problems) < PARALLEL_WORK:
         return 1
-    return min(len(problems), config.solver_workers or os.cpu_count() or 1)
+    return min(len(problems), worker_count())
+
+
+def worker_count() -> int:
+    """The workers jobs may run in at once: ``config.solver_workers``, or one per CPU core."""
+    return config.solver_workers or os.cpu_count() or 1
 
 
 def _solve_or_error(job: tuple) -> tuple[PartitionSolution | InfeasiblePlanError, Searched | None]:
