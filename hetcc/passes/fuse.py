@@ -64,12 +64,17 @@ class FusionCandidate:
 
 
 def fusion_candidates(gm: torch.fx.GraphModule) -> list[FusionCandidate]:
-    """Every group of >= 2 fusible ops in ``gm`` (``find_groups``), the graph left as it is. Sizes may
-    be symbolic (a trace with a dynamic batch): the microbatch search prices the groups at each size."""
+    """Every group of >= 2 fusible ops in ``gm`` (``find_groups``) whose values something reads, the graph
+    left as it is (a group nothing reads, such as a cast a stage's split left unused, has no kernel to
+    be). Sizes may be symbolic (a trace with a dynamic batch): the microbatch search prices the groups at
+    each size."""
     lowered = {n: low for n in gm.graph.nodes if (low := lower(n)) is not None}
     found = []
     for members in find_groups(gm.graph, lowered):
-        group, input_nodes = build_group(members, lowered, _outputs(members))
+        outputs = _outputs(members)
+        if not outputs:
+            continue
+        group, input_nodes = build_group(members, lowered, outputs)
         found.append(FusionCandidate(tuple(members), group, _fused_record(group, members, input_nodes)))
     return found
 

@@ -16,7 +16,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from hetcc import ir
 from hetcc.kernels import fused as fused_call
 from hetcc.kernels.group import FusionGroup
-from hetcc.passes.fuse import fuse, install_code_comments
+from hetcc.passes.fuse import fuse, fusion_candidates, install_code_comments
 
 FUSED = fused_call  # every fused node calls the group's launcher
 
@@ -129,6 +129,19 @@ def test_group_never_spans_two_stages_or_blocks(field):
     records = [n.meta[ir.META_KEY] for n in fused.graph.nodes if n.target is FUSED]
     assert [getattr(r, field) for r in records] == [0, 1]
     torch.testing.assert_close(fused(x), chain(None, x))
+
+
+def test_a_chain_nothing_reads_is_no_candidate():
+    """A cast left unused where a stage's split moved its reader away (Llama's rotary tables on the
+    embedding's stage): no kernel to make, and the graph is left as it is."""
+    x = torch.randn(4, 6)
+    gm = exported(Chain(), x)
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    out.args = ((next(n for n in gm.graph.nodes if n.op == "placeholder"),),)  # the chain now feeds nothing
+    gm.recompile()
+    assert fusion_candidates(gm) == []
+    torch.testing.assert_close(fuse(gm)(x), x)
+    assert fused_groups(gm) == []
 
 
 @torch.library.custom_op("hetcc_test::opaque_boundary", mutates_args=())
