@@ -16,7 +16,8 @@ mapping node name -> stage. Rules, in the order they apply:
   connection over several stages is one direct edge, never relayed). A non-tensor (int, SymInt,
   shape) is recomputed in the consuming stage from what that stage holds, and so is a tensor computed
   cheaply from model inputs and constants alone (a mask, position ids, rotary tables:
-  ``passes.remat``), which the block chain does not charge to any cut either.
+  ``passes.remat``), which the block chain does not charge to any cut either; a stage keeps such a value
+  only where one of its own nodes reads it.
 - Only the last stage has the model's outputs; every other stage returns its send tokens.
 - The tensors one stage sends another cross in ascending tag order, the order messages pair up in on the
   wire (nccl ignores tags): tags are numbered in the order the consuming stages first use the tensors, so
@@ -338,6 +339,15 @@ class _StageBuilder:
         decoded.meta["val"] = torch.empty(edge.shape, dtype=edge.dtype, device="meta")
         return decoded
 
+    def _drop_unread_constants(self) -> None:
+        """Values computed from model inputs and constants alone (``passes.remat``) that nothing in this
+        stage reads: their readers went to later stages, which recompute them (Llama's rotary tables on the
+        embedding's stage)."""
+        free = {self.env[n] for n in self.cut.free if n in self.env} if self.cut is not None else set()
+        for node in reversed(self.graph.nodes):
+            if node.op == "call_function" and not node.users and node in free:
+                self.graph.erase_node(node)
+
     def _own(self, qualname: str) -> None:
         self.originals.setdefault(qualname, operator.attrgetter(qualname)(self.source))
 
@@ -354,6 +364,7 @@ class _StageBuilder:
         sends = sorted(self.sends, key=lambda pair: pair[0].tag)
         result = tuple(self._outputs) if self.index == self.num_stages - 1 else tuple(t for _, t in sends)
         self.graph.output(result)
+        self._drop_unread_constants()
         module = fx.GraphModule(self._owned_copies(), self.graph, class_name=f"Stage{self.index}")
         if self.anchor is not None:
             attach_anchor(module)

@@ -217,3 +217,6 @@ def test_a_cheap_tensor_of_inputs_alone_is_recomputed_a_random_or_costly_one_is_
     assert stages[1].inputs == ("x",)  # it reads the input to recompute the cheap mask
     ops = {n.target for n in stages[1].module.graph.nodes if n.op == "call_function"}
     assert torch.ops.aten.gt.Scalar in ops and torch.ops.aten.rand_like.default not in ops
+    # the stage that made the cheap mask for the next one no longer makes it: nothing of its own reads it
+    first = [n for n in stages[0].module.graph.nodes if n.target is torch.ops.aten.gt.Scalar]
+    assert [n.args[0].target for n in first] == [torch.ops.aten.rand_like.default]  # the random mask's only
