@@ -35,9 +35,10 @@ def refine_by_simulation(
     place, leave a device out, or give an idle device half a stage, or split a group in two stages;
     switch one stage's recomputation; give one stage one more or one fewer forward before its first
     backward, or 1F1B's, ZB-H2's or the most it may take (a move that changes the stages or their
-    replica counts takes the schedule's warm-up, fewer where memory is short). The objective is a formula; where it and the simulator disagree (a replicated
-    stage overlaps more than the formula credits, an order or cut it ranks lower simulates faster, a
-    warm-up it does not model), the simulator decides."""
+    replica counts takes the schedule's warm-up, fewer where memory is short). The objective is a
+    formula; where it and the simulator disagree (a replicated stage overlaps more than the formula
+    credits, an order or cut it ranks lower simulates faster, a warm-up it does not model), the
+    simulator decides."""
     first = starts[0][0]
     climber = _Climber(problem, budget)
     best, best_s = None, math.inf
