@@ -45,6 +45,8 @@ from hetcc.passes.tensor_layout import TensorLayout
 from hetcc.sendrecv import ANCHOR_NAME, attach_anchor, gradient_wire, new_anchor
 from hetcc.wire import NO_CODEC, get_codec
 
+_METADATA_CHECK = torch.ops.aten._assert_tensor_metadata.default
+
 
 @dataclass(frozen=True)
 class CommEdge:
@@ -340,12 +342,15 @@ class _StageBuilder:
         return decoded
 
     def _drop_unread_constants(self) -> None:
-        """Values computed from model inputs and constants alone (``passes.remat``) that nothing in this
-        stage reads: their readers went to later stages, which recompute them (Llama's rotary tables on the
-        embedding's stage)."""
+        """Drop values computed from model inputs and constants alone (``passes.remat``) that nothing in
+        this stage reads, and the checks of their metadata: their readers went to later stages, which
+        recompute them (Llama's rotary tables on the embedding's stage). An op with an effect (an update of
+        a buffer in place) stays."""
         free = {self.env[n] for n in self.cut.free if n in self.env} if self.cut is not None else set()
         for node in reversed(self.graph.nodes):
-            if node.op == "call_function" and not node.users and node in free:
+            if node.op != "call_function" or node.users or node not in free:
+                continue
+            if node.target is _METADATA_CHECK or not node.is_impure():  # a buffer's add_ has an effect
                 self.graph.erase_node(node)
 
     def _own(self, qualname: str) -> None:
