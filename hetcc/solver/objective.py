@@ -40,6 +40,7 @@ from hetcc.solver.bound import lower_bound
 from hetcc.solver.codecs import cut_rows, names, pair_s
 from hetcc.solver.links import device_ring_s, end_tied_s
 from hetcc.solver.memory import Memory, group_footprint, group_memory, held_counts, most_fitting
+from hetcc.solver.plan_checks import check_plan
 from hetcc.solver.problem import (
     PartitionProblem,
     PartitionSolution,
@@ -49,7 +50,6 @@ from hetcc.solver.problem import (
     steady_share,
     within_memory,
 )
-from hetcc.solver.problem_checks import check_plan
 from hetcc.solver.schedules import (
     least_warmups,
     max_inflight,

@@ -8,6 +8,7 @@ import math
 import random
 
 from hetcc.solver.objective import evaluate, stage_costs
+from hetcc.solver.plan_checks import mixed_tensor_group
 from hetcc.solver.problem import PartitionProblem, PartitionSolution
 from hetcc.solver.schedules import least_warmups, recorded_warmup, warmup_forwards
 from hetcc.solver.simulate import simulate, step_floor
@@ -146,12 +147,10 @@ def _moves(problem: PartitionProblem, bounds, groups, recompute, warmup):
     """Plans one move from ``(bounds, groups, recompute, warmup)``: the moves of ``_layouts`` (no more
     stages than ``problem.max_stages``), each with the schedule's warm-up (None) where it changes the
     stages' replica counts, else with ``warmup``; then warm-up moves. A group's replicas are tensor
-    groups of one degree (``ProblemDevice.tensor_degree``: the runtime splits a stage one way)."""
+    groups of one degree (``plan_checks.mixed_tensor_group``)."""
     counts, cap = [len(g) for g in groups], problem.stage_limit()
-    degrees = [d.tensor_degree for d in problem.devices]
-    mixes = (lambda gs: any(len({degrees[d] for d in g}) > 1 for g in gs)) if len(set(degrees)) > 1 else None
     for moved_bounds, moved_groups, moved_recompute in _layouts(problem, bounds, groups, recompute):
-        if len(moved_groups) > cap or (mixes and mixes(moved_groups)):
+        if len(moved_groups) > cap or mixed_tensor_group(problem, moved_groups):
             continue
         same = len(moved_groups) == len(counts) and all(len(g) == c for g, c in zip(moved_groups, counts))
         yield moved_bounds, moved_groups, moved_recompute, warmup if same else None
