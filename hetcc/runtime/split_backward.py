@@ -64,14 +64,17 @@ def input_gradients(
     handles = [
         node.register_prehook(_recorder(group, node)) for group in groups for node in group.intermediates
     ]
-    below = [GradientEdge(child, i) for node in dict.fromkeys(root_nodes) if node not in reaching
-             for child, i in node.next_functions if child is not None and child not in reaching]  # fmt: skip
+    lone_nodes = [node for node in dict.fromkeys(root_nodes) if node not in reaching]
+    lone: list[tuple[GradientEdge, torch.Tensor]] = []
+    handles += [node.register_hook(_lone_recorder(node, lone)) for node in lone_nodes]
+    # asked for only so that autograd runs the lone roots' nodes (a send's backward receives there)
+    below = list(dict.fromkeys(GradientEdge(child, i) for node in lone_nodes for child, i in node.next_functions
+                               if child is not None and child not in reaching))  # fmt: skip
     try:
-        found = torch.autograd.grad(list(roots), [anchor, *below], ones, retain_graph=True, allow_unused=True)
+        torch.autograd.grad(list(roots), [anchor, *below], ones, retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
-    lone = [(edge, grad) for edge, grad in zip(below, found[1:]) if grad is not None]
     return DeferredWeights(groups, by_node, lone)
 
 
@@ -109,6 +112,20 @@ def _accumulate(params: dict[Node, torch.nn.Parameter], nodes: set[Node], edges,
         if grad is not None:
             param = params[node]
             param.grad = grad if param.grad is None else param.grad + grad
+
+
+def _lone_recorder(node: Node, lone: list):
+    """Records what a lone root's own node hands each input below it: that root's part of the gradient
+    alone (a value sent on and also used on this stage's path to its inputs takes the rest from a
+    group's intermediates, so W counts each part once). A root is a send's token or the loss, which
+    nothing else reads: its node runs once, on its own gradient."""
+
+    def record(grad_inputs, grad_outputs):
+        for (child, i), grad in zip(node.next_functions, grad_inputs):
+            if child is not None and grad is not None:
+                lone.append((GradientEdge(child, i), grad))
+
+    return record
 
 
 def _replacing(recorded: tuple):

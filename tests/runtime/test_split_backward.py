@@ -97,3 +97,26 @@ def test_a_fused_group_reading_a_parameter_splits_too():
     weight_gradients(input_gradients(roots(), anchor, [w, bias]))
     torch.testing.assert_close(w.grad, want["w"])
     torch.testing.assert_close(bias.grad, want["bias"])
+
+
+def test_a_weight_only_value_sent_on_and_used_here_counts_each_gradient_once():
+    """T5's position bias: made from a weight alone, added to this stage's attention scores and sent on
+    to the next stage too. Its gradient has two parts, one through the scores (on the path to the
+    inputs: W replays it from there) and one from the send; W adds each once."""
+    torch.manual_seed(0)
+    anchor = torch.zeros((), requires_grad=True)
+    table, w = torch.nn.Parameter(torch.randn(8)), torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(4, 8)
+
+    def roots():
+        bias = table * 2  # no input reaches it
+        return [(torch.tanh((x + anchor) @ w + bias)).sum(), bias.clone()]  # a send's token
+
+    torch.autograd.backward(held := roots(), [torch.ones_like(r) for r in held])
+    want = {"table": table.grad.clone(), "w": w.grad.clone()}
+    table.grad = w.grad = None
+    deferred = input_gradients(roots(), anchor, [table, w])
+    assert deferred is not None and table.grad is None
+    weight_gradients(deferred)
+    torch.testing.assert_close(table.grad, want["table"])
+    torch.testing.assert_close(w.grad, want["w"])
