@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hetcc.errors import InfeasiblePlanError
 from hetcc.passes.schedule_search import RERANK
 from hetcc.solver.bound import lower_bound
+from hetcc.solver.interleave import solve_zbv
 from hetcc.solver.objective import evaluate, step_time
 from hetcc.solver.problem import PartitionProblem, ProblemDevice, route_microbatches
 from hetcc.solver.simulate import simulate
@@ -177,6 +178,24 @@ def test_recomputation_is_chosen_only_when_memory_needs_it():
             assert stage.compute_s == pytest.approx(2 * stage.fwd_s + stage.bwd_s)
 
 
+def test_the_memory_diagnosis_keeps_to_the_stage_cap():
+    """ZB-V is laid on a pipeline of at most N / 2 stages: where that cap is what no plan fits under, the
+    error says so and names a stage that is short, not one of a longer plan that fits."""
+    problem = _fixed_problem()
+    problem = dataclasses.replace(
+        problem, replicate=False, recompute=False, state_bytes=[3000.0] * 8, act_bytes=[200.0] * 8,
+        devices=[dataclasses.replace(d, memory_bytes=7500.0) for d in problem.devices],
+    )  # fmt: skip
+    assert len(solve(problem).stages) == 5  # two blocks (6 kB of state) at most per device
+    with pytest.raises(
+        InfeasiblePlanError, match=r"in at most 4 stages fits in memory: .*: [1-9][\d.]* \w*B missing"
+    ):
+        solve(dataclasses.replace(problem, max_stages=4))
+    with pytest.raises(InfeasiblePlanError, match=r"zbv: a V is laid on a 1F1B pipeline of at most 4 stages .*"
+                       r"in at most 4 stages fits in memory(.|\n)*hint: use schedule='zb-h1'"):  # fmt: skip
+        solve_zbv(problem)
+
+
 def test_replicas_share_microbatches_by_speed():
     assert route_microbatches(4, (1.0, 1.0)) == (0, 1, 0, 1)
     assert route_microbatches(8, (1.0, 3.0)).count(0) == 6  # the 3x faster replica takes 6 of 8
@@ -311,7 +330,7 @@ def test_solve_zbv_lays_the_best_pipelines_devices_in_a_v():
     """Two equal devices that cannot each hold the model, a third of each backward weight gradient: the V
     (stages 0 and 3 on one device, 1 and 2 on the other) hides 1F1B's bubble behind deferred W's, fits,
     replays to the step it reports and stays above its bound."""
-    from hetcc.solver.interleave import solve_zbv, zbv_bound
+    from hetcc.solver.interleave import zbv_bound
     from hetcc.solver.schedules import ZBV
 
     n = 8

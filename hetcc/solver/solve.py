@@ -131,9 +131,11 @@ def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:
         hints.insert(0, "schedule='1f1b' (holds fewer microbatches' activations)")
     elif problem.training:
         hints.insert(0, "more, smaller microbatches (1F1B holds at most K of them)")
+    limit = problem.stage_limit()
+    capped = f" in at most {limit} stages" if limit < min(len(problem.blocks), len(problem.devices)) else ""
     return InfeasiblePlanError(
-        f"no partition of {len(problem.blocks)} blocks over {len(problem.devices)} device(s) fits in memory: "
-        f"{shortfall}",
+        f"no partition of {len(problem.blocks)} blocks over {len(problem.devices)} device(s){capped} fits in "
+        f"memory: {shortfall}",
         hint="try " + ", ".join(hints),
     )
 
@@ -142,13 +144,13 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
     """Describe the smallest memory overflow found: which blocks, which device, how many bytes short.
 
     Devices are taken largest first (1F1B's early stages hold the most microbatches) and, for each
-    number of stages, a DP finds the cut that minimises the largest overflow; the worst stage of the
+    number of stages the problem allows (``stage_limit``), a DP finds the cut that minimises the largest overflow; the worst stage of the
     best such cut is reported. Where replicas may shard their optimizer state, the whole chain on one
     sharding replica group (``sharding.sharded_whole_chain``) is reported instead when it is closer.
     """
     order = sorted(range(len(problem.devices)), key=lambda d: -problem.devices[d].memory_bytes)
     best = None
-    for k in range(1, min(len(order), len(problem.blocks)) + 1):
+    for k in range(1, problem.stage_limit() + 1):
         inflight = [inflight_microbatches(problem, j, k) for j in range(k)]
         overflow, stages = _min_max_overflow(problem, [problem.devices[d] for d in order[:k]], inflight)
         if best is None or overflow < best[0]:
