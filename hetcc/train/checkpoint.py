@@ -230,6 +230,12 @@ def prune(root: str | os.PathLike, stage: int, keep: int = 2) -> None:
 def load_checkpoint(root: str | os.PathLike, stage: int, step: int) -> dict[str, Any]:
     """One stage's state at ``step`` as ``save_checkpoint`` took it (checksums checked first)."""
     folder = step_dir(root, step)
+    if not folder.is_dir():
+        kept = ", ".join(str(k) for k in sorted(saved_steps(root)))
+        raise PlanFormatError(
+            f"{folder}: no checkpoint of step {step} ({f'steps saved: {kept}' if kept else 'no step saved'})",
+            hint="pass one of the saved steps' folders, or the checkpoint folder for its newest complete step",
+        )
     if not stage_is_complete(root, stage, step):
         raise PlanFormatError(
             f"{folder}: the checkpoint of stage {stage} is incomplete or its checksums do not match",

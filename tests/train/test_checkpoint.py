@@ -87,6 +87,8 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_in_use(tmp_path):
     assert not ckpt.stage_is_complete(tmp_path, 0, 4)
     with pytest.raises(hetcc.PlanFormatError, match="checksums do not match"):
         ckpt.load_checkpoint(tmp_path, 0, 4)
+    with pytest.raises(hetcc.PlanFormatError, match=r"no checkpoint of step 3 \(steps saved: 2, 4\)"):
+        ckpt.load_checkpoint(tmp_path, 0, 3)  # a step pruned, or never saved
 
 
 class DropoutMLP(torch.nn.Module):
