@@ -56,6 +56,9 @@ class RankInputs:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # traced dtype by input
     model_inputs: tuple[str, ...] = ()  # what any stage reads: every rank checks a batch has all of it
     target: bool = False  # the last stage with a loss_fn: it also reads the target (``TARGET_KEYS``)
+    tables: dict[str, tuple[int, str]] = field(
+        default_factory=dict
+    )  # input -> rows, name of a table it indexes
 
     @property
     def batch_rows(self) -> int:
@@ -420,6 +423,16 @@ def _check_tensor(name: str, value: Any, needs: RankInputs, step: int, microbatc
             f"{where} has dtype {value.dtype}; the pipeline was compiled for {dtype}",
             hint=f"convert it (e.g. .to({dtype})) in the dataset or collate_fn",
         )
+    if name in needs.tables and value.numel():
+        rows, table = needs.tables[name]
+        low, high = int(value.min()), int(value.max())
+        if low < 0 or high >= rows:
+            raise DataError(
+                f"{where} holds token id {high if high >= rows else low}; the model's embedding {table!r} has "
+                f"{rows} rows (ids 0..{rows - 1})",
+                hint="use data tokenised for this model's vocabulary (a token folder's meta.json gives its "
+                "vocab_size; `hetcc prepare-text --tokenizer` takes the model's tokenizer), or a model with more",
+            )
 
 
 def _fits(traced: tuple, shape: tuple) -> bool:

@@ -91,7 +91,7 @@ class PipelineRank:
             for stage in self.stages
         ]
         self.loss_fn, self.steps_done = loss_fn, 0
-        self.needs = rank_inputs(self.outline, self.layout, rank, loss_fn is not None)
+        self.needs = rank_inputs(self.outline, self.layout, rank, loss_fn is not None, self.stages)
 
     @classmethod
     def join(

@@ -4,6 +4,9 @@ could load them (``agree_on_start``), so one that cannot start stops every rank 
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -12,6 +15,8 @@ from hetcc.passes.comm import StageGraph
 from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.store import PipelineOutline, load_stage, read_outline
 from hetcc.train.data import RankInputs
+
+aten = torch.ops.aten
 
 
 def agree_on_start(rank: int, failure: HetccError | None) -> None:
@@ -71,8 +76,11 @@ def load_rank(directory: str, rank: int) -> tuple[PipelineOutline, list[StageGra
     return outline, [load_stage(directory, stage) for stage in ranks[rank].stages]
 
 
-def rank_inputs(outline: PipelineOutline, layout: RankLayout, rank: int, loss_fn: bool) -> RankInputs:
-    """What ``rank`` reads of each global batch (``hetcc.train.data.RankInputs``), from pipeline.json."""
+def rank_inputs(
+    outline: PipelineOutline, layout: RankLayout, rank: int, loss_fn: bool, graphs: Sequence[StageGraph] = ()
+) -> RankInputs:
+    """What ``rank`` reads of each global batch (``hetcc.train.data.RankInputs``), from pipeline.json, and
+    the embedding tables its input ids index in its stages' ``graphs``."""
     placement = layout.ranks[rank]
     stages = [outline.stages[k] for k in placement.stages]  # under interleaved 1F1B: what its chunks read
     model_inputs = tuple(dict.fromkeys(name for s in outline.stages for name in s.inputs))
@@ -92,5 +100,40 @@ def rank_inputs(outline: PipelineOutline, layout: RankLayout, rank: int, loss_fn
         tuple(dict.fromkeys(name for stage in stages for name in stage.inputs)), len(layout.routing[0]), rows,
         mine, {k: v for stage in stages for k, v in stage.input_shapes.items()},
         {k: v for stage in stages for k, v in stage.input_dtypes.items()}, model_inputs,
-        target=any(stage.is_last for stage in stages) and loss_fn,
+        target=any(stage.is_last for stage in stages) and loss_fn, tables=embedding_tables(graphs),
     )  # fmt: skip
+
+
+# What an index may pass through, unchanged, on its way to an embedding table's rows.
+_SAME_INDICES = frozenset({
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+    aten.flatten.using_ints, aten.clone.default, aten.contiguous.default,
+})  # fmt: skip
+
+
+def embedding_tables(stages: Sequence[StageGraph]) -> dict[str, tuple[int, str]]:
+    """Model input -> (rows, name) of the smallest embedding table it indexes in ``stages``, as it comes
+    (through views only): a token id at or past ``rows`` has no row there. An input changed on the way
+    (T5's labels shifted into decoder ids, a vocabulary-parallel embedding's offset ids) is not checked."""
+    tables: dict[str, tuple[int, str]] = {}
+    for stage in stages:
+        module = stage.module
+        for placeholder in module.graph.find_nodes(op="placeholder"):
+            reached, frontier = [], [placeholder]
+            while frontier:
+                node = frontier.pop()
+                reached.append(node)
+                frontier += [u for u in node.users if u.target in _SAME_INDICES and u.args[0] is node]
+            for node in reached:
+                for user in node.users:
+                    weight = user.args[0]
+                    if (
+                        user.target is not aten.embedding.default
+                        or user.args[1] is not node
+                        or weight.op != "get_attr"
+                    ):
+                        continue
+                    rows = int(operator.attrgetter(weight.target)(module).shape[0])
+                    found = (rows, stage.param_names.get(weight.target, weight.target))
+                    tables[placeholder.target] = min(tables.get(placeholder.target, found), found)
+    return tables

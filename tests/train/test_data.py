@@ -186,3 +186,36 @@ def test_weight_decay_skips_biases_and_norms_and_settings_given_at_resume_win():
     assert changed == {"lr": (1e-3, 0.0), "weight_decay": (0.1, 0.2)}
     assert [g["lr"] for g in optimizer.param_groups] == [0.0, 0.0]
     assert [g["weight_decay"] for g in optimizer.param_groups] == [0.2, 0.0]
+
+
+def test_a_token_id_past_the_models_embedding_is_named_with_the_table():
+    """Ids reach an embedding's rows through views only; one past the table fails as a DataError naming
+    the table and its rows, before any rank runs an op (torch's own error is an IndexError in a stage)."""
+    from types import SimpleNamespace
+
+    from hetcc.train.startup import embedding_tables
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.kinds = torch.nn.Embedding(7, 4), torch.nn.Embedding(3, 4)
+
+        def forward(self, input_ids, labels):
+            return (self.wte(input_ids.view(-1, SEQ)) + self.kinds(labels % 3)).sum()
+
+    example = (torch.zeros(ROWS, SEQ, dtype=torch.int64), torch.zeros(ROWS, SEQ, dtype=torch.int64))
+    module = torch.export.export(Model(), example).module()
+    names = {n.target: n.target.replace("_", ".") for n in module.graph.find_nodes(op="get_attr")}
+    # labels pass through a remainder on their way to `kinds`: not the ids as they come, not checked
+    tables = embedding_tables([SimpleNamespace(module=module, param_names=names)])
+    assert tables == {"input_ids": (7, "wte.weight")}
+    need = needs(["input_ids"])
+    need = RankInputs(
+        need.names, M, ROWS, need.mine, need.shapes, need.dtypes, need.model_inputs, tables=tables
+    )
+    good = {"input_ids": torch.randint(0, 7, (8, SEQ)), "labels": torch.zeros(8, SEQ, dtype=torch.int64)}
+    assert next(RankData([good], need)).step == 0
+    bad = {**good, "input_ids": torch.full((8, SEQ), 7)}
+    with pytest.raises(DataError, match=r"input 'input_ids' \(microbatch 0\) holds token id 7; the model's "
+                                        r"embedding 'wte.weight' has 7 rows \(ids 0..6\)"):  # fmt: skip
+        next(RankData([bad], need))
