@@ -379,7 +379,9 @@ class _Rewrite:
 
 
 def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes a gradient flows back to: the graph's floating inputs, its parameters, and what uses them."""
+    """Nodes a gradient flows back to: the graph's floating inputs, its tensors that require grad (the
+    parameters, and the anchor every ``hetcc.recv`` takes: a received tensor's gradient goes back to the
+    stage before), and the floating values made from them."""
     found: set[fx.Node] = set()
     for node in gm.graph.nodes:
         value = _val(node)
@@ -387,9 +389,13 @@ def _needs_grad(gm: fx.GraphModule) -> set[fx.Node]:
             found.add(node)
         elif node.op == "get_attr":
             attr = operator.attrgetter(node.target)(gm)
-            if isinstance(attr, torch.nn.Parameter) and attr.requires_grad:
+            if isinstance(attr, torch.Tensor) and attr.requires_grad:
                 found.add(node)
-        elif node.op == "call_function" and any(a in found for a in node.all_input_nodes):
+        elif (
+            node.op == "call_function"
+            and (value is None or value.dtype.is_floating_point)
+            and any(a in found for a in node.all_input_nodes)
+        ):
             found.add(node)
     return found
 

@@ -151,6 +151,35 @@ def test_another_draw_on_a_sharded_tensor_takes_it_whole_and_is_named():
     assert tuple(draw.meta["val"].shape) == (4, 16)  # drawn whole, alike on every device
 
 
+class _PostNorm(torch.nn.Module):
+    """A post-norm block's cut: the next stage's first op is a column-parallel linear on what it received."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.up, self.down = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.a(x)))).sum()
+
+
+def test_a_received_tensor_entering_a_split_region_has_its_gradient_summed_over_the_parts():
+    """Each device's column-parallel ``up`` gives its part of the received tensor's gradient; the sum of
+    the parts goes back to the stage before (BERT's layer split at a cut sent a part)."""
+    from hetcc.passes.comm import split_stages
+
+    gm = hetcc.analyze(_PostNorm(), (torch.randn(4, 8),)).graph
+    stage_of, stage = {}, 0
+    for node in (n for n in gm.graph.nodes if n.op == "call_function"):
+        stage = max(stage, int("up" in str(node.meta.get("nn_module_stack"))))  # from `up` on: stage 1
+        stage_of[node.name] = stage
+    second = split_stages(gm, stage_of, 2)[1].module
+    out, layout = tensor_parallel(second, 2)
+    assert {name for name in layout.sharded_params} == {"up.weight", "up.bias", "down.weight"}
+    received = next(n for n in out.graph.nodes if n.target is torch.ops.hetcc.recv.default)
+    up = next(n for n in out.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert up.args[0].target is torch.ops.hetcc.tensor_enter.default and up.args[0].args[0] is received
+
+
 class _Attention(torch.nn.Module):
     """Heads split by column-parallel q, k, v; causal attention with dropout and no mask."""
 
