@@ -107,14 +107,15 @@ def stage_optimizer_state(state: Mapping[str, Any], positions: list[int]) -> dic
     """The part of an optimizer's ``state_dict()`` ``state`` for the parameters at ``positions`` (in its
     numbering), numbered from 0 in that order: one stage's, where a rank runs several (interleaved 1F1B)."""
     local = {position: index for index, position in enumerate(positions)}
-    return {
-        **state,
-        "state": {local[i]: entry for i, entry in state["state"].items() if i in local},
-        "param_groups": [
-            {**group, "params": [local[i] for i in group["params"] if i in local]}
-            for group in state["param_groups"]
-        ],
-    }
+    groups = []
+    for group in state["param_groups"]:
+        kept = [k for k, i in enumerate(group["params"]) if i in local]
+        part = {**group, "params": [local[group["params"][k]] for k in kept]}
+        if "param_names" in group:  # the names of this stage's parameters only, as ``params``
+            part["param_names"] = [group["param_names"][k] for k in kept]
+        groups.append(part)
+    return {**state, "state": {local[i]: entry for i, entry in state["state"].items() if i in local},
+            "param_groups": groups}  # fmt: skip
 
 
 def merged_optimizer_state(parts: list[tuple[Mapping[str, Any], list[int]]], optimizer) -> Mapping[str, Any]:
@@ -124,8 +125,8 @@ def merged_optimizer_state(parts: list[tuple[Mapping[str, Any], list[int]]], opt
     if len(parts) == 1:
         return parts[0][0]
     state = {positions[int(i)]: entry for saved, positions in parts for i, entry in saved["state"].items()}
-    groups = [
-        {**saved, "params": group["params"]}
+    groups = [  # the saved hyper-parameters; the optimizer's own parameters and their names
+        {**saved, **{key: group[key] for key in ("params", "param_names") if key in group}}
         for group, saved in zip(
             optimizer.state_dict()["param_groups"], parts[0][0]["param_groups"], strict=True
         )

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hetcc.errors import PlanFormatError
 from hetcc.passes.comm import StageGraph
 from hetcc.runtime.store import load_pipeline
 from hetcc.train import checkpoint as ckpt
@@ -81,7 +82,23 @@ def _by_model_name(build, root, step) -> tuple[dict[str, torch.Tensor], dict[str
         order = trainable_names(stage)
         for group in groups:
             names = group.get("param_names") or [order[i] for i in group["params"]]
+            if len(names) != len(group["params"]):  # a rank of several stages wrote every stage's names
+                names = _own_names(names, order, len(group["params"]), (root, stage.index, step))
             for index, name in zip(group["params"], names):
                 if index in saved["optimizer"]["state"]:
                     optimizer_state.setdefault(name, saved["optimizer"]["state"][index])
     return weights, optimizer_state, settings
+
+
+def _own_names(names: list[str], own: list[str], count: int, where: tuple) -> list[str]:
+    """The names of one stage's ``count`` parameters from a group's names that a rank running several
+    stages wrote whole (before each stage kept its own): those of the stage, in the group's order."""
+    mine = [name for name in names if name in set(own)]
+    if len(mine) != count:  # a tied weight both stages of the rank hold: which copy is whose is lost
+        root, stage, step = where
+        raise PlanFormatError(
+            f"{ckpt.step_dir(root, step)}: the optimizer state of stage {stage} does not say which of its "
+            f"{count} parameters is which",
+            hint="resume the old build where it ran (hetcc run --resume) to save a checkpoint again, then replan",
+        )
+    return mine

@@ -244,3 +244,40 @@ def test_each_stage_keeps_its_two_newest_complete_steps(tmp_path):
     assert (
         ckpt.latest_stage_step(tmp_path, 0) == 8 and not (ckpt.step_dir(tmp_path, 4) / "stage0.json").exists()
     )
+
+
+def test_each_stage_of_a_rank_saves_its_own_parameters_names_and_the_rank_loads_them_back():
+    """A rank running two stages (interleaved 1F1B, ZB-V) has one optimizer over both; each stage's file
+    keeps its own parameters' state under their own names (what ``replan`` moves by), and the parts
+    merge back into the rank's optimizer as it was."""
+    from hetcc.train.optim import build_optimizer
+
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(4, 4), torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    named = [(f"a.{n}", p) for n, p in first.named_parameters()] + [
+        (f"b.{n}", p) for n, p in second.named_parameters()
+    ]
+    optimizer = build_optimizer({"name": "adamw", "lr": 0.1, "weight_decay": 0.1}, named)  # two groups
+    second(first(torch.randn(3, 4))).sum().backward()
+    optimizer.step()
+    whole = optimizer.state_dict()
+    every = [p for group in optimizer.param_groups for p in group["params"]]
+    parts = []
+    for module, prefix in ((first, "a."), (second, "b.")):
+        mine = {id(p) for p in module.parameters()}
+        positions = [i for i, p in enumerate(every) if id(p) in mine]
+        part = ckpt.stage_optimizer_state(whole, positions)
+        names = [n for group in part["param_groups"] for n in group["param_names"]]
+        assert len(names) == len(positions) and all(n.startswith(prefix) for n in names), names
+        for group in part["param_groups"]:  # each name beside its own state
+            for index, name in zip(group["params"], group["param_names"]):
+                shape = dict(named)[name].shape
+                assert part["state"][index]["exp_avg"].shape == shape, name
+        parts.append((part, positions))
+    merged = ckpt.merged_optimizer_state(parts, optimizer)
+    assert [g["param_names"] for g in merged["param_groups"]] == [
+        g["param_names"] for g in whole["param_groups"]
+    ]
+    assert [g["params"] for g in merged["param_groups"]] == [g["params"] for g in whole["param_groups"]]
+    for index, entry in whole["state"].items():
+        assert torch.equal(merged["state"][index]["exp_avg"], entry["exp_avg"])

@@ -70,3 +70,20 @@ def test_replan_keeps_the_old_builds_precision_and_plan_space_unless_told(tmp_pa
     for bad in ({"precision": ["fp32"]}, *({"plan_space": space} for space in bad_spaces)):
         with pytest.raises(PlanFormatError, match=r"pipeline.json: meta\.(precision|plan_space)"):
             read_meta(bad, 1, where, version=1)
+
+
+def test_a_checkpoint_whose_stages_wrote_their_ranks_names_whole_is_read_by_each_stages_own():
+    """Before each stage of a rank of several stages kept its own parameters' names, every stage's file
+    held the names of the whole rank: the stage's own are taken, in order; a tied weight both stages
+    hold leaves no way to tell its two copies apart, and is refused with the file named."""
+    from hetcc.errors import PlanFormatError
+    from hetcc.train.replan import _own_names
+
+    rank = ["embed.weight", "norm.weight", "head.weight"]  # stages 0 (embed) and 5 (norm, head) on one rank
+    assert _own_names(rank, ["norm.weight", "head.weight"], 2, ("ckpt", 5, 3)) == [
+        "norm.weight",
+        "head.weight",
+    ]
+    tied = ["embed.weight", "norm.weight", "embed.weight"]
+    with pytest.raises(PlanFormatError, match=r"step-00000003: the optimizer state of stage 0 does not say"):
+        _own_names(tied, ["embed.weight"], 1, ("ckpt", 0, 3))
