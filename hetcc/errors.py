@@ -28,7 +28,7 @@ class HetccError(Exception):
     """Base class of hetcc's errors. ``hint`` is the next step a user can take."""
 
     def __init__(self, message: str, *, hint: str | None = None):
-        self.hint = hint
+        self.message, self.hint = message, hint  # the message without its hint
         super().__init__(message if hint is None else f"{message}\n  hint: {hint}")
 
 

@@ -204,10 +204,9 @@ def solve_zbv(
     pure = pure_pipeline(problem)
     pipeline = _solved(_laid(problem), rerank) if pipeline is None else pipeline
     if isinstance(pipeline, InfeasiblePlanError):
-        why = str(pipeline).removesuffix(f"\n  hint: {pipeline.hint}")
         raise InfeasiblePlanError(
             f"{ZBV}: a V is laid on a 1F1B pipeline of at most {len(problem.blocks) // 2} stages (two stages of "
-            f"a block or more on each device), and {why}",
+            f"a block or more on each device), and {pipeline.message}",
             hint="use schedule='zb-h1', 'zb-h2' or 'auto' (any number of stages)"
             + (f", or {pipeline.hint.removeprefix('try ')}" if pipeline.hint else ""),
         ) from None

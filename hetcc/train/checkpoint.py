@@ -114,8 +114,8 @@ def stage_optimizer_state(state: Mapping[str, Any], positions: list[int]) -> dic
         if "param_names" in group:  # the names of this stage's parameters only, as ``params``
             part["param_names"] = [group["param_names"][k] for k in kept]
         groups.append(part)
-    return {**state, "state": {local[i]: entry for i, entry in state["state"].items() if i in local},
-            "param_groups": groups}  # fmt: skip
+    kept_state = {local[i]: entry for i, entry in state["state"].items() if i in local}
+    return {**state, "state": kept_state, "param_groups": groups}
 
 
 def merged_optimizer_state(parts: list[tuple[Mapping[str, Any], list[int]]], optimizer) -> Mapping[str, Any]:

@@ -56,9 +56,8 @@ class RankInputs:
     dtypes: dict[str, torch.dtype] = field(default_factory=dict)  # traced dtype by input
     model_inputs: tuple[str, ...] = ()  # what any stage reads: every rank checks a batch has all of it
     target: bool = False  # the last stage with a loss_fn: it also reads the target (``TARGET_KEYS``)
-    tables: dict[str, tuple[int, str]] = field(
-        default_factory=dict
-    )  # input -> rows, name of a table it indexes
+    # input -> (rows, name) of the embedding table it indexes (``startup.embedding_tables``)
+    tables: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def batch_rows(self) -> int:

@@ -93,7 +93,8 @@ def _by_model_name(build, root, step) -> tuple[dict[str, torch.Tensor], dict[str
 def _own_names(names: list[str], own: list[str], count: int, where: tuple) -> list[str]:
     """The names of one stage's ``count`` parameters from a group's names that a rank running several
     stages wrote whole (before each stage kept its own): those of the stage, in the group's order."""
-    mine = [name for name in names if name in set(own)]
+    own = set(own)
+    mine = [name for name in names if name in own]
     if len(mine) != count:  # a tied weight both stages of the rank hold: which copy is whose is lost
         root, stage, step = where
         raise PlanFormatError(

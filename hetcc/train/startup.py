@@ -114,26 +114,30 @@ _SAME_INDICES = frozenset({
 def embedding_tables(stages: Sequence[StageGraph]) -> dict[str, tuple[int, str]]:
     """Model input -> (rows, name) of the smallest embedding table it indexes in ``stages``, as it comes
     (through views only): a token id at or past ``rows`` has no row there. An input changed on the way
-    (T5's labels shifted into decoder ids, a vocabulary-parallel embedding's offset ids) is not checked."""
+    (T5's labels shifted into decoder ids) is not checked."""
     tables: dict[str, tuple[int, str]] = {}
     for stage in stages:
-        module = stage.module
-        for placeholder in module.graph.find_nodes(op="placeholder"):
-            reached, frontier = [], [placeholder]
-            while frontier:
-                node = frontier.pop()
-                reached.append(node)
-                frontier += [u for u in node.users if u.target in _SAME_INDICES and u.args[0] is node]
-            for node in reached:
-                for user in node.users:
-                    weight = user.args[0]
-                    if (
-                        user.target is not aten.embedding.default
-                        or user.args[1] is not node
-                        or weight.op != "get_attr"
-                    ):
-                        continue
-                    rows = int(operator.attrgetter(weight.target)(module).shape[0])
-                    found = (rows, stage.param_names.get(weight.target, weight.target))
-                    tables[placeholder.target] = min(tables.get(placeholder.target, found), found)
+        for placeholder in stage.module.graph.find_nodes(op="placeholder"):
+            for table in _tables_indexed(placeholder):
+                rows = int(operator.attrgetter(table.target)(stage.module).shape[0])
+                found = (rows, stage.param_names.get(table.target, table.target))
+                tables[placeholder.target] = min(tables.get(placeholder.target, found), found)
+    return tables
+
+
+def _tables_indexed(placeholder: torch.fx.Node) -> list[torch.fx.Node]:
+    """The weights (``get_attr`` nodes) of the embedding lookups whose indices are ``placeholder`` or a
+    view of it (``_SAME_INDICES``)."""
+    tables, frontier = [], [placeholder]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target in _SAME_INDICES and user.args[0] is node:
+                frontier.append(user)
+            elif (
+                user.target is aten.embedding.default
+                and user.args[1] is node
+                and user.args[0].op == "get_attr"
+            ):
+                tables.append(user.args[0])
     return tables
