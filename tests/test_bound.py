@@ -73,13 +73,16 @@ def tight_problems(draw) -> PartitionProblem:
     d, share = len(devices), draw(st.sampled_from([0.0, 0.5]))
     tied = draw(st.booleans())  # the first and last blocks share a weight, summed over a finite link
     link = draw(st.floats(0.5, 4.0)) if tied else float("inf")
+    whole = draw(st.floats(0.5, 2.0))  # its bytes; the first block looks up rows of it (or none said)
+    lookups = draw(st.sampled_from([None, 0.0, 0.05, 1.0]))
     return PartitionProblem(
         blocks=[f"b{i}" for i in range(n)], fwd_s=fwd, bwd_s={t: [2 * f for f in fwd[t]] for t in types},
         wgrad_s={t: [2 * f * share for f in fwd[t]] for t in types}, state_bytes=state, act_bytes=act,
         cut_bytes=[0.0] * (n - 1), devices=devices,
         bandwidth_bps=[[float("inf") if a == b else link for b in range(d)] for a in range(d)],
         latency_s=[[0.0 if a == b else 0.01 for b in range(d)] for a in range(d)] if tied else [[0.0] * d] * d,
-        tied_blocks=[[0, n - 1]] if tied else [], tied_bytes=[draw(st.floats(0.5, 2.0))] if tied else [],
+        tied_blocks=[[0, n - 1]] if tied else [], tied_bytes=[whole] if tied else [],
+        tied_grad_bytes=[[lookups, whole]] if tied and lookups is not None else None,
         microbatches=draw(st.integers(1, 4)),
         schedule=draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "zb-h2"])), training=draw(st.booleans()),
         replicate=True, recompute=True,

@@ -14,7 +14,7 @@ from hetcc.solver.interleave import interleave
 from hetcc.solver.objective import evaluate, stage_costs
 from hetcc.solver.problem import PartitionProblem, ProblemDevice
 from hetcc.solver.schedules import ZBV, interleaved_actions
-from hetcc.solver.simulate import simulate
+from hetcc.solver.simulate import simulate, step_floor
 from hetcc.solver.solve import solve
 
 
@@ -155,15 +155,35 @@ def test_timeline_is_causal_and_links_carry_one_transfer_at_a_time():
 def test_a_weight_tied_across_stages_is_summed_over_its_holders_at_step_end():
     problem = homogeneous(3, 4, "1f1b")
     problem.bandwidth_bps = [[math.inf if a == b else 1e9 for b in range(3)] for a in range(3)]
-    problem.tied_blocks, problem.tied_bytes = [[0, 2]], [1e9]  # an embedding tied to the head
+    problem.tied_blocks, problem.tied_bytes = [[0, 1, 2]], [1.5e9]  # used by every stage
     untied = simulate(homogeneous(3, 4, "1f1b"), [0, 1, 2, 3], [0, 1, 2])
     tied = simulate(problem, [0, 1, 2, 3], [0, 1, 2])
-    # stages 0 and 2 exchange 1 GB over 1 GB/s once both are done: a ring of 2 is 2 x 0.5 s
-    assert tied.step_time_s == pytest.approx(untied.step_time_s + 1.0)
+    # three holders sum by a ring once all are done: 2 x (3 - 1) steps of 0.5 GB over 1 GB/s
+    assert tied.step_time_s == pytest.approx(untied.step_time_s + 2.0)
     sums = [e for e in tied.events if e.kind == "ALLREDUCE"]
-    assert sorted(e.stage for e in sums) == [0, 2] and all(e.end_s == tied.step_time_s for e in sums)
+    assert sorted(e.stage for e in sums) == [0, 1, 2] and all(e.end_s == tied.step_time_s for e in sums)
     one_stage = simulate(problem, [0, 3], [0])  # one holder: nothing to sum
     assert not any(e.kind == "ALLREDUCE" for e in one_stage.events)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "lookups", "step"),
+    [
+        (1e9, None, 18.0 + 1.0),  # the head's part arrives while stage 0 computes (14 + 1 s); 1 GB back
+        (1e9, 1e7, 18.0 + 0.04),  # stage 0 looked up 10 MB of rows a microbatch: 4 x 10 MB back
+        (5e9, 1e7, 14.0 + 5.0 + 0.04),  # 5 GB: the head's part arrives after stage 0 is done
+    ],
+)
+def test_two_holders_exchange_a_tied_gradient_the_owner_sending_its_rows_back(nbytes, lookups, step):
+    problem = homogeneous(3, 4, "1f1b")  # 1F1B of F = 1, B = 2: stage 2 ends at 14 s, stage 0 at 18 s
+    problem.bandwidth_bps = [[math.inf if a == b else 1e9 for b in range(3)] for a in range(3)]
+    problem.tied_blocks, problem.tied_bytes = [[0, 2]], [nbytes]  # an embedding tied to the head
+    problem.tied_grad_bytes = [[lookups, nbytes]] if lookups else None  # the head reads it whole
+    sim = simulate(problem, [0, 1, 2, 3], [0, 1, 2])
+    assert sim.step_time_s == pytest.approx(step)
+    sums = sorted((e for e in sim.events if e.kind == "ALLREDUCE"), key=lambda e: e.stage)
+    assert [e.stage for e in sums] == [0, 2] and all(e.end_s == pytest.approx(step) for e in sums)
+    assert step_floor(problem, stage_costs(problem, [0, 1, 2, 3], [0, 1, 2])) <= sim.step_time_s + 1e-9
 
 
 def test_a_skip_tensor_goes_from_its_producer_straight_to_its_consumer():

@@ -184,6 +184,7 @@ def build_problem(
         tied_blocks=[[index[name] for name in t.blocks] for t in tied],
         cut_tensors=_cut_tensors(crossing, index, training),
         tied_bytes=[float(t.bytes) for t in tied],
+        tied_grad_bytes=tied_grad_bytes(gm, tied, subs) if training else None,
         devices=devices,
         bandwidth_bps=cluster.bandwidth_matrix_bps(),
         latency_s=cluster.latency_matrix_s(),
@@ -240,6 +241,29 @@ def weight_grad_shares(
                 weight += min(value(record.fwd_flops), value(record.bwd_flops))
         shares.append(weight / total if total > 0 else 0.0)
     return shares
+
+
+def tied_grad_bytes(
+    gm: torch.fx.GraphModule, tied: Sequence[TiedParam], subs: dict | None = None
+) -> list[list[float]]:
+    """Per tied weight, per block using it (``PartitionProblem.tied_grad_bytes``): the most bytes of its
+    gradient one microbatch of that block makes nonzero, 8 bytes of row index per row: the rows its
+    embedding lookups read (``aten.embedding`` of the weight itself), or the whole weight where the block
+    uses it any other way."""
+    value = (lambda v: float(ir.number_at(v, subs))) if subs else float
+    attrs = {str(n.target): n for n in gm.graph.nodes if n.op == "get_attr"}
+    out = []
+    for param in tied:
+        whole, node = float(param.bytes), attrs.get(param.name)
+        shape = getattr(node.meta.get("val"), "shape", ()) if node is not None else ()
+        by_block: dict[str, float] = {}
+        for user in node.users if node is not None and len(shape) >= 1 and shape[0] > 0 else ():
+            block = ir.info(user).block
+            lookup = op_name(user) == "embedding" and user.args[0] is node
+            rows = value(ir.to_number(user.args[1].meta["val"].numel())) if lookup else math.inf
+            by_block[block] = by_block.get(block, 0.0) + rows * (whole / int(shape[0]) + 8)
+        out.append([min(whole, by_block.get(name, whole)) for name in param.blocks])
+    return out
 
 
 def _parameter(node: torch.fx.Node, depth: int = 3) -> bool:

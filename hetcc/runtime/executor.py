@@ -20,7 +20,7 @@ weights and checkpoints leave the executor whole (``named_grads``, ``state_dict`
 parts. A replicated stage runs on several ranks, each with the actions of the microbatches routed to it
 (``RankLayout.actions``). After the last action the sends are waited for, the replicas' gradients are
 summed (all-reduce over the stage's replicas), tied parameters' gradients are summed over every rank
-holding them (all replicas of their stages): each parameter then holds its full-batch gradient, for
+holding them (all replicas of their stages; ``runtime.tied``): each parameter then holds its full-batch gradient, for
 the caller's optimizer (``hetcc.train``). Under interleaved 1F1B a rank runs several stages, one
 executor each over the rank's one ``Links``: ``run_chunks`` runs each action on its chunk's stage, then
 the sums once for the rank (a tied weight two of its stages hold is summed on the rank first). The
@@ -56,6 +56,7 @@ from hetcc.runtime.layout import RankLayout
 from hetcc.runtime.precision import LossScaler, forward_context
 from hetcc.runtime.recorder import ActionRecorder
 from hetcc.runtime.split_backward import DeferredWeights, input_gradients, weight_gradients
+from hetcc.runtime.tied import post_parts, reduce_tied_grads
 from hetcc.runtime.transport import LinkTransport
 from hetcc.sendrecv import ANCHOR_NAME, use_transport
 from hetcc.solver.schedules import Action
@@ -270,7 +271,7 @@ class StageExecutor:
     def _reduce_replica_grads(self) -> None:
         """Sum the gradients of the stage's replicas, in one flat all-reduce; a parameter no replica
         reached keeps ``None`` (as in eager, so the optimizer skips it). Tied parameters are summed
-        over all their holders in ``_reduce_tied_grads`` instead."""
+        over all their holders in ``runtime.tied`` instead."""
         if self.links.replicas is None:
             return
         tied = {id(self.module.get_parameter(name)) for group in self.stage.tied for s, name in group.members
@@ -311,7 +312,7 @@ def run_chunks(executors: Sequence[StageExecutor], inputs: Mapping[int, dict],
             executor.graphs.begin_step([action for action in actions if action.chunk == chunk])
         for param in executor.params:
             param.grad = None
-    result = StepResult()
+    result, posted = StepResult(), post_parts(executors)
     split = any(action.kind == "W" for action in actions)  # a zero-bubble schedule splits the backward
     for action in actions:
         with first.recorder.record(action.kind, action.microbatch, result, action.chunk):
@@ -319,7 +320,7 @@ def run_chunks(executors: Sequence[StageExecutor], inputs: Mapping[int, dict],
     first.links.wait_sends()
     for executor in executors:
         executor._reduce_replica_grads()
-    _reduce_tied_grads(executors)
+    reduce_tied_grads(executors, posted)
     result.skipped = _unscale(executors)
     _mean_loss_of_last(executors, result)
     first.recorder.end_step()
@@ -352,28 +353,6 @@ def _mean_loss_of_last(executors: Sequence[StageExecutor], result: StepResult) -
     if last is not None:
         result.mean_loss = last._mean_loss(result.losses, last.microbatches)
     return last is not None
-
-
-def _reduce_tied_grads(executors: Sequence[StageExecutor]) -> None:
-    """Sum each tied weight's gradient over every rank holding it (each of its ranks once, its stages on
-    that rank summed first): each holder then has the sum."""
-    links = executors[0].links
-    for index, group in enumerate(executors[0].stage.tied):
-        params = [
-            executor.module.get_parameter(local)
-            for executor in executors
-            for stage, local in group.members
-            if stage == executor.stage.index
-        ]
-        if not params:
-            continue
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        total = sum(grads[1:], grads[0])
-        if links.tensor.size > 1:  # each part of the replica holds the same whole gradient
-            total = total / links.tensor.size
-        links.all_reduce(total, index, f"gradient sum of tied parameter {group.name}")
-        for param in params:
-            param.grad = total if param is params[0] else total.clone()
 
 
 def _unscale(executors: Sequence[StageExecutor]) -> bool:

@@ -82,9 +82,8 @@ class Links:
         for pair, backend in link_backends(vendors).items():
             if backend != default:
                 self.pairs[pair] = dist.new_group(list(pair), backend=backend, timeout=self.timeout)
-        self.tied = [
-            dist.new_group(sorted(ranks), backend="gloo", timeout=self.timeout) for ranks in tied_ranks
-        ]
+        self.tied_ranks = [sorted(ranks) for ranks in tied_ranks]
+        self.tied = [dist.new_group(ranks, backend="gloo", timeout=self.timeout) for ranks in self.tied_ranks]
         self.replicas = None  # (group, backend) of this rank's stage's replicas
         for ranks in replica_ranks:
             backend = world_backend([vendors[rank] for rank in ranks])

@@ -55,11 +55,13 @@ def lower_bound(
 
     - with a tied weight (``tied_blocks``) whose first and last users no device can hold together with
       the blocks between them (every way's state of that span above its capacity): every plan holds it
-      on two or more stages and sums its gradient over their devices once they are done, a ring that
-      moves at least its bytes over the fastest link, after two latencies (``_tied_sums``). The step
-      then ends at least that long after the last compute, so the chain gains it, and each device
-      holding the first or the last user idles that long: charged to those two blocks' columns like
-      the fill (a device holds at most one of them).
+      on two or more stages and sums its gradient over their devices once they are done: a ring that
+      moves at least its bytes, or an exchange whose last message, the owner's part, moves at least
+      the rows its users' lookups touch (``tied_grad_bytes``), over the fastest link, after two
+      latencies (``_tied_sums``). That last message leaves after the owner's last compute, and the
+      owner holds the first user: where that is block 0, the chain ends before it, so the chain gains
+      it; and each device holding the first or the last user idles that long: charged to those two
+      blocks' columns like the fill (a device holds at most one of them).
 
     ``ways`` widens the plan space the bound covers (``solver.tensor``): per class, every ``Way`` its
     devices may run blocks (default: one device of the class's own type). A way of w devices together
@@ -87,7 +89,7 @@ def lower_bound(
     for (first, last), seconds in sums:
         idle[:, first] += seconds
         idle[:, last] += seconds
-    chain += max((seconds for _, seconds in sums), default=0.0)
+    chain += max((seconds for (first, _), seconds in sums if first == 0), default=0.0)
     balance = _memory_balance_bound(
         problem.microbatches * costs * width + idle * width, state * width, owner, counts, capacity
     )
@@ -146,11 +148,14 @@ def _tied_sums(problem: PartitionProblem, state: np.ndarray, capacity: np.ndarra
     fastest, latency = fastest_link(problem, range(len(problem.devices)))
     prefix = np.concatenate([np.zeros((len(state), 1)), np.cumsum(state, axis=1)], axis=1)
     sums = []
-    for users, nbytes in zip(problem.tied_blocks, problem.tied_bytes or []):
+    for k, (users, nbytes) in enumerate(zip(problem.tied_blocks, problem.tied_bytes or [])):
         first, last = min(users), max(users)
         spans = prefix[:, last + 1] - prefix[:, first]  # per row: one device holding first..last
         if first < last and nbytes > 0 and bool(np.all(spans > capacity * (1 + MEMORY_RTOL))):
-            sums.append(((first, last), 2 * latency + nbytes / fastest))
+            least = nbytes  # the least the owner's part back can be (``links.owner_part_bytes``)
+            if problem.tied_grad_bytes is not None:
+                least = min(nbytes, min(problem.tied_grad_bytes[k]) * problem.microbatches)
+            sums.append(((first, last), 2 * latency + least / fastest))
     return sums
 
 

@@ -127,6 +127,11 @@ class PartitionProblem:
     # stage holding one sums its gradient with the others at step end (when more than one stage does).
     tied_blocks: list[list[int]] | None = None
     tied_bytes: list[float] | None = None
+    # Per tied weight, per user block (as ``tied_blocks``): the most bytes of the weight's gradient one
+    # microbatch of that block makes nonzero, 8 bytes of row index included per row (an embedding lookup
+    # touches only the rows it reads); the weight's bytes where the block uses it whole. None: every
+    # use whole. Two holders exchange their parts, the owner's as its nonzero rows (``links.tied_sum_s``).
+    tied_grad_bytes: list[list[float]] | None = None
     # Every tensor crossing a cut, once: [producer block, consumer blocks, bytes, gradient bytes]. The
     # runtime sends each from its producer's stage straight to each stage holding a consumer; the
     # simulator replays exactly that (the search's chain formula charges ``cut_bytes`` on each link it

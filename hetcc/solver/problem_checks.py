@@ -24,6 +24,15 @@ def _check_tied(problem, n: int) -> None:
             raise _fail(
                 "tied_blocks", f"{users!r} is not a list of block indices in 0..{n - 1}", "fix the list"
             )
+    if problem.tied_grad_bytes is not None:
+        if not isinstance(problem.tied_grad_bytes, list) or len(problem.tied_grad_bytes) != len(
+            problem.tied_blocks
+        ):
+            raise _fail(
+                "tied_grad_bytes", "needs one list per tied weight", "give one per tied_blocks entry, or none"
+            )
+        for k, (users, grads) in enumerate(zip(problem.tied_blocks, problem.tied_grad_bytes)):
+            _check_vector(f"tied_grad_bytes[{k}]", grads, len(users))
 
 
 def _check_cut_tensors(problem, n: int) -> None:

@@ -17,7 +17,8 @@ runs before its first backward. A replicated stage ends
 with the all-reduce of its gradients, once all its replicas are done (``ALLREDUCE``), and where it
 shards its optimizer state (ZeRO-1) with the all-gather of its updated parameters right after
 (``ALLGATHER``); then a parameter tied across stages (``tied_blocks``) is summed over every device
-holding it, which the search's formula leaves out; the step ends when the last device does.
+holding it (two exchange their parts, the later stage's sent as soon as it is done: ``tied_sums``);
+the step ends when the last device does.
 
 An interleaved 1F1B plan (``chunks`` > 1: each of p devices holds v stages, ``schedules.interleaved_actions``)
 replays the same way with one lane per device, running its chunks' actions in the schedule's order; a
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 from hetcc.errors import PlanFormatError
 from hetcc.solver.codecs import Message, message_s, stage_messages
-from hetcc.solver.links import device_ring_s
+from hetcc.solver.links import exchanges, tied_sum_s
 from hetcc.solver.objective import Codecs, Device, StageCost, replica_seconds, stage_costs, weight_grad_s
 from hetcc.solver.problem import PartitionProblem
 from hetcc.solver.schedules import (
@@ -186,24 +187,28 @@ def step_floor(problem: PartitionProblem, stages: Sequence[StageCost]) -> float:
 
 
 def _tied_s(problem: PartitionProblem, stages: Sequence[StageCost]) -> list[float]:
-    """Per stage, the seconds its devices spend summing weights tied across stages at step end
-    (``_Timeline.tied_sums``)."""
+    """Per stage, the seconds its devices spend summing weights tied across stages after their last
+    compute (``_Timeline.tied_sums``; an exchange's first message may run before)."""
     tied = [0.0] * len(stages)
-    for holders, nbytes in _tied_holders(problem, stages):
-        seconds = device_ring_s(problem, [d for j in sorted(holders) for d in stages[j].group], nbytes)
+    for k, holders in _tied_holders(problem, stages):
+        order = sorted(holders)  # the owner, holding the first user, first
+        devices = list(dict.fromkeys(d for j in order for d in stages[j].group))
+        owned = range(*stages[order[0]].blocks)
+        replicated = any(len(stages[j].group) > 1 for j in holders)
+        seconds = tied_sum_s(problem, k, devices, owned, replicated)[1]
         for j in holders:
             tied[j] += seconds
     return tied
 
 
-def _tied_holders(problem: PartitionProblem, stages: Sequence[StageCost]) -> list[tuple[set[int], float]]:
-    """Per weight tied across stages (training only): the stages holding one of its users, and its
-    bytes; where only one stage holds it, or it has no bytes, there is nothing to sum."""
+def _tied_holders(problem: PartitionProblem, stages: Sequence[StageCost]) -> list[tuple[int, set[int]]]:
+    """Per weight tied across stages (training only): its index and the stages holding one of its users;
+    where only one stage holds it, or it has no bytes, there is nothing to sum."""
     summed = []
-    for users, nbytes in zip(problem.tied_blocks or [], problem.tied_bytes or []) if problem.training else ():
+    for k, (users, nbytes) in enumerate(zip(problem.tied_blocks or [], problem.tied_bytes or [])):
         holders = {j for j, s in enumerate(stages) if any(s.blocks[0] <= b < s.blocks[1] for b in users)}
-        if len(holders) >= 2 and nbytes > 0:
-            summed.append((holders, nbytes))
+        if problem.training and len(holders) >= 2 and nbytes > 0:
+            summed.append((k, holders))
     return summed
 
 
@@ -351,14 +356,27 @@ class _Timeline:
                 start += seconds
 
     def tied_sums(self, lanes: list[_Lane]) -> None:
-        """Then every tied parameter held by several stages is summed over all their devices (a ring
-        over the slowest link among them), as the runtime does after the replica sums."""
-        for holders, nbytes in _tied_holders(self.problem, self.stages):
-            mine = [lane for lane in lanes if holders.intersection(lane.stages)]
-            seconds = device_ring_s(self.problem, [lane.device for lane in mine], nbytes)
+        """Then every tied parameter held by several stages is summed over all their devices, as the
+        runtime does after the replica sums: two devices exchange their parts (``links.exchanges``; the
+        other's whole part leaves once it is done, over its link to the owner, which adds it after its
+        own last compute and sends its part back), more sum by a ring over their slowest link."""
+        for k, holders in _tied_holders(self.problem, self.stages):
+            first = min(holders)
+            holding = (lane for lane in lanes if holders.intersection(lane.stages))
+            mine = sorted(holding, key=lambda lane: first not in lane.stages)  # the owner first
+            owned = [b for j in holders.intersection(mine[0].stages) for b in range(*self.stages[j].blocks)]
+            replicated = any(len(self.stages[j].group) > 1 for j in holders)
+            devices = [lane.device for lane in mine]
+            before, after = tied_sum_s(self.problem, k, devices, owned, replicated)
             start = max(lane.free_s for lane in mine)
+            if exchanges(self.problem, devices, replicated):
+                owner, other = mine
+                link = (min(devices), max(devices))
+                there = max(other.free_s, self.link_free_s.get(link, 0.0)) + before
+                self.link_free_s[link] = there
+                start = max(owner.free_s, there)
             for lane in mine:
-                lane.free_s = start + seconds
+                lane.free_s = start + after
                 self._note(lane, min(holders.intersection(lane.stages)), "ALLREDUCE", -1, start, lane.free_s)
 
     def result(self, lanes: list[_Lane], num_stages: int) -> Simulation:

@@ -4,6 +4,7 @@ from models import assert_chain_in_compute_order, bert, gpt2, llama, lm_kwargs, 
 
 import hetcc
 from hetcc.ir import info
+from hetcc.passes.partition import tied_grad_bytes
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,24 @@ def test_under_a_symbolic_batch_the_size_limit_judges_the_traced_example():
     names = [b.name for b in concrete.blocks]
     assert [b.name for b in symbolic.blocks] == names and "transformer.h.0/mlp" in names
     assert len(one_row.blocks) < len(names)
+
+
+def test_a_tied_embedding_s_gradient_has_the_rows_its_lookups_read_and_the_head_s_is_whole():
+    """What an exchange of the tied gradient moves (``tied_grad_bytes``): the embedding's block makes at
+    most one row (with its int64 index) per token of a microbatch nonzero; the head reads it whole.
+    Under a symbolic batch the rows follow the microbatch size."""
+    kwargs = lm_kwargs(token_ids(4, 16))
+    dims = {"input_ids": {0: torch.export.Dim("batch", min=1, max=4)}, "use_cache": None}
+    symbolic = hetcc.analyze(gpt2(), example_kwargs=kwargs, dynamic_shapes=dims)
+    (tied,) = symbolic.tied_params
+    vocab, hidden = symbolic.graph.get_parameter(tied.name).shape
+    row = tied.bytes / vocab + 8
+    assert tied.bytes == vocab * hidden * 4 and len(tied.blocks) == 2
+    for rows in (1, 3):
+        subs = {symbolic.dim_symbols["batch"]: rows}
+        assert tied_grad_bytes(symbolic.graph, [tied], subs) == [[rows * 16 * row, tied.bytes]]
+    concrete = hetcc.analyze(gpt2(), example_kwargs=kwargs)
+    assert tied_grad_bytes(concrete.graph, concrete.tied_params) == [[4 * 16 * row, tied.bytes]]
 
 
 class Residual(torch.nn.Module):
