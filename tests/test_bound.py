@@ -92,17 +92,26 @@ def tight_problems(draw) -> PartitionProblem:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(tight_problems())
 def test_no_feasible_plan_simulates_below_the_bound(problem):
+    """Also the bound for plans no slower than a given step (``within_s``: the fastest plan's, the median
+    plan's), which no plan at all beats either."""
     bound = lower_bound(problem)
     _, feasible = brute_force(problem)
+    steps = []
     for bounds, groups, flags in feasible:
-        assert bound <= simulate(problem, bounds, groups, flags, events=False).step_time_s * (1 + 1e-9)
+        steps.append(simulate(problem, bounds, groups, flags, events=False).step_time_s)
+        assert bound <= steps[-1] * (1 + 1e-9)
         if (
             problem.training and problem.schedule != "gpipe"
         ):  # every stage warming up with all M, where it fits
             most = [problem.microbatches] * len(groups)
             if all(s.fits for s in stage_costs(problem, bounds, groups, flags, warmup=most)):
                 simulated = simulate(problem, bounds, groups, flags, events=False, warmup=most)
+                steps.append(simulated.step_time_s)
                 assert bound <= simulated.step_time_s * (1 + 1e-9)
+    for within in (min(steps), sorted(steps)[len(steps) // 2]) if steps else ():
+        tighter = lower_bound(problem, within_s=within)
+        assert bound <= tighter * (1 + 1e-9)
+        assert all(tighter <= step * (1 + 1e-9) for step in steps)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -188,7 +188,7 @@ def _on_searched_degrees(
             results.append([*errors, *(a for (c, _, _), a in zip(jobs, answers) if c.schedule == name)][0])
             continue
         composite, solution, device_map = min(plans, key=lambda found: found[1].simulated_s)
-        bound = tensor_bound(replace(problem, schedule=name))
+        bound = tensor_bound(replace(problem, schedule=name), within_s=solution.simulated_s)
         gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf
         results.append((composite, replace(solution, lower_bound_s=bound, gap=gap), device_map))
     return results

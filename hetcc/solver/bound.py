@@ -22,6 +22,7 @@ def lower_bound(
     ways: Mapping[tuple[str, float], Sequence[Way]] | None = None,
     *,
     contiguous: bool = True,
+    within_s: float = math.inf,
 ) -> float:
     """A simulated step time no plan (replicated, recomputing or not) can beat: the larger of
 
@@ -63,6 +64,14 @@ def lower_bound(
       it; and each device holding the first or the last user idles that long: charged to those two
       blocks' columns like the fill (a device holds at most one of them).
 
+    ``within_s`` (a plan's simulated step): the bound returned is at most ``within_s``, so it need only
+    hold for plans no slower than that, on each of whose devices the compute of its blocks and its fill
+    fit in ``within_s``: a device holding block i then starts no earlier than the least f with
+    ``M sum c[f..i] + I(f) <= within_s`` (as well as fitting in memory), and since its compute
+    ``M sum_(i on it) c[i]`` is at most ``within_s - I(f)``, the weights ``M c[i] / (within_s - I[i])``
+    (``I[i] <= I(f)``) sum to at most 1 on it as the memory shares do: the fill is charged with
+    whichever weighs more (each is a valid bound; the larger is kept).
+
     ``ways`` widens the plan space the bound covers (``solver.tensor``): per class, every ``Way`` its
     devices may run blocks (default: one device of the class's own type). A way of w devices together
     spends w * c[i] device-seconds and holds w * s[i] bytes per block i, so the constraints of class t
@@ -84,16 +93,23 @@ def lower_bound(
     state = np.array([least_held_state(problem, kind) for kind in kinds], dtype=float)
     owner = np.array([k for k, _ in rows])
     width = np.array([way.devices for _, way in rows], dtype=float)[:, None]
-    idle = _fill_idle_s(problem, kinds, state, capacity[owner]) if contiguous else np.zeros_like(costs)
     sums = _tied_sums(problem, state, capacity[owner]) if contiguous else []
-    for (first, last), seconds in sums:
-        idle[:, first] += seconds
-        idle[:, last] += seconds
     chain += max((seconds for (first, _), seconds in sums if first == 0), default=0.0)
-    balance = _memory_balance_bound(
-        problem.microbatches * costs * width + idle * width, state * width, owner, counts, capacity
-    )
-    return max(chain, balance)
+    fills = [np.zeros_like(costs)]
+    if contiguous:
+        shares = ("memory", "time") if math.isfinite(within_s) else ("memory",)
+        fills = [
+            _fill_idle_s(problem, kinds, state, capacity[owner], costs, share, within_s) for share in shares
+        ]
+    balance = 0.0
+    for idle in fills:
+        for (first, last), seconds in sums:
+            idle[:, first] += seconds
+            idle[:, last] += seconds
+        balance = max(balance, _memory_balance_bound(
+            problem.microbatches * costs * width + idle * width, state * width, owner, counts, capacity
+        ))  # fmt: skip
+    return min(within_s, max(chain, balance))
 
 
 class Way(NamedTuple):
@@ -113,9 +129,14 @@ def _chain_costs(problem: PartitionProblem, kinds: list[str], costs: np.ndarray)
     return costs - weights
 
 
-def _fill_idle_s(problem: PartitionProblem, kinds: list[str], state: np.ndarray, capacity: np.ndarray):
-    """Per row (a way, of per-device ``state`` and ``capacity``) and block i: the idle seconds a device
-    running block i is charged for it, ``s[i] / K * I[i]`` (``lower_bound``'s fill)."""
+def _fill_idle_s(
+    problem: PartitionProblem, kinds: list[str], state: np.ndarray, capacity: np.ndarray, costs: np.ndarray,
+    share: str = "memory", within_s: float = math.inf,
+) -> np.ndarray:  # fmt: skip
+    """Per row (a way, of per-device ``state``, ``capacity`` and ``costs``: seconds per block) and block i:
+    the idle seconds a device running block i is charged for it, ``s[i] / K * I[i]`` (``share``
+    "memory") or ``M c[i] / (within_s - I[i]) * I[i]`` ("time"), I[i] from the earliest first block a
+    device holding i may have (``lower_bound``'s fill)."""
 
     def fastest(table: dict[str, list[float]]) -> np.ndarray:  # per block, its least time on any row
         return np.array([table[kind] for kind in kinds], dtype=float).min(axis=0)
@@ -131,11 +152,19 @@ def _fill_idle_s(problem: PartitionProblem, kinds: list[str], state: np.ndarray,
     for r, held in enumerate(state):
         prefix = np.concatenate([[0.0], np.cumsum(held)])
         lo = np.minimum(np.searchsorted(prefix, prefix[1:] - room[r], side="left"), blocks)
+        if math.isfinite(within_s):  # blocks f..i and the fill before f in within_s: f >= lo
+            busy = np.concatenate([[0.0], np.cumsum(problem.microbatches * costs[r])])
+            for i in blocks:
+                fits = busy[i + 1] - busy[lo[i] : i + 1] + before[lo[i] : i + 1] <= within_s * (1 + 1e-9)
+                lo[i] = lo[i] + int(np.argmax(fits)) if fits.any() else i
         idle[r] = before[lo]
         if not problem.training:
             hi = np.maximum(np.searchsorted(prefix, prefix[:-1] + room[r], side="right") - 2, blocks)
             idle[r] += after[hi + 1]
-        idle[r] *= held / room[r]
+        if share == "time":
+            idle[r] *= problem.microbatches * costs[r] / np.maximum(within_s - before[lo], 1e-300)
+        else:
+            idle[r] *= held / room[r]
     return idle
 
 

@@ -112,10 +112,12 @@ def solve_searched(problem: PartitionProblem, searched: Searched, rerank: int = 
             winner = (simulated, plan.step_time_s, plan, simulated)
         best = winner if best is None or winner[:2] < best[:2] else best
     _, _, plan, simulated = best
-    gap = simulated / plan.lower_bound_s - 1 if plan.lower_bound_s > 0 else math.inf
+    bound = lower_bound(problem, within_s=simulated)  # no plan as fast as this one beats it
+    gap = simulated / bound - 1 if bound > 0 else math.inf
     return replace(
-        plan, exact=searched.exact, orders_searched=searched.solved, simulated_s=simulated, gap=gap
-    )
+        plan, exact=searched.exact, orders_searched=searched.solved, simulated_s=simulated, lower_bound_s=bound,
+        gap=gap,
+    )  # fmt: skip
 
 
 def _infeasible_error(problem: PartitionProblem) -> InfeasiblePlanError:

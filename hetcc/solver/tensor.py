@@ -147,16 +147,16 @@ def _codec_with(row: WireCodec, alias: dict[str, str]) -> WireCodec:
                            for t in tables})  # fmt: skip
 
 
-def tensor_bound(problem: PartitionProblem) -> float:
+def tensor_bound(problem: PartitionProblem, within_s: float = math.inf) -> float:
     """A simulated step no plan of any degree assignment beats: ``bound.lower_bound`` with each class's
     devices free to run blocks alone or in groups of any degree it allows (``bound.Way``), which relaxes
-    every assignment at once."""
+    every assignment at once (``within_s``: as ``lower_bound``'s)."""
     problem.validate()
     allowed = allowed_degrees(problem)
     kinds = {(c[0], d) for c, degrees in allowed.items() for d in degrees if d > 1}
     tables = replace(problem, tensor_splits=None, **_tensor_tables(problem, kinds))
     ways = {c: [Way(composite_type(c[0], d) if d > 1 else c[0], d) for d in ds] for c, ds in allowed.items()}
-    return lower_bound(tables, ways)
+    return lower_bound(tables, ways, within_s=within_s)
 
 
 def solve_tensor(
@@ -202,7 +202,7 @@ def solve_tensor(
     if found is None:
         raise solves.errors[0]
     solution, device_map = found
-    bound = tensor_bound(problem)
+    bound = tensor_bound(problem, within_s=solution.simulated_s)
     if len(tried) == len(space):
         bound = max(bound, min(s.lower_bound_s for s, _ in filter(None, tried.values())))
     gap = solution.simulated_s / bound - 1 if bound > 0 else math.inf

@@ -196,7 +196,9 @@ def test_fast_devices_get_more_blocks():
     # Perfect balance (4 x 1 s = 2 x 2 s) with no communication: the plan meets the lower bound.
     assert plan.step_time_s == pytest.approx(4 * 4 + 7 * 4)
     assert objective_bound(problem) == pytest.approx(plan.step_time_s)  # the search's bound is met
-    assert plan.gap == pytest.approx(plan.simulated_s / lower_bound(problem) - 1)
+    # the gap is to the bound for plans no slower than this one, no lower than the bound for every plan
+    assert plan.gap == pytest.approx(plan.simulated_s / lower_bound(problem, within_s=plan.simulated_s) - 1)
+    assert lower_bound(problem) <= plan.lower_bound_s <= plan.simulated_s
 
 
 def test_a_useless_slow_device_is_left_out():
