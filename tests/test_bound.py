@@ -172,3 +172,22 @@ def test_a_tied_weight_no_device_holds_with_the_blocks_between_adds_its_sum():
     roomy = [replace(d, memory_bytes=4.0) for d in problem.devices]
     assert lower_bound(replace(tied, devices=roomy)) == lower_bound(replace(problem, devices=roomy))
     assert lower_bound(replace(tied, training=False)) == lower_bound(replace(problem, training=False))
+
+
+def test_the_bound_within_a_step_holds_for_replicas_sharing_the_microbatches():
+    """Four blocks (F = 1 s, B = 2 s) and M = 2 on two like devices: both replicas of one stage, a
+    microbatch each, take 12 s, a two-stage pipeline 18 s. The bound for plans within 18 s must not
+    suppose a device runs all M microbatches of the blocks it holds (4 x 3 x 2 = 24 s > 18 s would move
+    its first block later and charge it a fill the replicated plan does not have)."""
+    devices = [ProblemDevice(f"d{k}", "t", 1e12, "n0") for k in range(2)]
+    problem = PartitionProblem(
+        blocks=[f"b{i}" for i in range(4)], fwd_s={"t": [1.0] * 4}, bwd_s={"t": [2.0] * 4},
+        state_bytes=[0.0] * 4, act_bytes=[0.0] * 4, cut_bytes=[0.0] * 3, devices=devices,
+        bandwidth_bps=[[float("inf")] * 2] * 2, latency_s=[[0.0] * 2] * 2, microbatches=2,
+        schedule="1f1b", replicate=True,
+    )  # fmt: skip
+    replicated = simulate(problem, [0, 4], [(0, 1)], events=False).step_time_s
+    pipeline = simulate(problem, [0, 2, 4], [(0,), (1,)], events=False).step_time_s
+    assert (replicated, pipeline) == (pytest.approx(12.0), pytest.approx(18.0))
+    assert lower_bound(problem, within_s=pipeline) <= replicated * (1 + 1e-9)
+    assert lower_bound(replace(problem, replicate=False), within_s=pipeline) > replicated  # one device, all M

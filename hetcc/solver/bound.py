@@ -67,10 +67,11 @@ def lower_bound(
     ``within_s`` (a plan's simulated step): the bound returned is at most ``within_s``, so it need only
     hold for plans no slower than that, on each of whose devices the compute of its blocks and its fill
     fit in ``within_s``: a device holding block i then starts no earlier than the least f with
-    ``M sum c[f..i] + I(f) <= within_s`` (as well as fitting in memory), and since its compute
-    ``M sum_(i on it) c[i]`` is at most ``within_s - I(f)``, the weights ``M c[i] / (within_s - I[i])``
-    (``I[i] <= I(f)``) sum to at most 1 on it as the memory shares do: the fill is charged with
-    whichever weighs more (each is a valid bound; the larger is kept).
+    ``m sum c[f..i] + I(f) <= within_s`` (as well as fitting in memory; m the fewest microbatches a
+    device runs: M, or 1 where stages may have replicas, which share them), and since a device running
+    a share x of the microbatches computes ``x M sum_(i on it) c[i] <= within_s - I(f)``, charging block
+    i's share ``x M c[i] / (within_s - I[i]) * I[i]`` (``I[i] <= I(f)``) charges it at most ``I(f)``, as
+    the memory shares do: the fill is charged either way (each a valid bound; the larger is kept).
 
     ``ways`` widens the plan space the bound covers (``solver.tensor``): per class, every ``Way`` its
     devices may run blocks (default: one device of the class's own type). A way of w devices together
@@ -149,11 +150,12 @@ def _fill_idle_s(
     room = capacity * (1 + MEMORY_RTOL)
     blocks = np.arange(state.shape[1])
     idle = np.empty_like(state)
+    least = 1 if problem.replicate else problem.microbatches  # microbatches a device runs, at least
     for r, held in enumerate(state):
         prefix = np.concatenate([[0.0], np.cumsum(held)])
         lo = np.minimum(np.searchsorted(prefix, prefix[1:] - room[r], side="left"), blocks)
         if math.isfinite(within_s):  # blocks f..i and the fill before f in within_s: f >= lo
-            busy = np.concatenate([[0.0], np.cumsum(problem.microbatches * costs[r])])
+            busy = np.concatenate([[0.0], np.cumsum(least * costs[r])])
             for i in blocks:
                 fits = busy[i + 1] - busy[lo[i] : i + 1] + before[lo[i] : i + 1] <= within_s * (1 + 1e-9)
                 lo[i] = lo[i] + int(np.argmax(fits)) if fits.any() else i
