@@ -96,12 +96,9 @@ def lower_bound(
     width = np.array([way.devices for _, way in rows], dtype=float)[:, None]
     sums = _tied_sums(problem, state, capacity[owner]) if contiguous else []
     chain += max((seconds for (first, _), seconds in sums if first == 0), default=0.0)
-    fills = [np.zeros_like(costs)]
-    if contiguous:
-        shares = ("memory", "time") if math.isfinite(within_s) else ("memory",)
-        fills = [
-            _fill_idle_s(problem, kinds, state, capacity[owner], costs, share, within_s) for share in shares
-        ]
+    fills = (
+        _fill_idle_s(problem, kinds, state, capacity[owner], costs, within_s) if contiguous else [0 * costs]
+    )
     balance = 0.0
     for idle in fills:
         for (first, last), seconds in sums:
@@ -132,12 +129,13 @@ def _chain_costs(problem: PartitionProblem, kinds: list[str], costs: np.ndarray)
 
 def _fill_idle_s(
     problem: PartitionProblem, kinds: list[str], state: np.ndarray, capacity: np.ndarray, costs: np.ndarray,
-    share: str = "memory", within_s: float = math.inf,
-) -> np.ndarray:  # fmt: skip
+    within_s: float = math.inf,
+) -> list[np.ndarray]:  # fmt: skip
     """Per row (a way, of per-device ``state``, ``capacity`` and ``costs``: seconds per block) and block i:
-    the idle seconds a device running block i is charged for it, ``s[i] / K * I[i]`` (``share``
-    "memory") or ``M c[i] / (within_s - I[i]) * I[i]`` ("time"), I[i] from the earliest first block a
-    device holding i may have (``lower_bound``'s fill)."""
+    the idle seconds a device running block i is charged for it, I[i] from the earliest first block a
+    device holding i may have, weighed by its memory share, ``s[i] / K * I[i]``, and where ``within_s``
+    is finite also by its time share, ``M c[i] / (within_s - I[i]) * I[i]`` (``lower_bound``'s fill):
+    one array per weighing."""
 
     def fastest(table: dict[str, list[float]]) -> np.ndarray:  # per block, its least time on any row
         return np.array([table[kind] for kind in kinds], dtype=float).min(axis=0)
@@ -149,7 +147,7 @@ def _fill_idle_s(
     after = np.concatenate([np.cumsum(forwards[::-1])[::-1], [0.0]])  # after[k]: forwards of blocks >= k
     room = capacity * (1 + MEMORY_RTOL)
     blocks = np.arange(state.shape[1])
-    idle = np.empty_like(state)
+    starts, idle = np.empty_like(state), np.empty_like(state)  # per row and block: I before f, and in all
     least = 1 if problem.replicate else problem.microbatches  # microbatches a device runs, at least
     for r, held in enumerate(state):
         prefix = np.concatenate([[0.0], np.cumsum(held)])
@@ -159,15 +157,14 @@ def _fill_idle_s(
             for i in blocks:
                 fits = busy[i + 1] - busy[lo[i] : i + 1] + before[lo[i] : i + 1] <= within_s * (1 + 1e-9)
                 lo[i] = lo[i] + int(np.argmax(fits)) if fits.any() else i
-        idle[r] = before[lo]
+        starts[r] = idle[r] = before[lo]
         if not problem.training:
             hi = np.maximum(np.searchsorted(prefix, prefix[:-1] + room[r], side="right") - 2, blocks)
             idle[r] += after[hi + 1]
-        if share == "time":
-            idle[r] *= problem.microbatches * costs[r] / np.maximum(within_s - before[lo], 1e-300)
-        else:
-            idle[r] *= held / room[r]
-    return idle
+    fills = [idle * state / room[:, None]]
+    if math.isfinite(within_s):
+        fills.append(idle * problem.microbatches * costs / np.maximum(within_s - starts, 1e-300))
+    return fills
 
 
 def _tied_sums(problem: PartitionProblem, state: np.ndarray, capacity: np.ndarray) -> list[tuple]:

@@ -147,8 +147,9 @@ def tightest_shortfall(problem: PartitionProblem) -> str:
 
     Devices are taken largest first (1F1B's early stages hold the most microbatches) and, for each
     number of stages the problem allows (``stage_limit``), a DP finds the cut that minimises the largest
-    overflow; the worst stage of the best such cut is reported. Where replicas may shard their optimizer state, the whole chain on one
-    sharding replica group (``sharding.sharded_whole_chain``) is reported instead when it is closer.
+    overflow; the worst stage of the best such cut is reported. Where replicas may shard their optimizer
+    state, the whole chain on one sharding replica group (``sharding.sharded_whole_chain``) is reported
+    instead when it is closer.
     """
     order = sorted(range(len(problem.devices)), key=lambda d: -problem.devices[d].memory_bytes)
     best = None
