@@ -71,7 +71,8 @@ def lower_bound(
     device runs: M, or 1 where stages may have replicas, which share them), and since a device running
     a share x of the microbatches computes ``x M sum_(i on it) c[i] <= within_s - I(f)``, charging block
     i's share ``x M c[i] / (within_s - I[i]) * I[i]`` (``I[i] <= I(f)``) charges it at most ``I(f)``, as
-    the memory shares do: the fill is charged either way (each a valid bound; the larger is kept).
+    the memory shares do: the fill is charged either way (each a valid bound; the larger is kept, and
+    never less than the bound without ``within_s``, which is computed too: the balance is approximate).
 
     ``ways`` widens the plan space the bound covers (``solver.tensor``): per class, every ``Way`` its
     devices may run blocks (default: one device of the class's own type). A way of w devices together
@@ -135,7 +136,7 @@ def _fill_idle_s(
     the idle seconds a device running block i is charged for it, I[i] from the earliest first block a
     device holding i may have, weighed by its memory share, ``s[i] / K * I[i]``, and where ``within_s``
     is finite also by its time share, ``M c[i] / (within_s - I[i]) * I[i]`` (``lower_bound``'s fill):
-    one array per weighing."""
+    one array per weighing, the first without ``within_s``."""
 
     def fastest(table: dict[str, list[float]]) -> np.ndarray:  # per block, its least time on any row
         return np.array([table[kind] for kind in kinds], dtype=float).min(axis=0)
@@ -147,23 +148,30 @@ def _fill_idle_s(
     after = np.concatenate([np.cumsum(forwards[::-1])[::-1], [0.0]])  # after[k]: forwards of blocks >= k
     room = capacity * (1 + MEMORY_RTOL)
     blocks = np.arange(state.shape[1])
-    starts, idle = np.empty_like(state), np.empty_like(state)  # per row and block: I before f, and in all
+    # per row and block: I from memory alone; with within_s, I before f and in all
+    alone, starts, idle = np.empty_like(state), np.empty_like(state), np.empty_like(state)
     least = 1 if problem.replicate else problem.microbatches  # microbatches a device runs, at least
     for r, held in enumerate(state):
         prefix = np.concatenate([[0.0], np.cumsum(held)])
         lo = np.minimum(np.searchsorted(prefix, prefix[1:] - room[r], side="left"), blocks)
+        tail = 0.0
+        if not problem.training:
+            hi = np.maximum(np.searchsorted(prefix, prefix[:-1] + room[r], side="right") - 2, blocks)
+            tail = after[hi + 1]
+        alone[r] = before[lo] + tail
         if math.isfinite(within_s):  # blocks f..i and the fill before f in within_s: f >= lo
             busy = np.concatenate([[0.0], np.cumsum(least * costs[r])])
             for i in blocks:
                 fits = busy[i + 1] - busy[lo[i] : i + 1] + before[lo[i] : i + 1] <= within_s * (1 + 1e-9)
                 lo[i] = lo[i] + int(np.argmax(fits)) if fits.any() else i
-        starts[r] = idle[r] = before[lo]
-        if not problem.training:
-            hi = np.maximum(np.searchsorted(prefix, prefix[:-1] + room[r], side="right") - 2, blocks)
-            idle[r] += after[hi + 1]
-    fills = [idle * state / room[:, None]]
-    if math.isfinite(within_s):
-        fills.append(idle * problem.microbatches * costs / np.maximum(within_s - starts, 1e-300))
+            starts[r] = before[lo]
+            idle[r] = starts[r] + tail
+    fills = [alone * state / room[:, None]]
+    if math.isfinite(within_s):  # the bound without within_s stays among them: never weaker than it
+        fills += [
+            idle * state / room[:, None],
+            idle * problem.microbatches * costs / np.maximum(within_s - starts, 1e-300),
+        ]
     return fills
 
 
