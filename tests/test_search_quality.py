@@ -46,21 +46,22 @@ def test_solve_is_within_one_percent_of_a_local_search(problem, schedule, share)
 
 def test_the_simulator_overrules_the_formula_on_device_order():
     """Here the formula ranks the order (t2, t1, t1, t0) on cuts [0, 3, 5, 6, 8] 18% slower than its own
-    choice, which simulates 1.5% slower; the search with re-ranking and refinement by simulation finds
+    choice (47.4 against 40.2 ms), which simulates 5.6% slower than that order with its warm-ups tuned
+    (38.0 ms; 40.4 at the schedule's own); the search with re-ranking and refinement by simulation finds
     it (climbs from the search's plans stop short of it; a restart two moves away reaches it)."""
     problem = PartitionProblem.from_json(
         (Path(__file__).parent / "data" / "formula_misranks.problem.json").read_text()
     )
     plan = ([0, 3, 5, 6, 8], [(3,), (1,), (2,), (0,)], [False] * 4)
-    expected_s = simulate(problem, *plan, events=False).step_time_s
     formula = solve(problem)  # the objective's own choice, no re-ranking
     assert evaluate(problem, *plan).step_time_s > formula.step_time_s * 1.1
-    assert formula.simulated_s > expected_s * 1.01
     found = solve(problem, rerank=RERANK)
     types = [[problem.devices[d].type for d in group] for group in found.groups]
     assert found.boundaries == plan[0] and types == [["t2"], ["t1"], ["t1"], ["t0"]]  # devices 1, 2: both t1
-    # ... and its warm-ups, tuned, make it faster still than at the schedule's own
-    assert found.simulated_s <= expected_s and found.simulated_s == pytest.approx(
+    assert formula.simulated_s > found.simulated_s * 1.05
+    # ... with its warm-ups tuned, faster than at the schedule's own
+    assert found.simulated_s < simulate(problem, *plan, events=False).step_time_s
+    assert found.simulated_s == pytest.approx(
         simulate(problem, *plan, events=False, warmup=found.warmup).step_time_s
     )
 

@@ -4,9 +4,10 @@ Each replica of each stage runs its share of the schedule's actions (``schedules
 the plan's replica counts, filtered by ``replica_actions``) in order, one at a time: F(m) starts once
 the previous stage's replica that ran m has sent its activation, B(m) once the next stage's has sent
 its gradient. After a compute, its output is sent asynchronously (the stage does not wait for the
-send): a link between two devices carries one transfer at a time, both directions sharing it, which
-is what the planner's C_j (activations forward, plus gradients back where there are any) per
-microbatch assumes. Transfers on a link go in the order they were issued. A send's seconds include the
+send): a link between two devices carries one transfer at a time in each direction (links are full
+duplex, and a cluster's bandwidths are per direction), in the order its sender issued them; the
+planner's C_j (activations forward plus gradients back, per microbatch) charges both directions to
+one link, which the search's formula keeps as the conservative estimate. A send's seconds include the
 encode and decode of the codecs the sending stage's cut uses (``StageCost.codecs``, priced by
 ``codecs.message_s``): they hold the link, not the stage. A recomputing stage's
 backward includes the forward it recomputes. Under a split schedule (zb-h1, zb-h2) a stage's B(m) is its
@@ -285,9 +286,9 @@ class _Timeline:
         return steps
 
     def _wire(self, device: int, peer: int, message: Message) -> tuple[tuple[int, int], float]:
-        """(the link between ``device`` and ``peer``, one per pair and both directions; the seconds of
-        ``message`` on it)."""
-        return (min(device, peer), max(device, peer)), message_s(self.problem, device, peer, message)
+        """(the link from ``device`` to ``peer``, one per direction: only ``device`` sends on it, so its
+        transfers are booked in the order they are issued; the seconds of ``message`` on it)."""
+        return (device, peer), message_s(self.problem, device, peer, message)
 
     def run(self, lane: _Lane) -> int:
         """Run the lane's next actions whose inputs have arrived, each with its outgoing sends (the
@@ -371,7 +372,7 @@ class _Timeline:
             start = max(lane.free_s for lane in mine)
             if exchanges(self.problem, devices, replicated):
                 owner, other = mine
-                link = (min(devices), max(devices))
+                link = (other.device, owner.device)
                 there = max(other.free_s, self.link_free_s.get(link, 0.0)) + before
                 self.link_free_s[link] = there
                 start = max(owner.free_s, there)
