@@ -4,6 +4,7 @@ any schedule, in training or inference, simulating below it (numbers only, no to
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -14,9 +15,10 @@ from test_plan_space import brute_force
 from hetcc.solver.bound import lower_bound
 from hetcc.solver.interleave import interleaved_bound, zbv_bound
 from hetcc.solver.objective import stage_costs
-from hetcc.solver.problem import PartitionProblem, ProblemDevice
+from hetcc.solver.problem import PartitionProblem, ProblemDevice, TensorSplit
 from hetcc.solver.schedules import ZBV
 from hetcc.solver.simulate import simulate
+from hetcc.solver.tensor import solve_tensor, tensor_bound
 
 
 def _two_halves(microbatches: int, schedule: str = "1f1b", training: bool = True) -> PartitionProblem:
@@ -191,3 +193,32 @@ def test_the_bound_within_a_step_holds_for_replicas_sharing_the_microbatches():
     assert (replicated, pipeline) == (pytest.approx(12.0), pytest.approx(18.0))
     assert lower_bound(problem, within_s=pipeline) <= replicated * (1 + 1e-9)
     assert lower_bound(replace(problem, replicate=False), within_s=pipeline) > replicated  # one device, all M
+
+
+def test_the_bound_within_a_step_is_never_weaker_than_the_bound_without_one():
+    # Four equal blocks, two nodes of two cards ("y" half as fast), degrees 2 and 4 at full efficiency.
+    # The balance is approximate (Lagrange weights by subgradient steps): with the later first blocks that
+    # ``within_s`` allows it once came out 4e-8 below the bound without it (7.99999964 against 8.0).
+    n, kinds = 4, ("x", "y")
+    devices = [ProblemDevice(f"{k}{i}", k, 4.0, f"node_{k}") for k in kinds for i in range(2)]
+    speed = {"x": 1.0, "y": 2.0}
+
+    def split(degree: int) -> TensorSplit:
+        fwd = {k: [s / degree] * n for k, s in speed.items()}
+        bwd = {k: [2 * s / degree] * n for k, s in speed.items()}
+        return TensorSplit(degree, fwd, bwd, None, [1.0 / degree] * n, [1.0] * n, [0.25 / degree] * n, None)
+
+    problem = PartitionProblem(
+        blocks=[f"b{i}" for i in range(n)], fwd_s={k: [s] * n for k, s in speed.items()},
+        bwd_s={k: [2 * s] * n for k, s in speed.items()}, state_bytes=[1.0] * n, act_bytes=[1.0] * n,
+        cut_bytes=[1.0] * (n - 1), devices=devices,
+        bandwidth_bps=[[math.inf if a == b else (20.0 if a // 2 == b // 2 else 1.0) for b in range(4)]
+                       for a in range(4)],
+        latency_s=[[0.0 if a == b else 0.01 for b in range(4)] for a in range(4)],
+        microbatches=2, replicate=True, tensor_splits=[split(2), split(4)],
+    )  # fmt: skip
+    found = solve_tensor(problem)[0]
+    assert tensor_bound(problem) <= found.lower_bound_s <= found.simulated_s
+    for step in (found.simulated_s, 2 * found.simulated_s, 1e6):
+        assert tensor_bound(problem) <= tensor_bound(problem, within_s=step)
+        assert lower_bound(problem) <= lower_bound(problem, within_s=step)
