@@ -112,6 +112,18 @@ def slow_link_problem(schedule: str, microbatches: int) -> PartitionProblem:
     )
 
 
+def test_a_link_carries_one_transfer_at_a_time_in_each_direction():
+    """Links are full duplex (a cluster's bandwidths are per direction): over the 25 Gb/s link between
+    stage 0 and stage 1 an activation forward and a gradient back travel at once, while each direction
+    carries its transfers one after another."""
+    sim = simulate(slow_link_problem("1f1b", 8), [0, 1, 2, 3, 4], [(0,), (1,), (2,), (3,)])
+    forward = sorted((e.start_s, e.end_s) for e in sim.events if e.kind == "SEND_F" and e.stage == 0)
+    back = sorted((e.start_s, e.end_s) for e in sim.events if e.kind == "SEND_B" and e.stage == 1)
+    for sends in (forward, back):
+        assert len(sends) == 8 and all(a[1] <= b[0] + 1e-12 for a, b in zip(sends, sends[1:]))
+    assert any(f[0] < b[1] and b[0] < f[1] for f in forward for b in back)
+
+
 def test_round_trips_over_slow_links_are_in_the_1f1b_step_time():
     problem = slow_link_problem("1f1b", 8)
     plan = evaluate(problem, [0, 1, 2, 3, 4], [0, 1, 2, 3])
